@@ -1,0 +1,217 @@
+"""Start and stop the stack's daemons on loopback: used by the no-Docker main command and the tests.
+
+Each daemon is a real binary (Debian's `prometheus`, `prometheus-pushgateway`,
+`prometheus-alertmanager`, optionally `grafana-server`) or our own exporter, started with explicit
+config and data flags on a free loopback port and awaited through its readiness endpoint.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import requests
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PROMETHEUS_YML = REPO / "prometheus.yml"
+RULES_DIR = REPO / "rules"
+ALERTMANAGER_YML = REPO / "alertmanager" / "alertmanager.yml"
+EXPORTER_JOB = "dualtrack-exporter"
+PUSHGATEWAY_JOB = "pushgateway"
+
+
+class ServiceError(RuntimeError):
+    """A daemon did not start or did not become ready."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.05,
+               what: str = "condition") -> object:
+    """Poll `condition` until it returns something truthy; raise TimeoutError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = condition()
+        except Exception:  # noqa: BLE001 - a probe that errors is simply not ready yet
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Service:
+    """One daemon process on a loopback port."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    ready_path: str = "/-/ready"
+    scheme: str = "http"
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "Service":
+        """Start the process and wait until its readiness endpoint answers 200."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        try:
+            wait_until(self._ready, timeout, what=f"{self.name} ready on {self.url}")
+        except TimeoutError as exc:
+            self.stop()
+            raise ServiceError(f"{self.name} did not become ready: {exc}\n{self.log_tail()}") from exc
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServiceError(f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}")
+        return requests.get(self.url + self.ready_path, timeout=1, verify=False).status_code == 200
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds. Idempotent."""
+        if not self.running():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.running():
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, timeout: float = 30.0) -> "Service":
+        """Stop and start again on the same port with the same arguments."""
+        self.stop()
+        return self.start(timeout)
+
+
+def _binary(name: str) -> str:
+    for directory in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/bin", "/usr/sbin"]:
+        candidate = Path(directory) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise ServiceError(f"{name} not found: install it (apt-get install {name})")
+
+
+def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
+                             scrape_interval: str | None = None,
+                             evaluation_interval: str | None = None,
+                             alertmanagers: list[str] | None = None) -> Path:
+    """Write the repo's prometheus.yml with loopback targets into `workdir`.
+
+    Everything else (jobs, honor_labels, rules, alerting) stays as in the repo file; rule file paths
+    are pointed at the repo's `rules/` directory. `targets` maps a scrape job name to its targets.
+    """
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    if scrape_interval:
+        config["global"]["scrape_interval"] = scrape_interval
+    if evaluation_interval:
+        config["global"]["evaluation_interval"] = evaluation_interval
+    config["rule_files"] = [str(RULES_DIR / Path(pattern).name) for pattern in config.get("rule_files", [])]
+    for job in config.get("scrape_configs", []):
+        if job["job_name"] in targets:
+            job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+            job.pop("file_sd_configs", None)
+    if alertmanagers is not None:
+        config.setdefault("alerting", {})["alertmanagers"] = [{"static_configs": [{"targets": alertmanagers}]}]
+    path = workdir / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def prometheus(workdir: Path, config_path: Path, port: int | None = None) -> Service:
+    """A Prometheus (not yet started) with its TSDB under `workdir`; lifecycle API enabled."""
+    port = port or free_port()
+    data = workdir / "prometheus-data"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [_binary("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle",
+            "--web.enable-admin-api", "--log.level=warn"]
+    return Service("prometheus", argv, port, workdir / "prometheus.log")
+
+
+def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False) -> Service:
+    """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""
+    port = port or free_port()
+    argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn"]
+    if persistence:
+        argv.append(f"--persistence.file={workdir / 'pushgateway.store'}")
+    return Service("pushgateway", argv, port, workdir / "pushgateway.log")
+
+
+def alertmanager(workdir: Path, config_path: Path = ALERTMANAGER_YML, port: int | None = None,
+                 env: dict[str, str] | None = None) -> Service:
+    """An Alertmanager (not yet started), clustering off, data under `workdir`."""
+    port = port or free_port()
+    data = workdir / "alertmanager-data"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [_binary("prometheus-alertmanager"), f"--config.file={config_path}",
+            f"--storage.path={data}", f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=", "--log.level=warn"]
+    return Service("alertmanager", argv, port, workdir / "alertmanager.log",
+                   env={**os.environ, **(env or {})})
+
+
+def exporter(workdir: Path, args: list[str], port: int | None = None,
+             env: dict[str, str] | None = None, scheme: str = "http") -> Service:
+    """Our exporter daemon (`python -m exporter`), not yet started, listening on loopback."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}", *args]
+    return Service("exporter", argv, port, workdir / f"exporter-{port}.log", scheme=scheme,
+                   env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def query(prometheus_url: str, expr: str, timeout: float = 5.0) -> list[dict]:
+    """Instant query; returns the result vector (list of {metric, value})."""
+    response = requests.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=timeout)
+    response.raise_for_status()
+    return response.json()["data"]["result"]
+
+
+def wait_for_series(prometheus_url: str, expr: str, timeout: float = 60.0,
+                    predicate: Callable[[list[dict]], bool] = bool) -> list[dict]:
+    """Wait until `expr` returns a result that satisfies `predicate`; return that result."""
+    def probe() -> list[dict] | None:
+        result = query(prometheus_url, expr)
+        return result if predicate(result) else None
+    return wait_until(probe, timeout, interval=0.25, what=f"PromQL {expr!r}")

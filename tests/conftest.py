@@ -1,0 +1,22 @@
+"""Shared fixtures: real daemons on loopback ports, stopped after each test."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import pytest
+
+from stack.processes import Service
+
+
+@pytest.fixture
+def start_service() -> Iterator[Callable[[Service], Service]]:
+    """Start a `stack.processes` Service and stop it (and every other one started) at teardown."""
+    started: list[Service] = []
+
+    def start(service: Service) -> Service:
+        started.append(service)
+        return service.start()
+
+    yield start
+    for service in reversed(started):
+        service.stop()
