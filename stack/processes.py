@@ -62,7 +62,7 @@ class Service:
     argv: list[str]
     port: int
     log_path: Path
-    ready_path: str = "/-/ready"
+    ready_path: str | None = "/-/ready"  # None: a process with no HTTP endpoint, not awaited
     scheme: str = "http"
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
@@ -82,6 +82,8 @@ class Service:
                                      stdin=subprocess.DEVNULL, env=self.env,
                                      start_new_session=True)
         log.close()
+        if self.ready_path is None:
+            return self
         try:
             wait_until(self._ready, timeout, what=f"{self.name} ready on {self.url}")
         except TimeoutError as exc:

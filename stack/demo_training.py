@@ -1,0 +1,116 @@
+"""A small real PyTorch training run instrumented with trainer_hook, for the demo and the tests.
+
+It trains an MLP on synthetic regression data and can stage the classic failures on purpose:
+an input-bound phase (the data loader sleeps, so the GPU/CPU waits for data), and a gradient
+explosion (the learning rate is multiplied at one step, the norm spikes, then the loss goes NaN).
+
+    python -m stack.demo_training --pushgateway http://127.0.0.1:9091 --steps 300 --explode-at 250
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from typing import Iterator
+
+import torch
+
+from trainer_hook import TrainingMonitor
+
+BATCH_SIZE = 64
+
+
+class SyntheticBatches:
+    """Endless batches of y = x·w + noise; `delay` seconds of simulated I/O before each batch."""
+
+    def __init__(self, features: int, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weights = torch.randn(features, 1, generator=self.generator)
+        self.features = features
+        self.delay = 0.0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            if self.delay:
+                time.sleep(self.delay)  # the simulated slow data loader of the input-bound phase
+            x = torch.randn(BATCH_SIZE, self.features, generator=self.generator)
+            yield x, x @ self.weights + 0.1 * torch.randn(BATCH_SIZE, 1, generator=self.generator)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m stack.demo_training", description=__doc__.splitlines()[0])
+    parser.add_argument("--pushgateway", help="Pushgateway URL (default: $DUALTRACK_PUSHGATEWAY)")
+    parser.add_argument("--job", default="demo")
+    parser.add_argument("--run", default="mlp-lr1e-2")
+    parser.add_argument("--steps", type=int, default=0, help="steps to train; 0 trains until stopped")
+    parser.add_argument("--step-time", type=float, default=0.05,
+                        help="seconds of simulated compute per step (paces the run)")
+    parser.add_argument("--push-interval", type=float, default=5.0)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--input-bound", metavar="FROM:TO", default="",
+                        help="seconds since the start during which the data loader is slow (e.g. 60:120)")
+    parser.add_argument("--data-delay", type=float, default=0.2,
+                        help="seconds the slow data loader waits before each batch")
+    parser.add_argument("--explode-at", type=int, default=-1,
+                        help="step at which the learning rate jumps x1e4 (grad norm spike, then NaN); "
+                             "the run then rolls back to its last checkpoint and carries on")
+    parser.add_argument("--gpu-uuid", default=None, help="GPU UUID this run trains on (simulated GPUs)")
+    parser.add_argument("--record-path", default=None, help="local JSON-lines record")
+    args = parser.parse_args(argv)
+    first, _, last = args.input_bound.partition(":")
+    args.input_bound = (float(first), float(last)) if args.input_bound else (0.0, 0.0)
+    return args
+
+
+def train(args: argparse.Namespace) -> None:
+    """Run the training loop described by `args` (see parse_args)."""
+    torch.manual_seed(0)
+    features = 32
+    model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=0.9)
+    batches = SyntheticBatches(features)
+    config = {"learning_rate": args.learning_rate, "batch_size": BATCH_SIZE, "model": "mlp-32-64-1"}
+    with TrainingMonitor(job=args.job, run=args.run, pushgateway=args.pushgateway,
+                         push_interval=args.push_interval, config=config,
+                         gpu_uuid=args.gpu_uuid, record_path=args.record_path) as monitor:
+        step = 0
+        checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+        run_started = time.monotonic()
+        for batch_id, (x, y) in enumerate(monitor.loader(batches)):
+            started = time.monotonic()
+            slow_from, slow_to = args.input_bound
+            batches.delay = args.data_delay if slow_from <= started - run_started < slow_to else 0.0
+            if step == args.explode_at:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 1e4
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            monitor.log({"loss": loss, "grad_norm": norm,
+                         "learning_rate": optimizer.param_groups[0]["lr"], "epoch": step // 100},
+                        step=step, samples=BATCH_SIZE, batch_id=batch_id)
+            if not math.isfinite(loss.item()):  # the demo's own NaN check, like a real trainer's
+                model.load_state_dict(checkpoint[0])
+                optimizer.load_state_dict(checkpoint[1])
+            elif step % 100 == 0 and not 0 <= args.explode_at <= step:
+                checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+            step += 1
+            if args.steps and step >= args.steps:
+                break
+            remaining = args.step_time - (time.monotonic() - started)
+            if remaining > 0:
+                time.sleep(remaining)  # pacing: the demo model is far faster than a real one
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        train(parse_args(argv))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
