@@ -65,6 +65,7 @@ class Service:
     ready_path: str | None = "/-/ready"  # None: a process with no HTTP endpoint, not awaited
     scheme: str = "http"
     env: dict[str, str] | None = None
+    auth: tuple[str, str] | None = field(default=None, repr=False)  # basic-auth credentials for probes
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -94,7 +95,7 @@ class Service:
     def _ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise ServiceError(f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}")
-        return requests.get(self.url + self.ready_path, timeout=1, verify=False).status_code == 200
+        return requests.get(self.url + self.ready_path, timeout=1, verify=False, auth=self.auth).status_code == 200
 
     def log_tail(self, lines: int = 20) -> str:
         try:
