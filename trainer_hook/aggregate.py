@@ -1,0 +1,199 @@
+"""Per-step entries drained in batches: tensors read once per drain, window aggregates, record lines.
+
+The training thread only appends entries (see monitor.py); everything here runs on the
+background thread (or, rarely, on the training thread when the buffer is full), under one lock.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._torch import TENSOR_TYPES, torch
+
+log = logging.getLogger("trainer_hook")
+
+#: Upper bounds (seconds) of training_step_duration_seconds; +Inf is implicit.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0)
+WINDOW_MAX_KEYS = ("loss", "grad_norm")
+
+
+class Entry(NamedTuple):
+    """One log() call as the training thread saw it; values may still be device tensors."""
+
+    time: float
+    duration: float | None
+    step: int
+    batch_id: Any
+    samples: Any
+    tokens: Any
+    values: dict[str, Any]
+
+
+@dataclass
+class Snapshot:
+    """The state published once per push interval (what both push and pull expose)."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+    step: int = -1
+    steps_total: int = 0
+    samples_total: float = 0.0
+    tokens_total: float | None = None
+    bucket_counts: tuple[int, ...] = (0,) * (len(STEP_BUCKETS) + 1)
+    duration_sum: float = 0.0
+    nonfinite_steps_total: int = 0
+    last_nonfinite_step: int = -1
+    last_nonfinite_batch_id: float = -1
+    last_update: float = 0.0
+    dropped: dict[str, int] = field(default_factory=dict)
+    # Filled in by the monitor when it publishes:
+    data_wait_seconds: float = 0.0
+    state: str = "running"
+    start_time: float = 0.0
+    push_failures: int = 0
+    record_failures: int = 0
+    run_labels: dict[str, str] = field(default_factory=dict)
+    gpus: tuple[tuple[str, str], ...] = ()
+    cuda: dict[str, float] | None = None
+
+
+def json_number(value: float) -> float | str:
+    """JSON has no NaN/Infinity: non-finite values are written as "nan", "inf", "-inf"."""
+    return value if math.isfinite(value) else str(value)
+
+
+def _numeric_id(batch_id: Any) -> float:
+    try:
+        return float(batch_id)
+    except (TypeError, ValueError, OverflowError):
+        return -1.0
+
+
+class Aggregator:
+    """Turns drained entries into record lines and running state; publishes snapshots."""
+
+    def __init__(self, names: dict[Any, Any]) -> None:
+        self._names = names  # log key -> metric suffix, filled by the training thread
+        self._lock = threading.RLock()  # close() may run in a signal handler
+        self._state = Snapshot(dropped={})
+        self._counts = [0] * (len(STEP_BUCKETS) + 1)
+        self._window: dict[str, float] = {}
+        self._warned_nonfinite = False
+
+    def drain(self, entries: list[Entry]) -> list[dict[str, Any]]:
+        """Read the entries' tensors (one transfer per device and dtype) and fold them in.
+
+        Returns one record line (a JSON-ready dict) per entry, in order.
+        """
+        with self._lock:
+            rows = _read_tensors(entries, self._state.dropped)
+            return [self._fold(entry, values, extra) for entry, (values, extra) in zip(entries, rows)]
+
+    def _fold(self, entry: Entry, values: dict[Any, float], extra: dict[str, Any]) -> dict[str, Any]:
+        state = self._state
+        samples, tokens, batch_id = extra.get("samples"), extra.get("tokens"), extra.get("batch_id")
+        nonfinite = [key for key, value in values.items() if not math.isfinite(value)]
+        for key, value in values.items():
+            name = self._names[key]
+            state.gauges[name] = value
+            if name in WINDOW_MAX_KEYS and not math.isnan(value):
+                current = self._window.get(name)
+                if current is None or value > current:
+                    self._window[name] = value
+        state.step = entry.step
+        state.steps_total += 1
+        state.last_update = entry.time
+        if samples is not None and math.isfinite(samples):
+            state.samples_total += samples
+        if tokens is not None and math.isfinite(tokens):
+            state.tokens_total = (state.tokens_total or 0.0) + tokens
+        if entry.duration is not None:
+            self._counts[bisect.bisect_left(STEP_BUCKETS, entry.duration)] += 1
+            state.duration_sum += entry.duration
+        line: dict[str, Any] = {"time": round(entry.time, 6), "step": entry.step,
+                                "batch_id": batch_id, "samples": samples, "tokens": tokens,
+                                "duration_seconds": None if entry.duration is None else round(entry.duration, 9),
+                                "values": {str(k): json_number(v) for k, v in values.items()}}
+        if nonfinite:
+            state.nonfinite_steps_total += 1
+            state.last_nonfinite_step = entry.step
+            state.last_nonfinite_batch_id = _numeric_id(batch_id)
+            line["nonfinite"] = [str(key) for key in nonfinite]
+            if not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                shown = ", ".join(f"{k}={values[k]}" for k in nonfinite)
+                log.warning("first non-finite value at step %s (batch_id %r): %s",
+                            entry.step, batch_id, shown)
+        return line
+
+    def dropped(self) -> dict[str, int]:
+        """Values found unreadable while draining, by reason."""
+        with self._lock:
+            return dict(self._state.dropped)
+
+    def publish(self, **extra: Any) -> Snapshot:
+        """A copy of the state; starts a new window for the *_max series.
+
+        A window without steps keeps showing the previous window's maxima.
+        """
+        with self._lock:
+            state = self._state
+            state.maxima.update(self._window)
+            self._window = {}
+            cumulative, total = [], 0
+            for count in self._counts:
+                total += count
+                cumulative.append(total)
+            return Snapshot(**{**state.__dict__, "gauges": dict(state.gauges),
+                               "maxima": dict(state.maxima), "dropped": dict(state.dropped),
+                               "bucket_counts": tuple(cumulative), **extra})
+
+
+def merge_maxima(older: Snapshot, newer: Snapshot) -> None:
+    """Carry the maxima of a snapshot that never reached the Pushgateway into the next one."""
+    for name, value in older.maxima.items():
+        if name not in newer.maxima or value > newer.maxima[name]:
+            newer.maxima[name] = value
+
+
+def _read_tensors(entries: list[Entry], dropped: dict[str, int]) -> list[tuple[dict, dict]]:
+    """Per entry (values, {"samples", "tokens"}) with every tensor replaced by a float.
+
+    One stack + copy per (device, dtype) for the whole batch of entries: a single sync per device.
+    """
+    rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id})
+            for e in entries]
+    if torch is None:
+        return rows
+    groups: dict[tuple[Any, Any], list[tuple[dict, Any, Any]]] = {}
+    for mappings in rows:
+        for mapping in mappings:
+            for key, value in mapping.items():
+                if isinstance(value, TENSOR_TYPES):
+                    groups.setdefault((value.device, value.dtype), []).append((mapping, key, value))
+    for group in groups.values():
+        try:
+            with torch.no_grad():
+                stacked = torch.stack([tensor.reshape(()) for _, _, tensor in group])
+                numbers = stacked.to(torch.float64).cpu().tolist()
+        except Exception:  # noqa: BLE001 - an odd tensor must not cost the others their values
+            numbers = [_item(tensor) for _, _, tensor in group]
+        for (mapping, key, _), number in zip(group, numbers):
+            if number is None:
+                dropped["unreadable"] = dropped.get("unreadable", 0) + 1
+                del mapping[key]
+            else:
+                mapping[key] = number
+    return rows
+
+
+def _item(tensor: Any) -> float | None:
+    try:
+        return float(tensor.item())
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,107 @@
+"""Prometheus metric families for a published Snapshot (used by push and by pull mode)."""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    Metric)
+from prometheus_client.registry import CollectorRegistry
+
+from .aggregate import STEP_BUCKETS, Snapshot
+from .values import DROP_REASONS, PREFIX
+
+RUN_STATES = ("running", "finished", "failed")
+#: Log keys with a documented meaning; any other numeric key is a plain gauge.
+KNOWN_GAUGES = {
+    "loss": "Training loss at the last logged step.",
+    "learning_rate": "Learning rate at the last logged step (first parameter group with watch()).",
+    "grad_norm": "Total L2 gradient norm at the last logged step.",
+    "epoch": "Epoch at the last logged step.",
+}
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
+    """Every training_* family for `snap`; `const` labels go on every sample (pull mode: run, rank)."""
+    g = lambda name, doc, value: _gauge(name, doc, value, const)  # noqa: E731
+    c = lambda name, doc, value: _counter(name, doc, value, const)  # noqa: E731
+    yield g("step", "Step passed to the last log() call.", snap.step)
+    for name, value in sorted(snap.gauges.items()):
+        yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
+    for name, value in sorted(snap.maxima.items()):
+        yield g(f"{name}_max", f"Maximum {name} over the steps since the previous push (NaN ignored).",
+                value)
+    yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)
+    yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
+    if snap.tokens_total is not None:
+        yield c("tokens_total", "Tokens passed as tokens= so far.", snap.tokens_total)
+    hist = HistogramMetricFamily(PREFIX + "step_duration_seconds",
+                                 "Wall time between consecutive log() calls.", labels=list(const))
+    bounds = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
+    hist.add_metric(list(const.values()), list(zip(bounds, snap.bucket_counts)), snap.duration_sum)
+    yield hist
+    yield c("data_wait_seconds", "Time the training loop waited for the next batch of loader().",
+            snap.data_wait_seconds)
+    yield c("nonfinite_steps", "Steps with a NaN or infinite logged value.", snap.nonfinite_steps_total)
+    yield g("last_nonfinite_step", "Step of the last non-finite value; -1 until one happens.",
+            snap.last_nonfinite_step)
+    yield g("last_nonfinite_batch_id", "batch_id of the last non-finite value; -1 until one happens.",
+            snap.last_nonfinite_batch_id)
+    yield g("last_update_timestamp_seconds", "Unix time of the last log() call.", snap.last_update)
+    yield g("start_timestamp_seconds", "Unix time the monitor was created.", snap.start_time)
+    state = GaugeMetricFamily(PREFIX + "run_state", "1 for the run's current state.",
+                              labels=[*const, "state"])
+    for name in RUN_STATES:
+        state.add_metric([*const.values(), name], float(name == snap.state))
+    yield state
+    yield _gauge("run_info", "Hyper-parameters of the run as labels.", 1, {**const, **snap.run_labels})
+    if snap.gpus:
+        info = GaugeMetricFamily(PREFIX + "gpu_info", "GPUs this rank trains on.",
+                                 labels=[*const, "gpu", "uuid"])
+        for gpu, uuid in snap.gpus:
+            info.add_metric([*const.values(), gpu, uuid], 1)
+        yield info
+    dropped = CounterMetricFamily(PREFIX + "dropped_values", "Logged values that were not kept.",
+                                  labels=[*const, "reason"])
+    for reason in DROP_REASONS:
+        dropped.add_metric([*const.values(), reason], snap.dropped.get(reason, 0))
+    yield dropped
+    yield c("push_failures", "Failed pushes to the Pushgateway.", snap.push_failures)
+    yield c("record_failures", "Failed writes to the local record file.", snap.record_failures)
+    if snap.cuda is not None:
+        yield g("cuda_memory_allocated_bytes", "CUDA caching allocator: allocated bytes.",
+                snap.cuda["allocated"])
+        yield g("cuda_memory_reserved_bytes", "CUDA caching allocator: reserved bytes.",
+                snap.cuda["reserved"])
+        yield c("cuda_alloc_retries", "CUDA allocator retries after a failed allocation.",
+                snap.cuda["retries"])
+        yield c("cuda_ooms", "CUDA out-of-memory errors raised by the allocator.", snap.cuda["ooms"])
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over whatever snapshot `source()` returns at collect time."""
+
+    def __init__(self, source, const: dict[str, str]) -> None:
+        self._source = source
+        self._const = const
+
+    def collect(self) -> Iterable[Metric]:
+        return families(self._source(), self._const)
+
+
+def registry_for(source, const: dict[str, str] | None = None) -> CollectorRegistry:
+    """A dedicated registry (no process/GC collectors) exposing `source()`'s snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(source, const or {}))
+    return registry

@@ -1,0 +1,323 @@
+"""TrainingMonitor: the training loop's side of dualtrack."""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable, Iterator, Mapping
+
+from prometheus_client import start_http_server
+
+from . import lifecycle
+from ._torch import TENSOR_TYPES, cuda_ready, torch
+from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
+from .exposition import registry_for
+from .gradnorm import grad_norm
+from .push import Pusher
+from .record import Record
+from .settings import resolve
+from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
+
+log = logging.getLogger("trainer_hook")
+
+#: Pending entries that wake the background thread early, and that make log() drain by itself
+#: (only if the background thread cannot keep up): memory stays bounded and nothing is lost.
+SOFT_PENDING = 4096
+HARD_PENDING = 65536
+_STEP_KEY = "step"
+
+
+class TrainingMonitor:
+    """Publishes a training loop's metrics to Prometheus without slowing or crashing it.
+
+    `log()` only appends to an in-memory buffer; a background thread reads tensors once per
+    `push_interval`, appends every step to the local record and pushes the whole state to the
+    Pushgateway (grouping key job/run/rank/instance), or serves it on `listen_port` (pull mode).
+    Invalid arguments raise ValueError here; nothing raises later unless `strict=True`.
+    """
+
+    def __init__(self, job: str | None = None, run: str | None = None,
+                 pushgateway: str | bool | None = None, push_interval: float = 5.0,
+                 config: Mapping[str, Any] | Any = None, *, rank: int | None = None,
+                 instance: str | None = None, record_path: Any = None,
+                 gpu_uuid: str | Iterable[str] | None = None, strict: bool = False,
+                 listen_port: int | None = None, listen_address: str = "127.0.0.1",
+                 push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
+                 bearer_token: str | None = None, ca_file: str | None = None,
+                 tls_verify: bool = True, client_cert: tuple[str, str] | None = None) -> None:
+        if config is not None and not isinstance(config, Mapping):
+            if not hasattr(config, "__dict__"):
+                raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
+            config = vars(config)
+        self.settings = s = resolve(
+            job=job, run=run, pushgateway=pushgateway, push_interval=push_interval,
+            push_timeout=push_timeout, rank=rank, instance=instance, listen_port=listen_port,
+            listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
+            basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
+            tls_verify=tls_verify, client_cert=client_cert, strict=strict)
+        self._run_labels = config_labels(config)
+        self._start_time = time.time()
+        self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
+        self._pending: deque[Entry] = deque()
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._warned: set[tuple[str, str]] = set()
+        self._stash: dict[str, Any] = {}
+        self._hooks: list[Any] = []
+        self._data_wait = 0.0
+        self._last_step = -1
+        self._last_log: float | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
+        self._wake = threading.Event()
+        self._stopping = False
+        self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
+        self._aggregator = Aggregator(self._names)
+        self.record = Record(s.record_path)
+        self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
+                            "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
+        self._latest = self._publish("running")
+        self._pusher = Pusher(s) if s.pushgateway else None
+        if self._pusher:
+            self._pusher.offer(self._latest)
+        self._server = None
+        if s.listen_port is not None:
+            const = {"run": s.run, "rank": str(s.rank)}
+            self._server, _ = start_http_server(s.listen_port, addr=s.listen_address,
+                                                registry=registry_for(lambda: self._latest, const))
+        if pushgateway is None and not s.pushgateway and s.listen_port is None:
+            log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY) and no "
+                        "listen_port: metrics go only to the local record %s", s.record_path)
+        self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
+        self._worker.start()
+        lifecycle.register(self)
+
+    # ------------------------------------------------------------------ hot path (training thread)
+    def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
+            samples: Any = None, batch_id: Any = None, tokens: Any = None) -> None:
+        """Record one training step. No network I/O, no device sync; never raises unless strict."""
+        now = time.perf_counter()
+        if self._closed:
+            self._drop("log", Dropped("closed"), len(values or ()) or 1)
+            return
+        kept: dict[Any, Any] = {}
+        if values:
+            names = self._names
+            for key, value in values.items():
+                name = names.get(key)
+                if name is None:
+                    name = self._learn(key)
+                if type(name) is Dropped:
+                    if key != _STEP_KEY:
+                        self._drop(key, name)
+                    continue
+                if type(value) is not float:
+                    value = scalar(value)
+                    if type(value) is Dropped:
+                        self._drop(key, value)
+                        continue
+                kept[key] = value
+            if step is None and _STEP_KEY in values:
+                step = values[_STEP_KEY]
+        if self._stash:
+            for key, value in self._stash.items():
+                kept.setdefault(key, value)
+            self._stash = {}
+        if type(step) is not int:
+            step = self._step(step)
+        self._last_step = step
+        if samples is not None and type(samples) is not int:
+            samples = self._optional("samples", samples)
+        if tokens is not None and type(tokens) is not int:
+            tokens = self._optional("tokens", tokens)
+        last, self._last_log = self._last_log, now
+        self._pending.append(Entry(time.time(), None if last is None else now - last, step,
+                                   batch_id, samples, tokens, kept))
+        if len(self._pending) >= SOFT_PENDING:
+            if len(self._pending) >= HARD_PENDING:
+                self._drain()
+            else:
+                self._wake.set()
+
+    def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield from `iterable`, adding the time spent waiting for each item to data-wait."""
+        iterator = iter(iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self._data_wait += time.perf_counter() - start
+            yield item
+
+    def watch(self, model: Any = None, optimizer: Any = None) -> "TrainingMonitor":
+        """Capture the total grad norm (before each optimizer step) and the learning rate.
+
+        The values join the next `log()` call (keys given to `log()` win).
+        """
+        if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+            raise ValueError("watch() needs a torch.optim.Optimizer")
+        params = [p for p in (model.parameters() if model is not None else
+                              (p for group in optimizer.param_groups for p in group["params"]))
+                  if p.requires_grad]
+        for key in ("grad_norm", "learning_rate"):
+            self._learn(key)
+
+        def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+            try:
+                self._stash["grad_norm"] = grad_norm(params)
+                lr = scalar(opt.param_groups[0]["lr"])
+                if type(lr) is not Dropped:
+                    self._stash["learning_rate"] = lr
+            except Exception as exc:  # noqa: BLE001 - never break the optimizer step
+                self._warn_once("watch", "error", f"watch() could not read the gradients: {exc!r}")
+
+        self._hooks.append(optimizer.register_step_pre_hook(before_step))
+        return self
+
+    # ------------------------------------------------------------------ input problems
+    def _learn(self, key: Any) -> str:
+        name = metric_suffix(key)
+        if not isinstance(name, Dropped) and re.search(r"[^A-Za-z0-9_/]", str(key)):
+            self._warn_once(key, "renamed", f"log key {key!r} is exported as training_{name}")
+        self._names[key] = name
+        return name
+
+    def _drop(self, key: Any, reason: Dropped, count: int = 1) -> None:
+        if self.settings.strict:
+            raise ValueError(f"trainer_hook: the value for {key!r} was not kept: {reason}")
+        self._dropped[reason] += count
+        self._warn_once(key, reason, f"log key {key!r}: value not kept ({reason}); counted in "
+                                     f"training_dropped_values_total")
+
+    def _warn_once(self, key: Any, reason: str, message: str) -> None:
+        if (str(key), reason) not in self._warned:
+            self._warned.add((str(key), reason))
+            log.warning(message)
+
+    def _step(self, step: Any) -> int:
+        if step is None:
+            return self._last_step + 1
+        if isinstance(step, TENSOR_TYPES) and step.numel() == 1 and not step.is_floating_point():
+            return int(step.item())  # the caller's own step counter tensor: one cheap read
+        try:
+            return int(step)
+        except (TypeError, ValueError, OverflowError):
+            self._drop("step", Dropped("not_numeric"))
+            return self._last_step + 1
+
+    def _optional(self, key: str, value: Any) -> Any:
+        value = scalar(value)
+        if type(value) is Dropped:
+            self._drop(key, value)
+            return None
+        return value
+
+    # ------------------------------------------------------------------ background thread
+    def _work(self) -> None:
+        interval = self.settings.push_interval
+        next_publish = time.monotonic() + interval
+        while not self._stopping:
+            self._wake.wait(max(0.0, next_publish - time.monotonic()))
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                self._drain()
+                if time.monotonic() >= next_publish:
+                    next_publish = time.monotonic() + interval
+                    self._latest = self._publish("running")
+                    if self._pusher:
+                        self._pusher.offer(self._latest)
+            except Exception:  # noqa: BLE001 - a monitoring bug must not stop monitoring
+                if ("worker", "error") not in self._warned:
+                    self._warned.add(("worker", "error"))
+                    log.exception("trainer_hook internal error; training continues")
+
+    def _drain(self) -> None:
+        with self._drain_lock:
+            count = len(self._pending)
+            if count:
+                entries = [self._pending.popleft() for _ in range(count)]
+                self.record.write(self._aggregator.drain(entries))
+
+    def _publish(self, state: str) -> Snapshot:
+        s = self.settings
+        background = self._aggregator.dropped()
+        return self._aggregator.publish(
+            state=state, start_time=self._start_time, data_wait_seconds=self._data_wait,
+            dropped={r: self._dropped[r] + background.get(r, 0) for r in DROP_REASONS},
+            record_failures=self.record.failures, run_labels=self._run_labels,
+            push_failures=self._pusher.failures if getattr(self, "_pusher", None) else 0,
+            gpus=self._gpus(), cuda=self._cuda_stats())
+
+    def _gpus(self) -> tuple[tuple[str, str], ...]:
+        uuids = self.settings.gpu_uuids
+        if uuids:
+            if len(uuids) == 1:
+                return ((str(self.settings.local_rank), uuids[0]),)
+            return tuple((str(i), uuid) for i, uuid in enumerate(uuids))
+        device = self._cuda_index()
+        if device is None:
+            return ()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        return ((str(device), uuid if uuid.startswith("GPU-") else "GPU-" + uuid),)
+
+    def _cuda_index(self) -> int | None:
+        if self._cuda_device is None and cuda_ready():
+            self._cuda_device = self.settings.local_rank % max(1, torch.cuda.device_count())
+        return self._cuda_device
+
+    def _cuda_stats(self) -> dict[str, float] | None:
+        device = self._cuda_index()
+        if device is None:
+            return None
+        stats = torch.cuda.memory_stats(device)
+        return {"allocated": stats.get("allocated_bytes.all.current", 0),
+                "reserved": stats.get("reserved_bytes.all.current", 0),
+                "retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, failed: bool = False, reason: str | None = None) -> None:
+        """Flush the record, push the final state (`finished`, or `failed`). Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(self.settings.push_timeout + 1.0)
+        for hook in self._hooks:
+            hook.remove()
+        state = "failed" if failed else "finished"
+        self._drain()
+        self._latest = final = self._publish(state)
+        end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}
+        if reason:
+            end["reason"] = reason
+        self.record.write([end])
+        self.record.close()
+        if self._pusher:
+            unpushed = self._pusher.stop(self.settings.push_timeout)
+            if unpushed is not None:
+                merge_maxima(unpushed, final)
+            self._pusher.push(final)
+        if self._server is not None:
+            self._server.shutdown()
+        lifecycle.unregister(self)
+
+    @property
+    def listen_port(self) -> int | None:
+        """The port pull mode serves /metrics on (useful with listen_port=0)."""
+        return self._server.server_port if self._server is not None else None
+
+    def __enter__(self) -> "TrainingMonitor":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(failed=exc_type is not None,
+                   reason=None if exc_type is None else exc_type.__name__)
