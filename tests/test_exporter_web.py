@@ -1,0 +1,285 @@
+"""The exporter's HTTP layer: probes, telemetry path, methods, TLS, basic auth and the web-config file.
+
+Real sockets and real clients (requests, openssl s_client, curl). Tests that need knobs a user cannot
+turn (a readiness callback, a small registry) run `exporter.web.WebServer` in-process; the ones a user
+would notice on the command line start `python -m exporter` as a daemon.
+"""
+from __future__ import annotations
+
+import gzip
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable, Iterator
+
+import prometheus_client
+import pytest
+import requests
+
+from exporter.web import WebServer, add_web_arguments
+from exporter.webconfig import WebConfig, WebConfigError, load_web_config
+from tests.certs import Pki, bcrypt_hash, make_pki
+
+PASSWORD = "s3cret pass:word"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def password_hash() -> str:
+    return bcrypt_hash(PASSWORD)
+
+
+@pytest.fixture
+def registry() -> prometheus_client.CollectorRegistry:
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("nvml_up", "1 when NVML answers.", registry=registry).set(1)
+    return registry
+
+
+@pytest.fixture
+def serve(registry) -> Iterator[Callable[..., str]]:
+    """Start an in-process WebServer on a free loopback port; returns its base URL."""
+    servers: list[WebServer] = []
+
+    def start(web_config: WebConfig | None = None, *, telemetry_path: str = "/metrics",
+              ready: Callable[[], bool] = lambda: True) -> str:
+        server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path=telemetry_path,
+                           web_config=web_config, ready=ready)
+        server.start()
+        servers.append(server)
+        scheme = "https" if web_config and web_config.ssl_context else "http"
+        return f"{scheme}://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def write_config(directory: Path, text: str) -> str:
+    path = directory / "web.yml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def tls_config(pki: Pki, extra: str = "") -> str:
+    return f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n{extra}"
+
+
+# --- plain HTTP ---------------------------------------------------------------------------------
+
+
+def test_probes_landing_page_and_unknown_paths(serve):
+    ready = {"value": False}
+    url = serve(telemetry_path="/gpu-metrics", ready=lambda: ready["value"])
+
+    assert requests.get(url + "/-/healthy", timeout=5).text == "Healthy\n"
+    assert requests.get(url + "/-/ready", timeout=5).status_code == 503
+    ready["value"] = True
+    assert requests.get(url + "/-/ready", timeout=5).status_code == 200
+
+    metrics = requests.get(url + "/gpu-metrics", timeout=5)
+    assert metrics.status_code == 200 and "nvml_up 1.0" in metrics.text
+    assert metrics.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    landing = requests.get(url + "/", timeout=5)
+    assert landing.headers["Content-Type"].startswith("text/html") and 'href="/gpu-metrics"' in landing.text
+    for path in ("/metrics", "/nope", "/-/", "/gpu-metrics/extra", "/%2e%2e/etc/passwd"):
+        assert requests.get(url + path, timeout=5).status_code == 404, path
+
+
+def test_only_get_and_head_are_allowed(serve):
+    url = serve()
+    head = requests.head(url + "/metrics", timeout=5)
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["Content-Length"]) > 0
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS", "FOO"):
+        response = requests.request(method, url + "/metrics", data=b"x" * 1000, timeout=5)
+        assert response.status_code == 405, method
+        assert response.headers["Allow"] == "GET, HEAD"
+    assert requests.get(url + "/metrics", timeout=5).status_code == 200
+
+
+def test_openmetrics_and_gzip_are_negotiated_like_client_python(serve):
+    url = serve()
+    response = requests.get(url + "/metrics", timeout=5, headers={
+        "Accept": "application/openmetrics-text; version=1.0.0,text/plain;q=0.5", "Accept-Encoding": "gzip"})
+    assert response.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert response.headers["Content-Encoding"] == "gzip"
+    assert response.text.endswith("# EOF\n")  # requests decompressed it
+    raw = requests.get(url + "/metrics", timeout=5, stream=True, headers={"Accept-Encoding": "gzip"}).raw.read()
+    assert b"nvml_up 1.0" in gzip.decompress(raw)
+    plain = requests.get(url + "/metrics", timeout=5, headers={"Accept-Encoding": "identity"})
+    assert "Content-Encoding" not in plain.headers and "nvml_up 1.0" in plain.text
+
+
+def test_busy_port_raises_oserror(registry):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = WebServer(registry, listen_address=f"127.0.0.1:{taken.getsockname()[1]}",
+                           telemetry_path="/metrics", web_config=None, ready=lambda: True)
+        with pytest.raises(OSError):
+            server.start()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--web.listen-address=9942"], "is not [host]:port"),
+    (["--web.listen-address=::1:9942"], "IPv6 hosts in brackets"),
+    (["--web.listen-address=:99999"], "is not [host]:port"),
+    (["--web.telemetry-path=metrics"], "must be a path"),
+    (["--web.telemetry-path=/-/ready"], "must be a path"),
+])
+def test_bad_web_flags_exit_2_naming_the_problem(argv, message, capsys):
+    import argparse
+    parser = argparse.ArgumentParser(prog="dualtrack-exporter")
+    add_web_arguments(parser)
+    assert parser.parse_args([]).web_listen_address == ":9942"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# --- TLS ----------------------------------------------------------------------------------------
+
+
+def test_tls_with_a_test_ca_and_plain_http_refused(serve, pki, tmp_path):
+    url = serve(load_web_config(write_config(tmp_path, tls_config(pki))))
+    assert url.startswith("https://")
+
+    response = requests.get(url + "/metrics", verify=str(pki.ca_cert), timeout=5)
+    assert response.status_code == 200 and "nvml_up 1.0" in response.text
+    with pytest.raises(requests.exceptions.SSLError):
+        requests.get(url + "/metrics", verify=str(pki.other_ca_cert), timeout=5)
+
+    plain = requests.get(url.replace("https://", "http://") + "/metrics", timeout=5)
+    assert plain.status_code == 400 and "HTTP request to an HTTPS server" in plain.text
+    assert "nvml_up" not in plain.text
+    # raw bytes that are neither HTTP nor TLS: the handshake fails and the connection is closed
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5) as raw:
+        raw.sendall(b"\x00\x01garbage" * 100)
+        assert raw.recv(100) == b""
+    assert requests.get(url + "/-/healthy", verify=str(pki.ca_cert), timeout=5).status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_openssl_s_client_sees_the_min_version(serve, pki, tmp_path):
+    url = serve(load_web_config(write_config(tmp_path, tls_config(pki, "  min_version: TLS13\n"))))
+    port = url.rsplit(":", 1)[1]
+
+    def s_client(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-CAfile", str(pki.ca_cert),
+                               "-verify_return_error", *flags], input=b"", capture_output=True, timeout=30)
+
+    good = s_client("-tls1_3")
+    assert good.returncode == 0 and b"Verify return code: 0 (ok)" in good.stdout
+    assert s_client("-tls1_2").returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_curl_with_tls_and_basic_auth(serve, pki, tmp_path, password_hash):
+    url = serve(load_web_config(write_config(tmp_path, tls_config(pki) + f"basic_auth_users:\n  prom: '{password_hash}'\n")))
+
+    def curl(*flags: str) -> str:
+        return subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(pki.ca_cert),
+                               *flags, url + "/metrics"], capture_output=True, text=True, timeout=30).stdout
+
+    assert curl("-u", f"prom:{PASSWORD}") == "200"
+    assert curl("-u", "prom:wrong") == "401"
+    assert curl() == "401"
+
+
+def test_client_certificates_are_required_and_sans_checked(serve, pki, tmp_path):
+    def config(sans: str) -> WebConfig:
+        return load_web_config(write_config(tmp_path, tls_config(pki, (
+            f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca_cert}\n"
+            f"  client_allowed_sans: [{sans}]\n"))))
+
+    url = serve(config("prometheus.test"))
+    client = (str(pki.client_cert), str(pki.client_key))
+    assert requests.get(url + "/metrics", verify=str(pki.ca_cert), cert=client, timeout=5).status_code == 200
+    with pytest.raises((requests.exceptions.SSLError, requests.exceptions.ConnectionError)):
+        requests.get(url + "/metrics", verify=str(pki.ca_cert), timeout=5)
+
+    other = serve(config("someone-else.test"))
+    assert requests.get(other + "/metrics", verify=str(pki.ca_cert), cert=client, timeout=5).status_code == 403
+
+
+# --- basic auth ---------------------------------------------------------------------------------
+
+
+def test_basic_auth_guards_every_path(serve, tmp_path, password_hash):
+    url = serve(load_web_config(write_config(tmp_path, f"""\
+        basic_auth_users:
+          prom: '{password_hash}'
+          other: '{bcrypt_hash("other")}'
+        http_server_config:
+          headers:
+            X-Content-Type-Options: nosniff
+            X-Frame-Options: deny
+        """)))
+    ok = requests.get(url + "/metrics", auth=("prom", PASSWORD), timeout=5)
+    assert ok.status_code == 200 and "nvml_up 1.0" in ok.text
+    assert ok.headers["X-Content-Type-Options"] == "nosniff" and ok.headers["X-Frame-Options"] == "deny"
+    assert requests.get(url + "/metrics", auth=("other", "other"), timeout=5).status_code == 200
+
+    for auth in (("prom", "wrong"), ("prom", PASSWORD + " "), ("nobody", PASSWORD), ("other", PASSWORD), None):
+        for path in ("/metrics", "/-/healthy", "/-/ready", "/", "/nope"):
+            denied = requests.get(url + path, auth=auth, timeout=5)
+            assert denied.status_code == 401, (auth, path)
+            assert denied.headers["WWW-Authenticate"].startswith("Basic ")
+            assert "nvml_up" not in denied.text
+    for header in ("Basic !!!notbase64", "Basic " + "cHJvbQ==", "Bearer abc", "Basic"):
+        assert requests.get(url + "/metrics", headers={"Authorization": header}, timeout=5).status_code == 401
+    # the right password still works after the failures (its success is cached)
+    assert requests.get(url + "/metrics", auth=("prom", PASSWORD), timeout=5).status_code == 200
+
+
+# --- web-config validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("tls_server_config: [unclosed\n", "invalid YAML at line 2, column 1"),
+    ("basic_auth_users:\n  prom: hunter2\n", "must be a bcrypt hash, not plain text"),
+    ("basic_auth_users:\n  prom: $2b$10$short\n", "must be a bcrypt hash"),
+    ("basic_auth_user:\n  prom: x\n", "unknown key 'basic_auth_user'"),
+    ("tls_server_config:\n  cert_file: /nonexistent/server.crt\n  key_file: KEY\n", "No such file or directory"),
+    ("tls_server_config:\n  cert_file: CERT\n", "key_file is missing"),
+    ("tls_server_config:\n  cert_file: CERT\n  key_file: CERT\n", "cannot load the certificate and key"),
+    ("tls_server_config:\n  min_version: TLS13\n", "cert_file and key_file are required"),
+    ("tls_server_config:\n  cert_file: CERT\n  key_file: KEY\n  min_version: TLS1.2\n", "is not one of TLS10"),
+    ("tls_server_config:\n  cert_file: CERT\n  key_file: KEY\n  cipher_suites: [TLS_AES_128_GCM_SHA256]\n",
+     "cipher_suites is not supported"),
+    ("tls_server_config:\n  cert_file: CERT\n  key_file: KEY\n  client_auth_type: RequireAndVerifyClientCert\n",
+     "needs client_ca_file"),
+    ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n", "is not one of deny, sameorigin"),
+    ("- just\n- a list\n", "expected a mapping"),
+])
+def test_malformed_web_config_is_one_clear_line(text, problem, pki, tmp_path):
+    text = text.replace("CERT", str(pki.server_cert)).replace("KEY", str(pki.server_key))
+    with pytest.raises(WebConfigError) as error:
+        load_web_config(write_config(tmp_path, text))
+    message = str(error.value)
+    assert problem in message and "\n" not in message
+    assert message.startswith(f"web config {tmp_path / 'web.yml'}")
+
+
+def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_path):
+    inline = load_web_config(write_config(tmp_path, "tls_server_config:\n  cert: |\n" +
+                                          textwrap.indent(pki.server_cert.read_text(), "    ") + "  key: |\n" +
+                                          textwrap.indent(pki.server_key.read_text(), "    ")))
+    assert isinstance(inline.ssl_context, ssl.SSLContext)
+    assert inline.ssl_context.minimum_version == ssl.TLSVersion.TLSv1_2
+    relative = load_web_config(write_config(pki.server_cert.parent, "tls_server_config:\n  cert_file: server.crt\n"
+                                                                    "  key_file: server.key\n"))
+    assert relative.ssl_context is not None
+    empty = load_web_config(write_config(tmp_path, ""))
+    assert empty.ssl_context is None and not empty.users
+    with pytest.raises(WebConfigError, match="cannot read: No such file or directory"):
+        load_web_config(str(tmp_path / "missing.yml"))
