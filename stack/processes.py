@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus.yml"
 RULES_DIR = REPO / "rules"
 ALERTMANAGER_YML = REPO / "alertmanager" / "alertmanager.yml"
+ALERTMANAGER_RENDER = REPO / "alertmanager" / "render-config.sh"
 EXPORTER_JOB = "dualtrack-exporter"
 PUSHGATEWAY_JOB = "pushgateway"
 
@@ -161,14 +162,44 @@ def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
     return path
 
 
-def prometheus(workdir: Path, config_path: Path, port: int | None = None) -> Service:
-    """A Prometheus (not yet started) with its TSDB under `workdir`; lifecycle API enabled."""
+def render_alertmanager_config(workdir: Path, env: dict[str, str] | None = None, *,
+                               group_wait: str | None = None, group_interval: str | None = None,
+                               repeat_interval: str | None = None) -> Path:
+    """Write the repo's alertmanager.yml into `workdir` with its webhook URLs from the environment.
+
+    The placeholder URLs are replaced by alertmanager/render-config.sh (as in the compose service)
+    from $DUALTRACK_WEBHOOK_URL / $DUALTRACK_CRITICAL_WEBHOOK_URL (`env` is added to os.environ).
+    The timing arguments, for tests, override them on every route; routes, receivers and inhibition
+    rules stay as in the repo file.
+    """
+    path = workdir / "alertmanager.yml"
+    subprocess.run(["sh", str(ALERTMANAGER_RENDER), str(ALERTMANAGER_YML), str(path)],
+                   env={**os.environ, **(env or {})}, check=True)
+    timings = {key: value for key, value in (("group_wait", group_wait), ("group_interval", group_interval),
+                                             ("repeat_interval", repeat_interval)) if value}
+    if timings:
+        config = yaml.safe_load(path.read_text())
+        routes = [config["route"]]
+        while routes:
+            route = routes.pop()
+            route.update(timings)
+            routes.extend(route.get("routes", []))
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def prometheus(workdir: Path, config_path: Path, port: int | None = None,
+               extra_args: list[str] | None = None) -> Service:
+    """A Prometheus (not yet started) with its TSDB under `workdir`; lifecycle API enabled.
+
+    `extra_args` are appended to the command line (e.g. --rules.alert.resend-delay=1s in tests).
+    """
     port = port or free_port()
     data = workdir / "prometheus-data"
     data.mkdir(parents=True, exist_ok=True)
     argv = [_binary("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={data}",
             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle",
-            "--web.enable-admin-api", "--log.level=warn"]
+            "--web.enable-admin-api", "--log.level=warn", *(extra_args or [])]
     return Service("prometheus", argv, port, workdir / "prometheus.log")
 
 
