@@ -176,6 +176,9 @@ class _HeadReader(io.RawIOBase):
 class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # so that even a garbage request line gets a status line back
+    error_message_format = "%(code)d %(message)s\n"
+    error_content_type = "text/plain; charset=utf-8"
 
     def version_string(self) -> str:
         return "dualtrack-exporter"
