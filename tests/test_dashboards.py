@@ -1,0 +1,321 @@
+"""Static checks of the provisioned Grafana dashboards and provisioning files (no daemons).
+
+The dashboard JSON schema is Grafana's own (grafana-foundation-sdk, main branch, vendored in
+tests/schemas/); everything it cannot see (ids, layout, variables, units, datasource uids, metric
+names, PromQL syntax) is checked here.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
+PROVISIONING = REPO / "grafana" / "provisioning"
+SCHEMA = Path(__file__).resolve().parent / "schemas" / "grafana-dashboard.jsonschema.json"
+
+# The metric contract (issue 1 / issue 2): what the exporter and the hook export.
+EXPORTER_METRICS = {
+    "nvml_up", "nvml_driver_info", "nvml_gpu_info", "nvml_exporter_build_info",
+    "nvml_gpu_utilization_ratio", "nvml_gpu_memory_controller_utilization_ratio",
+    "nvml_gpu_busy_seconds_total", "nvml_gpu_idle_seconds_total", "nvml_gpu_memory_used_bytes",
+    "nvml_gpu_memory_total_bytes", "nvml_gpu_memory_free_bytes", "nvml_gpu_temperature_celsius",
+    "nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts", "nvml_gpu_energy_joules_total",
+    "nvml_gpu_clock_hertz", "nvml_gpu_clock_max_hertz", "nvml_gpu_performance_state",
+    "nvml_gpu_fan_speed_ratio", "nvml_gpu_pcie_throughput_bytes_per_second",
+    "nvml_gpu_nvlink_data_bytes_total", "nvml_gpu_throttle_active", "nvml_gpu_throttle_seconds_total",
+    "nvml_gpu_ecc_errors_total", "nvml_gpu_retired_pages_total", "nvml_gpu_remapped_rows_total",
+    "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes", "nvml_gpu_sm_active_ratio",
+    "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "nvml_gpu_lost",
+    "nvml_exporter_collector_success", "nvml_exporter_collector_duration_seconds",
+    "nvml_exporter_errors_total", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_gpu_lost_total",
+}
+HOOK_METRICS = {
+    "training_step", "training_epoch", "training_loss", "training_loss_max", "training_learning_rate",
+    "training_grad_norm", "training_grad_norm_max", "training_steps_total", "training_samples_total",
+    "training_tokens_total", "training_step_duration_seconds_bucket",
+    "training_step_duration_seconds_sum", "training_step_duration_seconds_count",
+    "training_data_wait_seconds_total", "training_nonfinite_steps_total",
+    "training_last_nonfinite_step", "training_last_nonfinite_batch_id",
+    "training_cuda_memory_allocated_bytes", "training_cuda_memory_reserved_bytes",
+    "training_cuda_alloc_retries_total", "training_cuda_ooms_total", "training_run_info",
+    "training_gpu_info", "training_dropped_values_total", "training_push_failures_total",
+    "training_last_update_timestamp_seconds", "training_run_state",
+}
+PROMETHEUS_METRICS = {"up", "ALERTS"}  # from Prometheus itself (scrape health, alert state)
+
+DATASOURCE_UID = "dualtrack-prometheus"
+# Grafana unit ids the dashboards may use (all in Grafana's unit registry), plus custom suffixes.
+UNITS = {"percentunit", "bytes", "watt", "celsius", "hertz", "s", "binBps", "none", "short", "joule"}
+GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s",
+                     "__range_ms", "__from", "__to", "__dashboard", "__name"}
+# Concrete values for Grafana's own variables when a query is run outside Grafana.
+BUILTIN_VALUES = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
+
+PROMQL_FUNCTIONS_AND_KEYWORDS = {
+    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset",
+    "bool", "inf", "nan",
+}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def panels(dashboard: dict) -> Iterator[dict]:
+    """Every panel, including those nested in rows."""
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def queries(dashboard: dict) -> Iterator[tuple[str, str, dict]]:
+    """(where, expr, target) for every PromQL query: panel targets, then annotations."""
+    for panel in panels(dashboard):
+        for target in panel.get("targets", []):
+            yield panel.get("title", f"panel {panel.get('id')}"), target["expr"], target
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            yield f"annotation {annotation['name']}", annotation["expr"], annotation
+
+
+def variable_names(text: str) -> set[str]:
+    """Template variables referenced as $name, ${name} or ${name:format}."""
+    return {m.group(1) or m.group(2) for m in re.finditer(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))", text)}
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Replace Grafana variables in `expr` by concrete values (Grafana's own ones by defaults)."""
+    merged = {**BUILTIN_VALUES, **values}
+    return re.sub(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))",
+                  lambda m: merged[m.group(1) or m.group(2)], expr)
+
+
+def label_values_args(query: str) -> tuple[str, str]:
+    """(series selector, label) of a `label_values(selector, label)` variable query."""
+    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
+    assert match, f"variable query {query!r} is not label_values(selector, label)"
+    return match.group(1), match.group(2)
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression (identifiers that are not functions, labels or keywords)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])([A-Za-z_:][\w:]*)\s*(\()?", text):
+        name, call = match.groups()
+        if not call and name.lower() not in PROMQL_FUNCTIONS_AND_KEYWORDS:
+            names.add(name)
+    return names
+
+
+@lru_cache(maxsize=1)
+def recording_rule_names() -> frozenset[str]:
+    names = set()
+    for path in (REPO / "rules").glob("*.yml"):
+        for group in (yaml.safe_load(path.read_text()) or {}).get("groups", []):
+            names.update(rule["record"] for rule in group.get("rules", []) if "record" in rule)
+    return frozenset(names)
+
+
+@lru_cache(maxsize=1)
+def compose_grafana_mounts() -> dict[str, str]:
+    """Grafana's bind mounts in docker-compose.yml: container path -> repo-relative source."""
+    service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["grafana"]
+    mounts = {}
+    for volume in service["volumes"]:
+        source, target, *_ = volume.split(":")
+        if source.startswith("."):
+            mounts[target] = source
+    return mounts
+
+
+def provisioned(directory: str, key: str) -> list[dict]:
+    """Entries under `key` of every provisioning file in grafana/provisioning/<directory>/."""
+    items = []
+    for path in sorted((PROVISIONING / directory).glob("*.y*ml")):
+        config = yaml.safe_load(path.read_text())
+        assert config["apiVersion"] == 1, path
+        items.extend(config[key])
+    return items
+
+
+@pytest.fixture(params=DASHBOARDS, ids=[p.stem for p in DASHBOARDS])
+def dashboard(request) -> dict:
+    return load(request.param)
+
+
+def test_both_dashboards_are_shipped():
+    assert {p.name for p in DASHBOARDS} >= {"training-run.json", "gpu-fleet.json"}
+
+
+def test_dashboard_matches_grafana_schema(dashboard):
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator({**schema, "$ref": "#/definitions/Dashboard"})
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
+              for e in validator.iter_errors(dashboard)]
+    assert not errors, "\n".join(errors)
+
+
+def test_schema_rejects_a_broken_dashboard(dashboard):
+    """The vendored schema is really applied: a panel without a type and a bad tooltip mode fail."""
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator({**schema, "$ref": "#/definitions/Dashboard"})
+    broken = json.loads(json.dumps(dashboard))
+    del broken["panels"][0]["type"]
+    broken["graphTooltip"] = 3
+    assert len(list(validator.iter_errors(broken))) >= 2
+
+
+def test_dashboard_uids_and_titles_are_unique_and_stable():
+    dashboards = [load(p) for p in DASHBOARDS]
+    uids = [d["uid"] for d in dashboards]
+    assert len(set(uids)) == len(uids)
+    assert all(re.fullmatch(r"[a-z0-9-]{8,40}", uid) for uid in uids), uids
+    assert len({d["title"] for d in dashboards}) == len(dashboards)
+    for d in dashboards:
+        assert d.get("id") is None and "version" not in d and "__inputs" not in d, d["uid"]
+
+
+def test_shared_crosshair_and_alert_annotations(dashboard):
+    assert dashboard["graphTooltip"] == 1
+    exprs = [a.get("expr", "") for a in dashboard["annotations"]["list"]]
+    assert any(re.search(r'ALERTS\{alertstate="firing"', e) for e in exprs)
+
+
+def test_panel_ids_unique_and_grid_positions_do_not_overlap(dashboard):
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels(dashboard):
+        pos = panel["gridPos"]
+        assert pos["w"] > 0 and pos["h"] > 0 and pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_every_variable_used_is_declared(dashboard):
+    declared = {v["name"] for v in dashboard["templating"]["list"]} | GRAFANA_VARIABLES
+    text = json.dumps([dashboard["panels"], dashboard["annotations"], dashboard["templating"]])
+    assert variable_names(text) - declared == set()
+
+
+def test_every_datasource_is_the_provisioned_prometheus(dashboard):
+    uids = {ds["uid"] for ds in provisioned("datasources", "datasources")}
+    refs = [p["datasource"] for p in panels(dashboard) if "datasource" in p]
+    refs += [t["datasource"] for p in panels(dashboard) for t in p.get("targets", [])]
+    refs += [v["datasource"] for v in dashboard["templating"]["list"] if "datasource" in v]
+    refs += [a["datasource"] for a in dashboard["annotations"]["list"] if not a.get("builtIn")]
+    assert refs
+    for ref in refs:
+        assert ref == {"type": "prometheus", "uid": DATASOURCE_UID}, ref
+    assert DATASOURCE_UID in uids
+    assert "${DS_" not in json.dumps(dashboard)
+
+
+def test_every_panel_has_a_unit_and_a_description(dashboard):
+    for panel in panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit in UNITS or (unit or "").startswith("suffix:"), f"{panel['title']}: unit {unit!r}"
+        assert panel.get("description"), panel["title"]
+
+
+UNIT_BY_SUFFIX = {"_ratio": "percentunit", "_bytes": "bytes", "_watts": "watt", "_celsius": "celsius",
+                  "_hertz": "hertz", "_seconds_total": "percentunit"}  # rate of seconds: a time share
+
+
+def expected_unit(expr: str) -> str | None:
+    """The unit a query's result has, where its metric names tell (None: they do not)."""
+    if " / " in expr:  # the dashboards only divide like quantities
+        return "percentunit"
+    suffixes = {s for name in metric_names(expr) for s in UNIT_BY_SUFFIX if name.endswith(s)}
+    if len(suffixes) == 1 and not re.search(r"\bcount\(", expr):
+        return UNIT_BY_SUFFIX[suffixes.pop()]
+    return None
+
+
+def test_units_match_what_the_query_measures(dashboard):
+    """Ratios show as percent, bytes as bytes, watts as watts: a unit/metric mix-up is visible here."""
+    checked = 0
+    for panel in panels(dashboard):
+        if panel["type"] not in ("timeseries", "stat"):
+            continue
+        units = {expected_unit(target["expr"]) for target in panel["targets"]}
+        if len(units) == 1 and None not in units:
+            assert panel["fieldConfig"]["defaults"]["unit"] == units.pop(), panel["title"]
+            checked += 1
+    assert checked >= 5
+
+
+def test_every_metric_is_exported_by_the_exporter_or_the_hook(dashboard):
+    known = EXPORTER_METRICS | HOOK_METRICS | PROMETHEUS_METRICS | recording_rule_names()
+    for where, expr, _ in queries(dashboard):
+        names = metric_names(expr)
+        assert names, f"{where}: no metric found in {expr!r}"
+        assert names <= known, f"{where}: unknown metrics {sorted(names - known)}"
+    for variable in dashboard["templating"]["list"]:
+        selector, _ = label_values_args(variable["query"])
+        assert metric_names(selector) <= known, variable["name"]
+
+
+def test_metric_name_parser():
+    assert metric_names('sum by (instance, gpu) (rate(nvml_gpu_busy_seconds_total{gpu=~"$gpu"}[5m]))'
+                        ' / on(uuid) group_left() training_gpu_info{run="a and b"}') == {
+        "nvml_gpu_busy_seconds_total", "training_gpu_info"}
+    assert metric_names("predict_linear(x[15m], 7200) > bool 0 or vector(0)") == {"x"}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/setup)")
+def test_every_query_is_valid_promql(tmp_path):
+    """promtool parses each query (variables substituted) as a recording rule expression."""
+    rules = []
+    for path in DASHBOARDS:
+        dashboard = load(path)
+        values = {v["name"]: ".*" for v in dashboard["templating"]["list"]}
+        for i, (where, expr, _) in enumerate(queries(dashboard)):
+            rules.append({"record": f"dashboard:query{len(rules)}:check", "expr": substitute(expr, values),
+                          "labels": {"where": f"{path.stem}: {where}"}})
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump({"groups": [{"name": "q", "rules": rules}]}))
+    result = subprocess.run(["promtool", "check", "rules", str(tmp_path / "queries.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_datasources_provisioning():
+    datasources = provisioned("datasources", "datasources")
+    uids = [ds["uid"] for ds in datasources]
+    assert len(uids) == len(set(uids))
+    by_type = {ds["type"]: ds for ds in datasources}
+    assert by_type["prometheus"]["uid"] == DATASOURCE_UID
+    assert by_type["prometheus"]["url"] == "http://prometheus:9090"
+    assert by_type["alertmanager"]["url"] == "http://alertmanager:9093"
+    assert by_type["alertmanager"]["jsonData"]["implementation"] == "prometheus"
+    assert sum(bool(ds.get("isDefault")) for ds in datasources) == 1
+    scrape = yaml.safe_load((REPO / "prometheus.yml").read_text())["global"]["scrape_interval"]
+    assert by_type["prometheus"]["jsonData"]["timeInterval"] == scrape
+
+
+def test_provisioning_matches_the_compose_mounts():
+    mounts = compose_grafana_mounts()
+    assert mounts.get("/etc/grafana/provisioning") == "./grafana/provisioning"
+    providers = provisioned("dashboards", "providers")
+    assert providers
+    for provider in providers:
+        assert provider["type"] == "file"
+        assert mounts[provider["options"]["path"]] == "./dashboards"
