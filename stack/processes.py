@@ -6,13 +6,16 @@ config and data flags on a free loopback port and awaited through its readiness 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
@@ -249,3 +252,60 @@ def wait_for_series(prometheus_url: str, expr: str, timeout: float = 60.0,
         result = query(prometheus_url, expr)
         return result if predicate(result) else None
     return wait_until(probe, timeout, interval=0.25, what=f"PromQL {expr!r}")
+
+
+class WebhookReceiver:
+    """A loopback HTTP server recording the JSON bodies POSTed to it (Alertmanager's webhook).
+
+    `url` is what goes into $DUALTRACK_WEBHOOK_URL; `notifications()` returns the payloads so far
+    (each with `receiver`, `status` and `alerts`), `wait_for_alert()` waits for one alert in them.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self._payloads: list[dict] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._lock:
+                    receiver._payloads.append({**json.loads(body), "received_at": time.time()})
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", port or 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/alerts"
+
+    def start(self) -> "WebhookReceiver":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def notifications(self) -> list[dict]:
+        with self._lock:
+            return list(self._payloads)
+
+    def wait_for_alert(self, alertname: str, status: str = "firing", timeout: float = 60.0,
+                       **labels: str) -> tuple[dict, dict]:
+        """Wait for a notification holding alert `alertname` in `status` with `labels`.
+
+        Returns (notification, alert)."""
+        def probe() -> tuple[dict, dict] | None:
+            for payload in self.notifications():
+                for alert in payload.get("alerts", []):
+                    if alert["labels"].get("alertname") == alertname and alert["status"] == status \
+                            and all(alert["labels"].get(k) == v for k, v in labels.items()):
+                        return payload, alert
+            return None
+        return wait_until(probe, timeout, interval=0.1, what=f"webhook: {alertname} {status} {labels}")
