@@ -5,7 +5,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from stack.processes import Service
+from stack.processes import Service, WebhookReceiver
 
 
 @pytest.fixture
@@ -20,3 +20,11 @@ def start_service() -> Iterator[Callable[[Service], Service]]:
     yield start
     for service in reversed(started):
         service.stop()
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    """A loopback webhook recording Alertmanager's notifications, stopped at teardown."""
+    receiver = WebhookReceiver().start()
+    yield receiver
+    receiver.stop()
