@@ -1,0 +1,202 @@
+"""docker-compose.yml: compose-spec schema, Debian docker-compose's own check, and what neither sees.
+
+No Docker engine is needed: `docker-compose config -q` only parses and cross-checks the file.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = REPO / "docker-compose.yml"
+SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana"}
+PASSWORD = "GRAFANA_ADMIN_PASSWORD"
+
+
+@lru_cache(maxsize=1)
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def services() -> dict[str, dict]:
+    return compose()["services"]
+
+
+def bind_mounts(service: dict) -> list[tuple[str, str]]:
+    """(repo-relative source, container target) of every bind mount of `service`."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        if source.startswith((".", "/")):
+            mounts.append((source, target))
+    return mounts
+
+
+@pytest.fixture
+def docker_compose(tmp_path):
+    """Run Debian's docker-compose on the repo file with exactly `env` (any local .env ignored)."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose not installed (scripts/setup --test installs it)")
+    empty = tmp_path / "empty.env"
+    empty.touch()
+    base = {k: v for k, v in os.environ.items() if k not in (PASSWORD, "DUALTRACK_BIND")}
+
+    def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([binary, "--env-file", str(empty), "-f", str(COMPOSE), *args],
+                              capture_output=True, text=True, env={**base, **env}, cwd=REPO, timeout=60)
+    return run
+
+
+def test_compose_spec_schema():
+    result = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                             "vendor.compose-spec", str(COMPOSE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_docker_compose_config_accepts_the_file(docker_compose):
+    result = docker_compose("config", "-q", env={PASSWORD: "not-a-real-password"})
+    assert result.returncode == 0, result.stderr
+
+
+def test_grafana_password_has_no_default(docker_compose):
+    result = docker_compose("config", "-q", env={})
+    assert result.returncode != 0
+    assert PASSWORD in result.stderr
+    password = services()["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${" + PASSWORD + ":?"), password
+    assert services()["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def published_ports(rendered: str) -> list[tuple[str, str, str]]:
+    """(service, host ip, host port) of each port in `docker-compose config` output (ip:host:container)."""
+    return [(name, *port.split(":")[:2]) for name, service in yaml.safe_load(rendered)["services"].items()
+            for port in service.get("ports", [])]
+
+
+def test_ports_bind_to_localhost_unless_opted_out(docker_compose):
+    published = published_ports(docker_compose("config", env={PASSWORD: "x"}).stdout)
+    assert {name for name, _, _ in published} == SERVICES
+    assert {ip for _, ip, _ in published} == {"127.0.0.1"}, published
+    host_ports = [port for _, _, port in published]
+    assert len(host_ports) == len(set(host_ports)), host_ports
+    opened = published_ports(docker_compose("config", env={PASSWORD: "x", "DUALTRACK_BIND": "0.0.0.0"}).stdout)
+    assert {ip for _, ip, _ in opened} == {"0.0.0.0"}
+
+
+def test_every_published_port_is_bound_through_the_variable():
+    for name, service in services().items():
+        for port in service.get("ports", []):
+            assert port.startswith("${DUALTRACK_BIND:-127.0.0.1}:"), (name, port)
+
+
+def test_images_are_pinned():
+    for name, service in services().items():
+        if "build" in service:
+            continue
+        image = service["image"]
+        assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", image), f"{name}: {image} is not pinned"
+    assert services()["grafana"]["image"].startswith("grafana/grafana:11.")
+
+
+def test_every_bind_mount_exists_in_the_repo_and_is_read_only():
+    mounts = [(name, volume) for name, service in services().items() for volume in service.get("volumes", [])
+              if volume.startswith(".")]
+    assert len(mounts) >= 5
+    for name, volume in mounts:
+        source = volume.split(":")[0]
+        assert (REPO / source).exists(), f"{name} mounts {source}, which is not in the repo"
+        assert volume.endswith(":ro"), f"{name}: {volume} is writable"
+
+
+def test_depends_on_targets_exist_and_are_healthchecked():
+    for name, service in services().items():
+        for target, condition in (service.get("depends_on") or {}).items():
+            assert target in services(), f"{name} depends on unknown {target}"
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services()[target], target
+
+
+def test_services_have_healthchecks_and_named_volumes():
+    assert set(services()) == SERVICES
+    for name, service in services().items():
+        assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+    named = {volume.split(":")[0] for service in services().values() for volume in service.get("volumes", [])
+             if not volume.startswith((".", "/"))}
+    assert named == set(compose()["volumes"]) and {"prometheus-data", "grafana-data"} <= named
+
+
+def test_exporter_gets_gpus_host_pids_and_no_privileges():
+    exporter = services()["exporter"]
+    assert exporter["build"] == "."
+    devices = exporter["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert exporter["pid"] == "host"
+    assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in exporter["security_opt"]
+    assert "privileged" not in exporter
+
+
+def test_keys_debian_docker_compose_rejects_are_absent():
+    assert "name" not in compose() and "version" not in compose()
+    assert all("gpus" not in service for service in services().values())
+
+
+def test_prometheus_paths_match_prometheus_yml():
+    prometheus = services()["prometheus"]
+    mounts = dict(bind_mounts(prometheus))
+    config_file = next(arg.split("=", 1)[1] for arg in prometheus["command"] if arg.startswith("--config.file="))
+    assert mounts["./prometheus.yml"] == config_file
+    config = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    rules_target = mounts["./rules"]
+    for pattern in config["rule_files"]:
+        assert Path(pattern).parent == Path(rules_target), pattern
+        assert list((REPO / "rules").glob(Path(pattern).name)), f"{pattern} matches no file in rules/"
+    targets = {t for job in config["scrape_configs"] for sc in job.get("static_configs", [])
+               for t in sc["targets"]}
+    assert {"exporter:9942", "pushgateway:9091"} <= targets
+    for target in targets - {"localhost:9090"}:
+        host, port = target.split(":")
+        assert host in services() and any(p.endswith(f":{port}") for p in services()[host]["ports"]), target
+
+
+@pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed (scripts/setup)")
+def test_alertmanager_entrypoint_renders_a_valid_config_with_the_webhook(tmp_path):
+    """Run the service's entrypoint as the container would (paths mapped to the repo and tmp_path)."""
+    alertmanager = services()["alertmanager"]
+    mounts = {target: REPO / source for source, target in bind_mounts(alertmanager)}
+    data = next(v.split(":")[1] for v in alertmanager["volumes"] if v.startswith("alertmanager-data:"))
+
+    def local(path: str) -> str:
+        for target, source in mounts.items():
+            if path.startswith(target + "/"):
+                return str(source / path[len(target) + 1:])
+        return str(tmp_path / path[len(data) + 1:]) if path.startswith(data + "/") else path
+
+    shell, script, template, output, binary = alertmanager["entrypoint"]
+    config_file = next(a.split("=", 1)[1] for a in alertmanager["command"] if a.startswith("--config.file="))
+    assert output == config_file and binary == "/bin/alertmanager"
+    url = "http://127.0.0.1:9/dualtrack-test-hook"
+    user_env = {"DUALTRACK_WEBHOOK_URL": url}  # as a user's .env would set it; the critical URL unset
+    env = {"PATH": os.environ["PATH"],
+           **{key: re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: user_env.get(m.group(1), m.group(2)), value)
+              for key, value in alertmanager["environment"].items()}}
+    subprocess.run([shell, local(script), local(template), local(output)], env=env, check=True)
+    rendered = Path(local(output)).read_text()
+    assert url in rendered and "dualtrack-webhook.invalid" not in rendered
+    check = subprocess.run(["amtool", "check-config", local(output)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_env_example_documents_every_variable():
+    variables = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
+    documented = set(re.findall(r"^#?\s*(\w+)=", (REPO / ".env.example").read_text(), re.MULTILINE))
+    assert variables <= documented, variables - documented
