@@ -211,8 +211,9 @@ def pushgateway(workdir: Path, port: int | None = None, persistence: bool = Fals
     port = port or free_port()
     argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn"]
-    if persistence:
-        argv.append(f"--persistence.file={workdir / 'pushgateway.store'}")
+    # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data, which every
+    # Pushgateway started here would share (and load stale groups from): always say which file.
+    argv.append(f"--persistence.file={workdir / 'pushgateway.store' if persistence else ''}")
     return Service("pushgateway", argv, port, workdir / "pushgateway.log")
 
 
