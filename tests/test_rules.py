@@ -1,0 +1,95 @@
+"""Prometheus rules: promtool checks and unit tests, and the alert contract (names, labels, runbooks)."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stack import processes
+
+REPO = processes.REPO
+RULE_FILES = sorted((REPO / "rules").glob("*.yml"))
+RULE_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
+RUNBOOK = REPO / "docs" / "alerts.md"
+
+CONTRACT = {
+    "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
+    "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
+    "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown",
+}
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+
+
+def rules(kind: str) -> list[dict]:
+    """Every alerting (`alert`) or recording (`record`) rule of the rule files."""
+    return [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"] if kind in rule]
+
+
+def test_prometheus_config_as_rendered_passes_promtool(tmp_path):
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: ["127.0.0.1:9942"], processes.PUSHGATEWAY_JOB: ["127.0.0.1:9091"]},
+        alertmanagers=["127.0.0.1:9093"])
+    result = promtool("check", "config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # promtool passes a rule glob that matches nothing: make sure it loaded our files.
+    for path in RULE_FILES:
+        assert f"Checking {path}" in result.stdout
+
+
+def test_rule_files_pass_promtool_lint():
+    result = promtool("check", "rules", "--lint=all", "--lint-fatal", *map(str, RULE_FILES))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rule_unit_tests_pass():
+    result = promtool("test", "rules", *map(str, RULE_TESTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_contract_alert_exists():
+    assert CONTRACT <= {rule["alert"] for rule in rules("alert")}
+
+
+@pytest.mark.parametrize("rule", rules("alert"), ids=lambda rule: f"{rule['alert']}-{rule['labels']['severity']}")
+def test_alert_has_severity_annotations_and_runbook_section(rule):
+    assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+    annotations = rule["annotations"]
+    assert {"summary", "description", "runbook_url"} <= annotations.keys()
+    assert "{{" in annotations["description"], "the description must name the run or GPU"
+    anchor = annotations["runbook_url"].removeprefix("docs/alerts.md#")
+    assert anchor == rule["alert"].lower()
+    assert f"\n## {rule['alert']}\n" in RUNBOOK.read_text()
+
+
+def test_every_alert_fires_in_a_unit_test_and_healthy_runs_stay_silent():
+    fired, silent_checks = set(), []
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            fired |= {t["alertname"] for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
+            silent_checks += [t["expr"] for t in case.get("promql_expr_test", [])
+                              if "ALERTS" in t["expr"] and not t["exp_samples"]]
+    assert {rule["alert"] for rule in rules("alert")} <= fired
+    assert "count_over_time(ALERTS[3h])" in silent_checks  # the healthy run: no alert at all
+    assert 'count_over_time(ALERTS{alertname=~"Training.*"}[90m])' in silent_checks  # finished run
+
+
+def test_recording_rule_names_and_uses():
+    recorded = {rule["record"] for rule in rules("record")}
+    for name in recorded:
+        assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", name), name
+    used = {name for rule in rules("alert") + rules("record")
+            for name in re.findall(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", rule["expr"])}
+    assert used <= recorded, f"used but never recorded: {used - recorded}"
+
+
+def test_prometheus_loads_every_rule_file_and_no_test_file():
+    config = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    assert [Path(pattern).name for pattern in config["rule_files"]] == ["*.yml"]
+    assert not any("test" in path.name for path in RULE_FILES)
