@@ -1,0 +1,6 @@
+"""`python -m exporter`."""
+import sys
+
+from exporter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""`dualtrack-exporter` / `python -m exporter`: flags, start-up, signal handling, exit codes.
+
+Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 no NVIDIA driver/NVML or a runtime failure (such as a
+port already in use), 2 a bad flag, environment variable or config file.
+Every flag has an environment equivalent: --web.listen-address is DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS,
+--collector.processes is DUALTRACK_EXPORTER_COLLECTOR_PROCESSES=true|false. Flags win over the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from typing import NoReturn, Sequence
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, disable_created_metrics
+
+from exporter import __version__
+from exporter.collectors import ALL
+from exporter.exposition import SnapshotCollector
+from exporter.nvml import Nvml, NvmlUnavailable
+from exporter.sampler import Sampler
+from exporter.simulated import SCENARIOS, FaultPlanError, SimulatedNVML, load_fault_plan
+from exporter.web import WebServer, add_web_arguments
+from exporter.webconfig import WebConfigError, load_web_config
+
+PROG = "dualtrack-exporter"
+ENV_PREFIX = "DUALTRACK_EXPORTER_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+log = logging.getLogger("exporter")
+
+
+class UsageError(Exception):
+    """A bad flag, environment variable or config file: exit 2 with this one-line message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one clear line instead of the usage block
+        raise UsageError(message)
+
+
+def _positive(kind: type, minimum: float = 0.0):
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be greater than {minimum:g}")
+        return value
+    return check
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Per-GPU NVML metrics for Prometheus, sampled in the background. "
+                     f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG> "
+                     "(upper case, dots and dashes as underscores).")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    add_web_arguments(parser)
+    parser.add_argument("--sample-interval", type=_positive(float, 0.01), default=1.0, metavar="SECONDS",
+                        help="seconds between two NVML samples of a GPU (default %(default)s)")
+    parser.add_argument("--idle-threshold", type=_ratio, default=0.05, metavar="RATIO",
+                        help="utilization below which a GPU counts as idle (default %(default)s)")
+    parser.add_argument("--log.level", dest="log_level", default="info",
+                        choices=("debug", "info", "warn", "error"), help="log level (default %(default)s)")
+    collectors = parser.add_argument_group("collectors", "turn each collector on or off")
+    for collector in ALL:
+        collectors.add_argument(f"--collector.{collector.name}", dest=f"collector_{collector.name}",
+                                action=argparse.BooleanOptionalAction, default=collector.default_enabled,
+                                help=f"{collector.help} (default: %(default)s)")
+    simulate = parser.add_argument_group("simulated GPUs", "for machines without GPUs (demos, previews); "
+                                         "never on unless --simulate is given")
+    simulate.add_argument("--simulate", choices=SCENARIOS, default=None, metavar="SCENARIO",
+                          help=f"serve simulated H100s running a scenario: {', '.join(SCENARIOS)}")
+    simulate.add_argument("--simulate.gpus", dest="simulate_gpus", type=_positive(int), default=2, metavar="N",
+                          help="number of simulated GPUs (default %(default)s)")
+    simulate.add_argument("--simulate.faults", dest="simulate_faults", metavar="FILE", default=None,
+                          help="JSON fault plan: lost GPUs, failing or hanging calls, missing functions, "
+                               "GPUs without fans/power, MIG, XID events (see exporter/simulated.py)")
+    simulate.add_argument("--simulate.call-cost", dest="simulate_call_cost", type=float, default=0.0,
+                          metavar="SECONDS", help="simulated latency of every NVML call (default %(default)s)")
+    simulate.add_argument("--simulate.phase-seconds", dest="simulate_phase_seconds", type=_positive(float),
+                          default=300.0, metavar="SECONDS", help="length of each demo phase (default %(default)s)")
+    simulate.add_argument("--simulate.leak-minutes", dest="simulate_leak_minutes", type=_positive(float),
+                          default=30.0, metavar="MINUTES",
+                          help="memory-leak scenario: minutes until memory is full (default %(default)s)")
+    return parser
+
+
+def env_name(option: str) -> str:
+    """--web.listen-address -> DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS."""
+    return ENV_PREFIX + re.sub(r"[^A-Za-z0-9]", "_", option.lstrip("-")).upper()
+
+
+def env_arguments(parser: argparse.ArgumentParser, environ: dict[str, str]) -> list[str]:
+    """Flags equivalent to the DUALTRACK_EXPORTER_* variables set, for every option of the parser."""
+    arguments = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version"):
+            continue
+        option = action.option_strings[0]
+        name = env_name(option)
+        if name not in environ:
+            continue
+        value = environ[name]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value.lower() not in _TRUE | _FALSE:
+                raise UsageError(f"{name}={value!r}: expected true or false")
+            arguments.append(option if value.lower() in _TRUE else action.option_strings[1])
+        else:
+            arguments.append(f"{option}={value}")
+    return arguments
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse the environment, then the command line (which wins); raises UsageError."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(env_arguments(parser, dict(os.environ if environ is None else environ)) + argv)
+
+
+def open_nvml(args: argparse.Namespace) -> Nvml:
+    """Real NVML, or the simulated one when --simulate is given; raises UsageError, NvmlUnavailable."""
+    if args.simulate is None:
+        import pynvml
+        lib = pynvml
+    else:
+        devices, faults = load_fault_plan(args.simulate_faults) if args.simulate_faults else ({}, [])
+        lib = SimulatedNVML(args.simulate, args.simulate_gpus, devices=devices, faults=faults,
+                            call_cost=args.simulate_call_cost, phase_seconds=args.simulate_phase_seconds,
+                            leak_minutes=args.simulate_leak_minutes)
+    nvml = Nvml(lib)
+    nvml.init()
+    return nvml
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        web_config = load_web_config(args.web_config_file) if args.web_config_file else None
+        if args.simulate_faults and args.simulate is None:
+            raise UsageError("--simulate.faults needs --simulate")
+    except (UsageError, WebConfigError, FaultPlanError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.replace("warn", "warning").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        nvml = open_nvml(args)
+    except FaultPlanError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except NvmlUnavailable as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    if args.simulate:
+        log.warning("SIMULATED GPUs (scenario %s): these metrics do not come from real hardware", args.simulate)
+    return serve(args, nvml, web_config, stop)
+
+
+def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Event) -> int:
+    """Run the sampler and the web server until `stop` is set."""
+    enabled = [c.name for c in ALL if getattr(args, f"collector_{c.name}")]
+    try:
+        sampler = Sampler(nvml, enabled, interval=args.sample_interval, idle_threshold=args.idle_threshold,
+                          simulated=args.simulate is not None)
+    except Exception as exc:  # noqa: BLE001 - e.g. the GPU list cannot be read at all
+        print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
+        return 1
+    disable_created_metrics()
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(sampler))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    sampler.start()
+    server = WebServer(registry, listen_address=args.web_listen_address, telemetry_path=args.web_telemetry_path,
+                       web_config=web_config, ready=sampler.ready)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"{PROG}: error: cannot listen on {args.web_listen_address}: {exc.strerror or exc}", file=sys.stderr)
+        sampler.stop()
+        return 1
+    log.info("sampling %d GPU(s) every %gs with collectors: %s", len(sampler.devices), args.sample_interval,
+             ", ".join(enabled))
+    while not stop.wait(min(args.sample_interval, 1.0)):
+        sampler.watchdog()
+    log.info("shutting down")
+    server.shutdown()
+    if sampler.stop():
+        nvml.shutdown()  # not while a sampler thread is stuck inside NVML
+    return 0

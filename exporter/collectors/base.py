@@ -1,0 +1,81 @@
+"""What a collector is, and the context it reads NVML through during one GPU sample."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterable
+
+from exporter.metrics import SPECS
+from exporter.nvml import Absent, CallFailed, Device
+
+FieldKey = tuple[int, int]
+Values = dict[str, dict[tuple[str, ...], float]]
+
+
+class Collector:
+    """One NVML concern for one GPU. Subclasses set `name` and implement `collect`.
+
+    A collector instance belongs to one GPU and is only ever run by that GPU's sampler thread, so
+    it may keep state (counters integrated between samples) without locking.
+    `period` is in samples: slow-changing readings run every `period`-th sample, spread over
+    different samples so that no sample pays for all of them at once.
+    """
+
+    name: ClassVar[str] = ""
+    period: ClassVar[int] = 1
+    default_enabled: ClassVar[bool] = True
+    help: ClassVar[str] = ""
+
+    def __init__(self, device: Device, *, idle_threshold: float = 0.05, **_: Any) -> None:
+        self.device = device
+        self.idle_threshold = idle_threshold
+
+    def fields(self) -> Iterable[FieldKey]:
+        """NVML field ids (with scope) this collector reads from the shared field batch."""
+        return ()
+
+    def collect(self, ctx: "SampleContext") -> None:
+        raise NotImplementedError
+
+
+class SampleContext:
+    """Reads for one collector during one sample; failures become counted errors, absences nothing."""
+
+    def __init__(self, device: Device, fields: dict[FieldKey, Any], now: float) -> None:
+        self.device = device
+        self._fields = fields
+        self.now = now
+        self.values: Values = {}
+        self.errors: list[str] = []
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
+        """Device call; None when absent or failed (the failure is recorded). GpuLost propagates."""
+        try:
+            return self.device.call(function, *args, **kwargs)
+        except Absent:
+            return None
+        except CallFailed as exc:
+            self.errors.append(exc.error)
+            return None
+
+    def call_first(self, functions: tuple[str, ...], *args: Any) -> Any:
+        try:
+            return self.device.call_first(functions, *args)
+        except Absent:
+            return None
+        except CallFailed as exc:
+            self.errors.append(exc.error)
+            return None
+
+    def field(self, field_id: int, scope: int = 0) -> float | None:
+        """A value from the shared field batch; None if unsupported or failed (recorded)."""
+        value = self._fields.get((field_id, scope))
+        if isinstance(value, CallFailed):
+            self.errors.append(value.error)
+            return None
+        return value
+
+    def emit(self, metric: str, value: float | None, *labels: str) -> None:
+        """Record one sample; None means "no sample" and is dropped here."""
+        if value is None:
+            return
+        assert metric in SPECS and len(labels) == len(SPECS[metric].labels), metric
+        self.values.setdefault(metric, {})[labels] = float(value)

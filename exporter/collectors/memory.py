@@ -1,0 +1,23 @@
+"""Device memory. nvidia-smi: memory.used, memory.total, memory.free.
+
+NVML: nvmlDeviceGetMemoryInfo_v2 (used excludes driver-reserved memory, as nvidia-smi shows it),
+falling back to the v1 call on drivers older than R510.
+"""
+from __future__ import annotations
+
+from exporter.collectors.base import Collector, SampleContext
+
+
+class MemoryCollector(Collector):
+    name = "memory"
+    help = "device memory used/free/total"
+
+    def collect(self, ctx: SampleContext) -> None:
+        lib = self.device.nvml.lib
+        memory = ctx.call("nvmlDeviceGetMemoryInfo", lib.nvmlMemory_v2)
+        if memory is None and ("nvmlDeviceGetMemoryInfo", (lib.nvmlMemory_v2,)) in self.device.absent:
+            memory = ctx.call("nvmlDeviceGetMemoryInfo")
+        if memory is not None:
+            ctx.emit("nvml_gpu_memory_used_bytes", memory.used)
+            ctx.emit("nvml_gpu_memory_total_bytes", memory.total)
+            ctx.emit("nvml_gpu_memory_free_bytes", memory.free)

@@ -1,0 +1,44 @@
+"""PCIe throughput and replays. nvidia-smi: `nvidia-smi dmon -s t` (rxpci/txpci), pcie.replay counter.
+
+NVML fields NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES (byte counters; the rate is taken between
+two samples, so nothing blocks) and NVML_FI_DEV_PCIE_REPLAY_COUNTER. Drivers without the byte
+counters fall back to nvmlDeviceGetPcieThroughput (a 20 ms driver-side window, in KiB/s).
+"""
+from __future__ import annotations
+
+from exporter.collectors.base import Collector, SampleContext
+
+
+class PcieCollector(Collector):
+    name = "pcie"
+    help = "PCIe throughput and replay counter"
+
+    def __init__(self, device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        lib = device.nvml.lib
+        self.counters = {"tx": (lib.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, lib.NVML_PCIE_UTIL_TX_BYTES),
+                         "rx": (lib.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, lib.NVML_PCIE_UTIL_RX_BYTES)}
+        self.previous: dict[str, tuple[float, float]] = {}
+
+    def fields(self):
+        lib = self.device.nvml.lib
+        return [(field_id, 0) for field_id, _ in self.counters.values()] + [(lib.NVML_FI_DEV_PCIE_REPLAY_COUNTER, 0)]
+
+    def collect(self, ctx: SampleContext) -> None:
+        for direction, (field_id, counter) in self.counters.items():
+            total = ctx.field(field_id)
+            if total is not None:
+                ctx.emit("nvml_gpu_pcie_throughput_bytes_per_second", self._rate(direction, total, ctx.now),
+                         direction)
+            elif ("field", (field_id, 0)) in self.device.absent:
+                kib_per_second = ctx.call("nvmlDeviceGetPcieThroughput", counter)
+                ctx.emit("nvml_gpu_pcie_throughput_bytes_per_second",
+                         None if kib_per_second is None else kib_per_second * 1024, direction)
+        ctx.emit("nvml_gpu_pcie_replay_errors_total", ctx.field(self.device.nvml.lib.NVML_FI_DEV_PCIE_REPLAY_COUNTER))
+
+    def _rate(self, direction: str, total: float, now: float) -> float | None:
+        previous = self.previous.get(direction)
+        self.previous[direction] = (total, now)
+        if previous is None or now <= previous[1] or total < previous[0]:
+            return None
+        return (total - previous[0]) / (now - previous[1])

@@ -1,0 +1,87 @@
+"""Per-process device memory, with the process's container, Kubernetes pod and Slurm job.
+
+nvidia-smi: --query-compute-apps=pid,process_name,used_memory. NVML:
+nvmlDeviceGetComputeRunningProcesses. Names come from /proc/<pid>/comm, attribution from
+/proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). PIDs are host PIDs:
+in a container run the exporter with the host PID namespace to resolve them. Process names and
+PIDs can be sensitive: `--no-collector.processes` turns all of this off.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.collectors.base import Collector, SampleContext
+
+_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+_CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
+_SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    name: str = ""
+    container_id: str = ""
+    pod_uid: str = ""
+    slurm_job_id: str = ""
+
+
+def identify(pid: int, proc_root: Path) -> ProcessIdentity:
+    """Name and workload attribution of a host PID; empty strings for what cannot be read."""
+    base = proc_root / str(pid)
+    try:
+        name = (base / "comm").read_text().strip()
+    except OSError:
+        name = ""
+    container = pod = job = ""
+    try:
+        cgroup_paths = [line.split(":", 2)[-1] for line in (base / "cgroup").read_text().splitlines()]
+    except OSError:
+        cgroup_paths = []
+    for path in cgroup_paths:
+        pod = pod or _pod(path)
+        job = job or (_SLURM_JOB.search(path).group(1) if _SLURM_JOB.search(path) else "")
+        for part in path.split("/"):
+            match = _CONTAINER.search(part)
+            container = container or (match.group(1) if match else "")
+    if not job:
+        job = _environ(base).get("SLURM_JOB_ID", "")
+    return ProcessIdentity(name, container, pod, job)
+
+
+def _pod(path: str) -> str:
+    match = _POD.search(path)
+    return match.group(1).replace("_", "-") if match else ""
+
+
+def _environ(base: Path) -> dict[str, str]:
+    try:
+        raw = (base / "environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+class ProcessesCollector(Collector):
+    name = "processes"
+    period = 5
+    help = "per-process device memory with container/pod/Slurm attribution"
+
+    def __init__(self, device, *, proc_root: str | Path = "/proc", **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        self.proc_root = Path(proc_root)
+        self.known: dict[int, ProcessIdentity] = {}
+
+    def collect(self, ctx: SampleContext) -> None:
+        processes = ctx.call("nvmlDeviceGetComputeRunningProcesses")
+        if processes is None:
+            return
+        seen: dict[int, ProcessIdentity] = {}
+        for process in processes:
+            pid = int(process.pid)
+            identity = seen[pid] = self.known.get(pid) or identify(pid, self.proc_root)
+            ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, str(pid), identity.name,
+                     identity.container_id, identity.pod_uid, identity.slurm_job_id)
+        self.known = seen  # forget exited processes (a reused PID is looked up afresh)

@@ -1,0 +1,233 @@
+"""The only boundary between the exporter and NVML: calls, error mapping and version fallbacks.
+
+The NVML library is an injected module object: the real `pynvml` by default, the simulated one from
+`exporter.simulated` only under `--simulate`. Every NVML error is classified here, once:
+
+* NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
+  driver lacks the reading. It is remembered per device so it is never asked again.
+* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost`: the whole device is unreachable.
+* anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+_ABSENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
+_LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used at all (no driver, no libnvidia-ml): the daemon cannot start."""
+
+
+class Absent(Exception):
+    """The device or driver does not provide this reading: export no sample, count no error."""
+
+
+class GpuLost(Exception):
+    """The device stopped answering (fallen off the bus, needs reset, unknown state)."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class CallFailed(Exception):
+    """One NVML call or field failed with an error that does not condemn the whole device."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def error_names(lib: ModuleType) -> dict[int, str]:
+    """Map NVML return codes to short names: 15 -> "gpu_is_lost"."""
+    return {getattr(lib, name): name[len("NVML_ERROR_"):].lower()
+            for name in dir(lib) if name.startswith("NVML_ERROR_") and isinstance(getattr(lib, name), int)}
+
+
+def handle_key(handle: Any) -> int:
+    """A stable integer identity for a device handle (a ctypes pointer)."""
+    return ctypes.cast(handle, ctypes.c_void_p).value or id(handle)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class Nvml:
+    """An initialised NVML library plus the error policy above."""
+
+    def __init__(self, lib: ModuleType) -> None:
+        self.lib = lib
+        self._names = error_names(lib)
+        self._absent = {getattr(lib, n) for n in _ABSENT_ERRORS}
+        self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
+        self.calls = 0  # system-level calls; devices count their own
+
+    def init(self) -> None:
+        """nvmlInit, turning a missing driver or library into `NvmlUnavailable`."""
+        try:
+            self.lib.nvmlInit()
+        except self.lib.NVMLError as exc:
+            raise NvmlUnavailable(f"cannot initialise NVML ({exc}); is the NVIDIA driver installed and "
+                                  "libnvidia-ml.so.1 on the library path?") from exc
+        except OSError as exc:
+            raise NvmlUnavailable(f"cannot load libnvidia-ml ({exc})") from exc
+
+    def shutdown(self) -> None:
+        try:
+            self.lib.nvmlShutdown()
+        except self.lib.NVMLError:
+            pass
+
+    def error_name(self, exc: BaseException) -> str:
+        value = getattr(exc, "value", None)
+        return self._names.get(value, type(exc).__name__.lower())
+
+    def classify(self, exc: BaseException) -> Exception:
+        """The exporter exception for an NVML exception (see the module docstring)."""
+        value = getattr(exc, "value", None)
+        if value in self._absent or isinstance(exc, AttributeError):
+            return Absent(self.error_name(exc))
+        if value in self._lost:
+            return GpuLost(self.error_name(exc))
+        return CallFailed(self.error_name(exc))
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a system-level NVML function with the error policy applied."""
+        self.calls += 1
+        try:
+            return getattr(self.lib, function)(*args, **kwargs)
+        except (self.lib.NVMLError, AttributeError) as exc:
+            raise self.classify(exc) from exc
+
+    def driver_info(self) -> tuple[str, str]:
+        """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
+        try:
+            driver = _text(self.call("nvmlSystemGetDriverVersion"))
+        except Exception:  # noqa: BLE001 - identity is best effort
+            driver = ""
+        try:
+            cuda = int(self.call("nvmlSystemGetCudaDriverVersion_v2"))
+            cuda_text = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        except Exception:  # noqa: BLE001
+            cuda_text = ""
+        return driver, cuda_text
+
+    def devices(self) -> list["Device"]:
+        """Open every GPU and read its static identity (once)."""
+        count = self.call("nvmlDeviceGetCount")
+        return [Device.open(self, index) for index in range(count)]
+
+
+@dataclass
+class Device:
+    """One GPU: its handle, static identity, and what it is known not to support."""
+
+    nvml: Nvml
+    index: int
+    handle: Any
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    mig_mode: str = ""
+    absent: set = field(default_factory=set)
+    static: dict = field(default_factory=dict)
+    calls: int = 0
+
+    @classmethod
+    def open(cls, nvml: Nvml, index: int) -> "Device":
+        handle = nvml.call("nvmlDeviceGetHandleByIndex", index)
+        device = cls(nvml, index, handle, uuid=_text(nvml.call("nvmlDeviceGetUUID", handle)))
+        device.name = _text(device.optional("nvmlDeviceGetName") or "")
+        pci = device.optional("nvmlDeviceGetPciInfo_v3")
+        device.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        mig = device.optional("nvmlDeviceGetMigMode")
+        device.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
+        return device
+
+    def reopen(self) -> None:
+        """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
+        self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid)
+        self.call("nvmlDeviceGetMemoryInfo")
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a per-device NVML function; raises Absent, GpuLost or CallFailed.
+
+        A function found absent (NOT_SUPPORTED, FUNCTION_NOT_FOUND) is not called again. Absence is
+        remembered per function and first argument, so one fan or clock can be absent alone.
+        """
+        key = (function, args[:1] if args and isinstance(args[0], (int, str)) else ())
+        if key in self.absent:
+            raise Absent("remembered")
+        self.calls += 1
+        try:
+            return getattr(self.nvml.lib, function)(self.handle, *args, **kwargs)
+        except (self.nvml.lib.NVMLError, AttributeError) as exc:
+            mapped = self.nvml.classify(exc)
+            if isinstance(mapped, Absent):
+                log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function,
+                          args[:1], mapped)
+                self.absent.add(key)
+            raise mapped from exc
+
+    def call_first(self, functions: Sequence[str], *args: Any) -> Any:
+        """Call the first of several equivalent functions (newest name first) that exists."""
+        for function in functions[:-1]:
+            try:
+                return self.call(function, *args)
+            except Absent:
+                continue
+        return self.call(functions[-1], *args)
+
+    def optional(self, function: str, *args: Any) -> Any:
+        """A static reading that may be absent or fail: None then."""
+        try:
+            return self.call(function, *args)
+        except (Absent, CallFailed):
+            return None
+
+    def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """Read many fields in ONE nvmlDeviceGetFieldValues call.
+
+        `fields` are (field_id, scope_id) pairs. Returns {pair: number or CallFailed}; fields the GPU
+        does not support are left out of the result and never requested again.
+        """
+        wanted = [f for f in dict.fromkeys(fields) if ("field", f) not in self.absent]
+        if not wanted:
+            return {}
+        values = self.call("nvmlDeviceGetFieldValues", wanted)
+        lib = self.nvml.lib
+        result: dict[tuple[int, int], Any] = {}
+        for pair, value in zip(wanted, values):
+            if value.nvmlReturn == lib.NVML_SUCCESS:
+                result[pair] = union_number(lib, value.valueType, value.value)
+            elif value.nvmlReturn in self.nvml._absent:
+                self.absent.add(("field", pair))
+            else:
+                result[pair] = CallFailed(self.nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))
+        return result
+
+
+def union_number(lib: ModuleType, kind: int, union: Any) -> float:
+    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag."""
+    if kind == lib.NVML_VALUE_TYPE_DOUBLE:
+        return union.dVal
+    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return union.uiVal
+    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return union.ulVal
+    if kind == lib.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return union.sllVal
+    if kind == lib.NVML_VALUE_TYPE_SIGNED_INT:
+        return union.siVal
+    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return union.usVal
+    return union.ullVal

@@ -1,0 +1,259 @@
+"""The background sampler: one thread per GPU builds immutable samples; scrapes only read them.
+
+Each GPU has its own thread so a GPU that hangs in an NVML call or falls off the bus stalls or drops
+only its own series. A watchdog (driven by the daemon's main loop) reports a call that hangs while it
+hangs, through `nvml_exporter_errors_total{error="timeout"}` and the snapshot age.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Callable, Iterable
+
+from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
+from exporter.collectors.base import Values
+from exporter.nvml import CallFailed, Device, GpuLost, Nvml
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CollectorRun:
+    success: bool
+    duration: float
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """Everything known about one GPU at one moment. Never mutated after publication."""
+
+    index: int
+    uuid: str
+    taken_at: float
+    values: Values
+    runs: dict[str, CollectorRun]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The latest sample of every GPU, and which GPUs are lost."""
+
+    samples: tuple[GpuSample, ...] = ()
+    lost: frozenset[int] = frozenset()
+
+
+class Stats:
+    """Counters shared by the sampler threads: errors and GPU losses."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: Counter = Counter()
+        self._lost: Counter = Counter()
+
+    def error(self, collector: str, error: str) -> None:
+        with self._lock:
+            self._errors[(collector, error)] += 1
+
+    def lost(self, device: Device) -> None:
+        with self._lock:
+            self._lost[(str(device.index), device.uuid)] += 1
+
+    def errors(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._errors)
+
+    def losses(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._lost)
+
+
+class SnapshotStore:
+    """Holds the current Snapshot; publishing swaps in a new one (readers never lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = Snapshot()
+
+    def publish(self, index: int, sample: GpuSample | None) -> None:
+        """Replace GPU `index`'s sample, or mark it lost when `sample` is None."""
+        with self._lock:
+            samples = {s.index: s for s in self.current.samples}
+            lost = set(self.current.lost)
+            if sample is None:
+                samples.pop(index, None)
+                lost.add(index)
+            else:
+                samples[index] = sample
+                lost.discard(index)
+            self.current = Snapshot(tuple(samples[i] for i in sorted(samples)), frozenset(lost))
+
+
+class GpuSampler:
+    """Samples one GPU every interval with the enabled collectors."""
+
+    def __init__(self, device: Device, collectors: list[Collector], store: SnapshotStore, stats: Stats, *,
+                 interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.device = device
+        self.collectors = collectors
+        self.store = store
+        self.stats = stats
+        self.interval = interval
+        self.clock = clock
+        self.retry_interval = max(interval, 1.0)
+        self.samples_taken = 0
+        self.lost = False
+        self.retry_at = 0.0
+        self.busy_since: float | None = None
+        self.busy_in = ""
+        self.hang_reported = False
+        self._latest: dict[str, tuple[Values, CollectorRun]] = {}
+        slow = [c for c in collectors if c.period > 1]
+        self._phase = {id(c): position % c.period for position, c in enumerate(slow)}
+
+    def _due(self) -> list[Collector]:
+        if self.samples_taken == 0:
+            return self.collectors
+        return [c for c in self.collectors if (self.samples_taken + self._phase.get(id(c), 0)) % c.period == 0]
+
+    def sample_once(self) -> None:
+        """Take one sample and publish it; a lost GPU is retried every `retry_interval`."""
+        now = self.clock()
+        if self.lost and (now < self.retry_at or not self._recover(now)):
+            return
+        self.busy_since = now
+        try:
+            self._sample(now)
+        except GpuLost as exc:
+            self._mark_lost(now, exc.error)
+        finally:
+            self.busy_since = None
+            self.hang_reported = False
+
+    def _sample(self, now: float) -> None:
+        due = self._due()
+        self.busy_in = "fields"
+        try:
+            fields = self.device.field_values(chain.from_iterable(c.fields() for c in due))
+        except CallFailed as exc:
+            fields = {key: exc for key in chain.from_iterable(c.fields() for c in due)}
+        for collector in due:
+            self.busy_in = collector.name
+            ctx = SampleContext(self.device, fields, now)
+            started = time.perf_counter()
+            try:
+                collector.collect(ctx)
+            except GpuLost:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a collector bug must not stop the sampler
+                log.exception("GPU %d: collector %s failed", self.device.index, collector.name)
+                ctx.errors.append(type(exc).__name__)
+            for error in ctx.errors:
+                self.stats.error(collector.name, error)
+            self._latest[collector.name] = (ctx.values, CollectorRun(not ctx.errors, time.perf_counter() - started))
+        self.samples_taken += 1
+        values: Values = {}
+        for collector_values, _ in self._latest.values():
+            for metric, series in collector_values.items():
+                values.setdefault(metric, {}).update(series)
+        runs = {name: run for name, (_, run) in self._latest.items()}
+        self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs))
+
+    def _mark_lost(self, now: float, error: str) -> None:
+        if not self.lost:
+            log.error("GPU %d (%s) lost: %s; its series are dropped until it answers again",
+                      self.device.index, self.device.uuid, error)
+            self.stats.lost(self.device)
+        self.lost = True
+        self.retry_at = now + self.retry_interval
+        self.store.publish(self.device.index, None)
+
+    def _recover(self, now: float) -> bool:
+        try:
+            self.device.reopen()
+        except Exception:  # noqa: BLE001 - still unreachable, whatever NVML says
+            self.retry_at = now + self.retry_interval
+            return False
+        log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)
+        self.lost = False
+        return True
+
+    def check_hang(self, hang_after: float) -> None:
+        """Count a timeout once if the current sample has been running longer than `hang_after`."""
+        started = self.busy_since
+        if started is not None and not self.hang_reported and self.clock() - started > hang_after:
+            self.hang_reported = True
+            log.error("GPU %d: NVML call in collector %s has not returned for %.0f s",
+                      self.device.index, self.busy_in, self.clock() - started)
+            self.stats.error(self.busy_in, "timeout")
+
+    def run(self, stop: threading.Event) -> None:
+        next_at = self.clock()
+        while not stop.is_set():
+            self.sample_once()
+            next_at += self.interval
+            delay = next_at - self.clock()
+            if delay < 0:  # fell behind (a slow call): resynchronise instead of bursting
+                next_at, delay = self.clock(), 0.0
+            stop.wait(delay)
+
+
+@dataclass
+class Sampler:
+    """All GPUs' samplers, the XID watcher, the store and the counters: the exporter's core."""
+
+    nvml: Nvml
+    collectors: Iterable[str]
+    interval: float = 1.0
+    idle_threshold: float = 0.05
+    simulated: bool = False
+    proc_root: str = "/proc"
+    clock: Callable[[], float] = time.monotonic
+    store: SnapshotStore = field(default_factory=SnapshotStore)
+    stats: Stats = field(default_factory=Stats)
+
+    def __post_init__(self) -> None:
+        self.collectors = list(self.collectors)
+        self.devices = self.nvml.devices()
+        self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
+        self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
+        options = {"idle_threshold": self.idle_threshold, "xid_watcher": self.xid, "proc_root": self.proc_root}
+        self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
+                                self.store, self.stats, interval=self.interval, clock=self.clock)
+                     for device in self.devices]
+        self.hang_after = max(3 * self.interval, 2.0)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        if self.xid:
+            self.xid.start()
+        for gpu in self.gpus:
+            thread = threading.Thread(target=gpu.run, args=(self._stop,), name=f"sampler-gpu{gpu.device.index}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def ready(self) -> bool:
+        """True once every GPU has been sampled (or found lost) at least once."""
+        return all(gpu.samples_taken or gpu.lost for gpu in self.gpus)
+
+    def watchdog(self) -> None:
+        for gpu in self.gpus:
+            gpu.check_hang(self.hang_after)
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop the threads; False if one is stuck in an NVML call (it is a daemon thread)."""
+        self._stop.set()
+        if self.xid:
+            self.xid.stop()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def nvml_calls(self) -> int:
+        return self.nvml.calls + sum(device.calls for device in self.devices)

@@ -1,0 +1,527 @@
+"""Simulated NVML: a pynvml-compatible module object with simulated GPUs (default "H100 80GB HBM3").
+
+Only `--simulate` (and the tests) construct it; the real code path imports `pynvml` and nothing from
+here. It speaks pynvml's language exactly: pynvml's own NVMLError subclasses, ctypes structs
+(c_nvmlMemory_v2_t, c_nvmlUtilization_t, c_nvmlFieldValue_t, c_nvmlSample_t, c_nvmlEventData_t,
+c_nvmlGpmMetricsGet_t, process infos via nvmlStructToFriendlyObject) and constants, all taken from
+the installed pynvml. Functions it does not implement look missing, as on an old driver.
+
+Scenarios: healthy, input-bound (2 s busy / 2 s waiting for data), memory-leak (used memory climbing
+in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each).
+
+Faults (a JSON file for the daemon, `--simulate.faults=FILE`), for example::
+
+    {"devices": {"1": {"fans": 2, "power": false, "mig": true}},
+     "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},
+                {"gpu": 0, "field": 186, "error": "Unknown"},
+                {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": 30, "at": 2, "times": 1},
+                {"function": "nvmlDeviceGetSamples", "error": "FunctionNotFound"},
+                {"gpu": 0, "xid": 79, "at": 1, "times": 3}]}
+
+`at`/`until` are seconds since start; `times` caps how often a rule fires; `error` is a pynvml error
+class suffix (NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import threading
+import time
+import types
+import uuid as uuidlib
+from collections import Counter
+from dataclasses import dataclass, field, fields as dataclass_fields
+from functools import wraps
+from typing import Any, Callable
+
+import pynvml
+
+SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo")
+GIB = 1 << 30
+MIB = 1 << 20
+TICK = 0.1  # seconds between entries of the simulated driver utilization buffer
+BUFFER = 120  # entries the driver keeps
+_BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+
+
+@dataclass
+class DeviceTraits:
+    """What one simulated GPU is and supports."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_total: int = 81559 * MIB
+    fans: int = 0  # SXM boards are passively cooled
+    power: bool = True
+    mig: bool = False
+    gpm: bool = True
+    nvlinks: int = 18
+
+
+@dataclass
+class Fault:
+    """One injected misbehaviour; see the module docstring."""
+
+    gpu: int | None = None
+    function: str | None = None
+    field: int | None = None
+    error: str | None = None
+    hang: float = 0.0
+    xid: int | None = None
+    at: float = 0.0
+    until: float = math.inf
+    times: int | None = None
+    fired: int = 0
+
+    def active(self, t: float) -> bool:
+        return self.at <= t < self.until and (self.times is None or self.fired < self.times)
+
+    def matches_call(self, function: str, gpu: int | None) -> bool:
+        if self.field is not None or self.xid is not None:
+            return False
+        if self.gpu is not None and self.gpu != gpu:
+            return False
+        return self.function == function or (self.function == "*" and gpu is not None)
+
+
+class FaultPlanError(ValueError):
+    """The fault file is unreadable or malformed (one-line message)."""
+
+
+def load_fault_plan(path: str) -> tuple[dict[int, DeviceTraits], list[Fault]]:
+    """Read a fault plan JSON file; raises FaultPlanError with a one-line message."""
+    try:
+        with open(path) as handle:
+            plan = json.load(handle)
+        known = {f.name for f in dataclass_fields(DeviceTraits)}
+        devices = {}
+        for index, traits in plan.get("devices", {}).items():
+            unknown = set(traits) - known
+            if unknown:
+                raise FaultPlanError(f"{path}: unknown device trait(s) {sorted(unknown)}")
+            devices[int(index)] = DeviceTraits(**traits)
+        faults = [Fault(**rule) for rule in plan.get("faults", [])]
+    except FaultPlanError:
+        raise
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise FaultPlanError(f"cannot use fault plan {path}: {exc}") from exc
+    for fault in faults:
+        if fault.error and not hasattr(pynvml, f"NVMLError_{fault.error}"):
+            raise FaultPlanError(f"{path}: unknown NVML error {fault.error!r}")
+    return devices, faults
+
+
+def _api(device: bool = True) -> Callable:
+    """Mark an NVML function: count it, charge its cost, and apply matching faults."""
+    def decorate(method: Callable) -> Callable:
+        @wraps(method)
+        def wrapper(self: "SimulatedNVML", *args: Any, **kwargs: Any) -> Any:
+            gpu = self._gpu_of(args[0]) if device and args else None
+            self._enter(method.__name__, gpu)
+            return method(self, *args, **kwargs)
+        wrapper.simulated_api = True
+        return wrapper
+    return decorate
+
+
+def _handle(buffer: ctypes.Array, kind: Any) -> Any:
+    return ctypes.cast(buffer, kind)
+
+
+class SimulatedNVML:
+    """A stand-in for the `pynvml` module. Attribute access falls through to pynvml for constants,
+    structs and error classes; pynvml functions not simulated here raise AttributeError."""
+
+    def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
+                 faults: list[Fault] | None = None, call_cost: float = 0.0, clock: Callable[[], float] = time.time,
+                 phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None) -> None:
+        if scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+        self.scenario = scenario
+        self.traits = [(devices or {}).get(i, DeviceTraits()) for i in range(gpus)]
+        self.faults = list(faults or [])
+        self.call_cost = call_cost
+        self.clock = clock
+        self.start = clock()
+        self.phase_seconds = phase_seconds
+        self.leak_minutes = leak_minutes
+        self.pid = os.getpid() if pid is None else pid
+        self.calls: Counter = Counter()
+        self.calls_by_gpu: Counter = Counter()
+        self._lock = threading.Lock()
+        self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
+        self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
+        self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
+        self._uuids = [f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{i}')}" for i in range(gpus)]
+        self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
+        self._gpm_samples: dict[int, tuple[int, float, float]] = {}
+        self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
+        self._xid_queue: list[tuple[int, int]] = []
+
+    # --- module emulation -------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(pynvml, name)
+        if isinstance(value, types.FunctionType) and name.startswith("nvml"):
+            raise AttributeError(f"simulated NVML has no {name}")
+        return value
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(pynvml)) | set(super().__dir__()))
+
+    def _gpu_of(self, handle: Any) -> int | None:
+        if isinstance(handle, str):
+            return self._uuids.index(handle) if handle in self._uuids else None
+        try:
+            return self._by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
+        except (TypeError, ctypes.ArgumentError):
+            return None
+
+    def _t(self) -> float:
+        return self.clock() - self.start
+
+    def _enter(self, function: str, gpu: int | None) -> None:
+        with self._lock:
+            self.calls[function] += 1
+            if gpu is not None:
+                self.calls_by_gpu[gpu] += 1
+        if self.call_cost:
+            time.sleep(self.call_cost)
+        t = self._t()
+        for fault in self.faults:
+            if fault.active(t) and fault.matches_call(function, gpu):
+                fault.fired += 1
+                if fault.hang:
+                    time.sleep(fault.hang)
+                if fault.error:
+                    raise getattr(pynvml, f"NVMLError_{fault.error}")()
+
+    def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
+        for fault in self.faults:
+            if fault.field == field_id and fault.gpu in (None, gpu) and fault.active(t) and fault.error:
+                fault.fired += 1
+                return getattr(pynvml, f"NVMLError_{fault.error}")().value
+        return None
+
+    # --- the simulated workload -------------------------------------------------------------------
+    def _phase(self, t: float) -> tuple[str, float]:
+        if self.scenario != "demo":
+            return self.scenario, t
+        phase = int(t // self.phase_seconds)
+        return ("healthy", "input-bound", "memory-leak")[phase % 3], t - phase * self.phase_seconds
+
+    def utilization(self, gpu: int, t: float) -> float:
+        """GPU utilization (0..1) of the simulated workload at time t."""
+        scenario, local = self._phase(t)
+        if scenario == "input-bound":
+            return 1.0 if local % 4.0 < 2.0 else 0.0
+        return 0.93 + 0.04 * math.sin(2 * math.pi * t / 60 + gpu)
+
+    def busy_seconds(self, gpu: int, t: float) -> float:
+        """Integral of utilization from start to t, advanced in TICK steps."""
+        with self._lock:
+            done, total = self._integral[gpu]
+            if t < done:
+                return total - (done - t) * self.utilization(gpu, t)
+            while done + TICK <= t:
+                total += self.utilization(gpu, done + TICK / 2) * TICK
+                done += TICK
+            self._integral[gpu] = (done, total)
+        return total + (t - done) * self.utilization(gpu, t)
+
+    def memory_used(self, gpu: int, t: float) -> int:
+        scenario, local = self._phase(t)
+        total = self.traits[gpu].memory_total
+        if scenario != "memory-leak":
+            return 61 * GIB + gpu * 256 * MIB
+        step_seconds = 30.0
+        steps = max(1.0, self.leak_minutes * 60 / step_seconds)
+        base = 20 * GIB
+        used = base + (total - 512 * MIB - base) * math.floor(local / step_seconds) / steps
+        return int(min(used, total - 512 * MIB))
+
+    def power_mw(self, gpu: int, t: float) -> int:
+        return int((90 + 560 * self.utilization(gpu, t)) * 1000)
+
+    def energy_mj(self, gpu: int, t: float) -> int:
+        return int((90 * t + 560 * self.busy_seconds(gpu, t)) * 1000)
+
+    # --- system ----------------------------------------------------------------------------------
+    @_api(device=False)
+    def nvmlInit(self) -> None:
+        return None
+
+    @_api(device=False)
+    def nvmlShutdown(self) -> None:
+        return None
+
+    @_api(device=False)
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "simulated"
+
+    @_api(device=False)
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return 12040
+
+    @_api(device=False)
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.traits)
+
+    @_api(device=False)
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if not 0 <= index < len(self._handles):
+            raise pynvml.NVMLError_InvalidArgument()
+        return self._handles[index]
+
+    @_api()
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Any:
+        if uuid not in self._uuids:
+            raise pynvml.NVMLError_NotFound()
+        return self._handles[self._uuids.index(uuid)]
+
+    # --- identity --------------------------------------------------------------------------------
+    @_api()
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        return self.traits[self._gpu_of(handle)].name
+
+    @_api()
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._uuids[self._gpu_of(handle)]
+
+    @_api()
+    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
+        gpu = self._gpu_of(handle)
+        bus = _BUS_IDS[gpu % len(_BUS_IDS)] + gpu // len(_BUS_IDS)
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = f"00000000:{bus:02X}:00.0".encode()
+        info.bus = bus
+        return info
+
+    @_api()
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        mode = int(self.traits[self._gpu_of(handle)].mig)
+        return [mode, mode]
+
+    # --- readings --------------------------------------------------------------------------------
+    @_api()
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig:
+            raise pynvml.NVMLError_NotSupported()
+        busy = self.utilization(gpu, self._t())
+        return pynvml.c_nvmlUtilization_t(gpu=round(100 * busy), memory=round(45 * busy))
+
+    @_api()
+    def nvmlDeviceGetSamples(self, handle: Any, sampling_type: int, timestamp: int) -> tuple[int, list]:
+        gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig or sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            raise pynvml.NVMLError_NotSupported()
+        now_tick = math.floor(self._t() / TICK)
+        first = max(now_tick - BUFFER + 1, 1)
+        samples = []
+        for tick in range(first, now_tick + 1):
+            stamp = int((self.start + tick * TICK) * 1e6)
+            if stamp > timestamp:
+                sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
+                sample.sampleValue.uiVal = round(100 * self.utilization(gpu, (tick - 0.5) * TICK))
+                samples.append(sample)
+        if not samples:
+            raise pynvml.NVMLError_NotFound()
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    @_api()
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        gpu = self._gpu_of(handle)
+        total, used, reserved = self.traits[gpu].memory_total, self.memory_used(gpu, self._t()), 512 * MIB
+        if not version:
+            return pynvml.c_nvmlMemory_t(total=total, used=used + reserved, free=total - used - reserved)
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
+                                        free=total - used - reserved)
+
+    @_api()
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        gpu = self._gpu_of(handle)
+        return round(34 + 36 * self.utilization(gpu, self._t())) + gpu
+
+    @_api()
+    def nvmlDeviceGetNumFans(self, handle: Any) -> int:
+        fans = self.traits[self._gpu_of(handle)].fans
+        if not fans:
+            raise pynvml.NVMLError_NotSupported()
+        return fans
+
+    @_api()
+    def nvmlDeviceGetFanSpeed_v2(self, handle: Any, fan: int) -> int:
+        gpu = self._gpu_of(handle)
+        if fan >= self.traits[gpu].fans:
+            raise pynvml.NVMLError_InvalidArgument()
+        return round(30 + 40 * self.utilization(gpu, self._t()))
+
+    def _power(self, handle: Any) -> int:
+        gpu = self._gpu_of(handle)
+        if not self.traits[gpu].power:
+            raise pynvml.NVMLError_NotSupported()
+        return gpu
+
+    @_api()
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        gpu = self._power(handle)
+        return self.power_mw(gpu, self._t())
+
+    @_api()
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        self._power(handle)
+        return 700_000
+
+    @_api()
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        gpu = self._power(handle)
+        return self.energy_mj(gpu, self._t())
+
+    @_api()
+    def nvmlDeviceGetPerformanceState(self, handle: Any) -> int:
+        return 0
+
+    @_api()
+    def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int:
+        busy = self.utilization(self._gpu_of(handle), self._t()) >= 0.05
+        return {pynvml.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, pynvml.NVML_CLOCK_SM: 1980 if busy else 345,
+                pynvml.NVML_CLOCK_MEM: 2619, pynvml.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
+
+    @_api()
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock: int) -> int:
+        return {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
+                pynvml.NVML_CLOCK_VIDEO: 1965}[clock]
+
+    @_api()
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
+        return pynvml.nvmlClocksEventReasonGpuIdle if idle else 0
+
+    @_api()
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
+        idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
+        return pynvml.nvmlClocksThrottleReasonGpuIdle if idle else 0
+
+    @_api()
+    def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
+        busy = self.utilization(self._gpu_of(handle), self._t())
+        return int((0.5e9 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
+
+    @_api()
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
+        gpu = self._gpu_of(handle)
+        info = pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, self._t()) - 256 * MIB,
+                                          gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+        return [pynvml.nvmlStructToFriendlyObject(info)]
+
+    @_api()
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list) -> Any:
+        gpu = self._gpu_of(handle)
+        t = self._t()
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for slot, requested in enumerate(field_ids):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            entry = values[slot]
+            entry.fieldId, entry.scopeId, entry.timestamp = field_id, scope, int(self.clock() * 1e6)
+            error = self._field_error(gpu, field_id, t)
+            reading = None if error else self._field(gpu, field_id, scope, t)
+            if error:
+                entry.nvmlReturn = error
+            elif reading is None:
+                entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            else:
+                entry.nvmlReturn = pynvml.NVML_SUCCESS
+                entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                entry.value.ullVal = int(reading)
+        return values
+
+    def _field(self, gpu: int, field_id: int, scope: int, t: float) -> float | None:
+        traits = self.traits[gpu]
+        busy = self.busy_seconds(gpu, t)
+        if field_id in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
+            return 20e9 * busy / traits.nvlinks / 1024 if scope < traits.nvlinks else None
+        if field_id in (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT,
+                        pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
+            return None
+        return {
+            pynvml.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
+            pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
+            pynvml.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
+            pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
+            pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
+            pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
+            pynvml.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
+            pynvml.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
+            pynvml.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
+            pynvml.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
+            pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
+            pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: 0.5e9 * t,
+            pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: 1.5e9 * t + 4e9 * busy,
+        }.get(field_id, lambda: None)()
+
+    # --- events (XID) ----------------------------------------------------------------------------
+    @_api(device=False)
+    def nvmlEventSetCreate(self) -> Any:
+        buffer = (ctypes.c_char * 8)()
+        self._keep.append(buffer)
+        return _handle(buffer, pynvml.c_nvmlEventSet_t)
+
+    @_api()
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        return None
+
+    @_api(device=False)
+    def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            t = self._t()
+            for fault in self.faults:
+                if fault.xid is not None and fault.active(t):
+                    fault.fired += 1
+                    self._xid_queue.append((fault.gpu or 0, fault.xid))
+            if self._xid_queue:
+                gpu, xid = self._xid_queue.pop(0)
+                return pynvml.c_nvmlEventData_t(device=self._handles[gpu],
+                                                eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=xid)
+            if time.monotonic() >= deadline:
+                raise pynvml.NVMLError_Timeout()
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    # --- GPM -------------------------------------------------------------------------------------
+    @_api()
+    def nvmlGpmQueryDeviceSupport(self, handle: Any) -> Any:
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self.traits[self._gpu_of(handle)].gpm)
+        return support
+
+    @_api(device=False)
+    def nvmlGpmSampleAlloc(self) -> Any:
+        buffer = (ctypes.c_char * 8)()
+        self._keep.append(buffer)
+        return _handle(buffer, pynvml.c_nvmlGpmSample_t)
+
+    @_api()
+    def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> Any:
+        gpu = self._gpu_of(handle)
+        t = self._t()
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
+        return sample
+
+    @_api(device=False)
+    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+        first = self._gpm_samples[ctypes.cast(request.sample1, ctypes.c_void_p).value]
+        second = self._gpm_samples[ctypes.cast(request.sample2, ctypes.c_void_p).value]
+        if second[1] <= first[1]:
+            raise pynvml.NVMLError_InvalidArgument()
+        busy = (second[2] - first[2]) / (second[1] - first[1])
+        scale = {pynvml.NVML_GPM_METRIC_SM_UTIL: 85.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
+                 pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
+        for slot in range(request.numMetrics):
+            metric = request.metrics[slot]
+            if metric.metricId in scale:
+                metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, pynvml.NVML_SUCCESS
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return request
