@@ -9,6 +9,8 @@ import bisect
 import logging
 import math
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -77,8 +79,10 @@ def _numeric_id(batch_id: Any) -> float:
 class Aggregator:
     """Turns drained entries into record lines and running state; publishes snapshots."""
 
-    def __init__(self, names: dict[Any, Any]) -> None:
+    def __init__(self, names: dict[Any, Any], max_hold: float) -> None:
         self._names = names  # log key -> metric suffix, filled by the training thread
+        self._max_hold = max_hold
+        self._recent: deque[tuple[float, dict[str, float]]] = deque()  # (published at, window maxima)
         self._lock = threading.RLock()  # close() may run in a signal handler
         self._state = Snapshot(dropped={})
         self._counts = [0] * (len(STEP_BUCKETS) + 1)
@@ -139,12 +143,23 @@ class Aggregator:
     def publish(self, **extra: Any) -> Snapshot:
         """A copy of the state; starts a new window for the *_max series.
 
-        A window without steps keeps showing the previous window's maxima.
+        The published maxima cover the windows published in the last `max_hold` seconds, so a
+        one-step spike stays visible long enough for a Prometheus scrape (15 s by default) however
+        short the push interval; the latest window with steps is always included.
         """
         with self._lock:
             state = self._state
-            state.maxima.update(self._window)
-            self._window = {}
+            now = time.monotonic()
+            if self._window:
+                self._recent.append((now, self._window))
+                self._window = {}
+            while len(self._recent) > 1 and self._recent[0][0] < now - self._max_hold:
+                self._recent.popleft()
+            state.maxima = {}
+            for _, window in self._recent:
+                for name, value in window.items():
+                    if name not in state.maxima or value > state.maxima[name]:
+                        state.maxima[name] = value
             cumulative, total = [], 0
             for count in self._counts:
                 total += count

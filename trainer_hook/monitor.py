@@ -46,7 +46,8 @@ class TrainingMonitor:
                  listen_port: int | None = None, listen_address: str = "127.0.0.1",
                  push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
                  bearer_token: str | None = None, ca_file: str | None = None,
-                 tls_verify: bool = True, client_cert: tuple[str, str] | None = None) -> None:
+                 tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
+                 max_hold: float = 30.0) -> None:
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
                 raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
@@ -74,7 +75,7 @@ class TrainingMonitor:
         self._wake = threading.Event()
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
-        self._aggregator = Aggregator(self._names)
+        self._aggregator = Aggregator(self._names, max(0.0, float(max_hold)))
         self.record = Record(s.record_path)
         self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
                             "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
@@ -308,6 +309,7 @@ class TrainingMonitor:
             self._pusher.push(final)
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
         lifecycle.unregister(self)
 
     @property

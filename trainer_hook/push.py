@@ -58,7 +58,7 @@ class Pusher:
         self._cond = threading.Condition()
         self._pending: Snapshot | None = None
         self._carry: Snapshot | None = None
-        self._outage = False
+        self._outage_failures = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="trainer_hook-push", daemon=True)
         self._thread.start()
@@ -79,7 +79,10 @@ class Pusher:
                 if self._stopping:
                     return
                 snapshot, self._pending = self._pending, None
-            self.push(snapshot)
+            try:
+                self.push(snapshot)
+            except Exception:  # noqa: BLE001 - a bug here must not end pushing
+                log.exception("trainer_hook internal error while pushing; training continues")
 
     def push(self, snapshot: Snapshot) -> bool:
         """One PUT of the whole state (so a Pushgateway restarted empty is refilled at once)."""
@@ -94,17 +97,17 @@ class Pusher:
                             timeout=self.settings.push_timeout, handler=self._handler)
         except Exception as exc:  # noqa: BLE001 - any failure is counted, none may reach training
             self.failures += 1
+            self._outage_failures += 1
             self._carry = snapshot
-            if not self._outage:
-                self._outage = True
+            if self._outage_failures == 1:
                 log.warning("push to %s failed: %s; training continues, retrying every %gs "
                             "(counted in training_push_failures_total)", self.settings.pushgateway,
                             exc, self.settings.push_interval)
             return False
-        if self._outage:
-            self._outage = False
+        if self._outage_failures:
             log.warning("push to %s works again after %d failed pushes", self.settings.pushgateway,
-                        self.failures)
+                        self._outage_failures)
+            self._outage_failures = 0
         return True
 
     def stop(self, timeout: float) -> Snapshot | None:

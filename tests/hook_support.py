@@ -1,0 +1,79 @@
+"""Shared pieces of the trainer_hook tests: a small real training loop and record readers."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from stack import processes
+from trainer_hook import TrainingMonitor
+
+
+@dataclass
+class Trainer:
+    """A real (tiny) torch model trained with SGD on fixed random batches."""
+
+    seed: int = 0
+    model: torch.nn.Module = field(init=False)
+    optimizer: torch.optim.Optimizer = field(init=False)
+    batches: list = field(init=False)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(self.seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.batches = [(torch.randn(64, 32), torch.randn(64, 1)) for _ in range(8)]
+
+    def train_step(self, monitor: TrainingMonitor | None, loss_scale: float = 1.0,
+                   batch_id: int | None = None) -> float:
+        """One forward/backward/step; logs loss and grad norm; returns the step's wall time."""
+        started = time.perf_counter()
+        x, y = self.batches[self.step % len(self.batches)]
+        loss = torch.nn.functional.mse_loss(self.model(x), y) * loss_scale
+        self.optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        if monitor is not None:
+            monitor.log({"loss": loss, "grad_norm": norm, "learning_rate": 0.01, "epoch": self.step // 100},
+                        step=self.step, samples=64, batch_id=self.step if batch_id is None else batch_id)
+        self.step += 1
+        return time.perf_counter() - started
+
+
+def record_lines(path: Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, event lines) of a local record file."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [x for x in lines if "step" in x and "event" not in x], [x for x in lines if "event" in x]
+
+
+def pushed_value(pushgateway_url: str, name: str, run: str, **labels: str) -> float | None:
+    """A sample's value as the Pushgateway holds it for `run` (None if absent)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(pushgateway_url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("run") == run and \
+                    all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[float], bool],
+                timeout: float = 15.0, **labels: str) -> float:
+    def probe():
+        value = pushed_value(pushgateway_url, name, run, **labels)
+        return value is not None and predicate(value) and (value,)
+    return processes.wait_until(probe, timeout, what=f"{name} for run {run} on the Pushgateway")[0]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
