@@ -1,0 +1,54 @@
+"""Alerts end to end: the training hook (real torch) or the exporter (simulated GPUs) -> Prometheus
+with the repo's rules -> Alertmanager with the repo's routes -> a webhook on loopback."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from stack import processes
+from tests.alerting_support import NonFiniteRun, start_pipeline
+
+pytestmark = pytest.mark.e2e
+
+
+def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
+        tmp_path, start_service, webhook_receiver):
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
+    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
+    with run.monitor:
+        run.train(20)
+        processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} >= 20', 30)
+        run.log_nan()
+        logged_at = time.time()
+        run.train(5)
+        notification, alert = webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run.run, timeout=60)
+        latency = notification["received_at"] - logged_at
+        print(f"non-finite loss logged -> webhook: {latency:.1f} s")
+        assert latency < 120  # the detection target: within 2 minutes of the push
+
+    assert notification["receiver"] == "critical"
+    # Prometheus adds its external label `monitor` to what it sends.
+    assert alert["labels"] == {"alertname": "TrainingLossNonFinite", "severity": "critical", "monitor": "dualtrack",
+                               **run.labels}
+    description = alert["annotations"]["description"]
+    assert f"non-finite value at step {run.nan_step}, batch {run.nan_batch_id}" in description, description
+    assert alert["annotations"]["runbook_url"] == "docs/alerts.md#traininglossnonfinite"
+    # The run finished (closing the monitor pushed state="finished"): the alert resolves.
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
+
+
+def test_lost_gpu_reaches_the_webhook(tmp_path, start_service, webhook_receiver):
+    plan = tmp_path / "faults.json"
+    plan.write_text(json.dumps({"faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 1}]}))
+    exporter = start_service(processes.exporter(
+        tmp_path, ["--simulate=healthy", f"--simulate.faults={plan}", "--sample-interval=0.2"]))
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver, exporter_targets=[exporter.address])
+
+    notification, alert = webhook_receiver.wait_for_alert("GPULost", gpu="1", timeout=60)
+    assert notification["receiver"] == "critical"
+    assert alert["labels"]["instance"] == exporter.address
+    assert alert["labels"]["uuid"].startswith("GPU-")
+    assert f"GPU 1 ({alert['labels']['uuid']}) on {exporter.address}" in alert["annotations"]["description"]
+    assert pipeline.alert_states("GPULost", gpu="0") == []
