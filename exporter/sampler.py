@@ -220,7 +220,7 @@ class Sampler:
         self.devices = self.nvml.devices()
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
-        options = {"idle_threshold": self.idle_threshold, "xid_watcher": self.xid, "proc_root": self.proc_root}
+        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
         self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
                                 self.store, self.stats, interval=self.interval, clock=self.clock)
                      for device in self.devices]

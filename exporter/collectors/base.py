@@ -24,9 +24,12 @@ class Collector:
     default_enabled: ClassVar[bool] = True
     help: ClassVar[str] = ""
 
-    def __init__(self, device: Device, *, idle_threshold: float = 0.05, **_: Any) -> None:
+    def __init__(self, device: Device, *, idle_threshold: float = 0.05, interval: float = 1.0, **_: Any) -> None:
         self.device = device
         self.idle_threshold = idle_threshold
+        # A longer gap between two readings means readings were lost (a hang, a lost GPU): that
+        # time is attributed to nothing rather than guessed.
+        self.max_gap = max(2.0, 2 * interval)
 
     def fields(self) -> Iterable[FieldKey]:
         """NVML field ids (with scope) this collector reads from the shared field batch."""

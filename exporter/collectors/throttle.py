@@ -8,7 +8,6 @@ previous sample, so a 30 s scrape still sees a 3 s power-cap episode.
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.collectors.utilization import MAX_GAP_SECONDS
 
 REASONS = {
     "gpu_idle": 0x1,
@@ -41,7 +40,7 @@ class ThrottleCollector(Collector):
         self.last = ctx.now
         for reason, bit in REASONS.items():
             active = bool(mask & bit)
-            if active and 0 < elapsed <= MAX_GAP_SECONDS:
+            if active and 0 < elapsed <= self.max_gap:
                 self.seconds[reason] += elapsed
             ctx.emit("nvml_gpu_throttle_active", int(active), reason)
             ctx.emit("nvml_gpu_throttle_seconds_total", self.seconds[reason], reason)

@@ -10,10 +10,6 @@ from __future__ import annotations
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, union_number
 
-# A gap longer than this between two readings means readings were lost (a hang, a lost GPU):
-# that time is not attributed to either busy or idle.
-MAX_GAP_SECONDS = 2.0
-
 
 class UtilizationCollector(Collector):
     name = "utilization"
@@ -43,7 +39,7 @@ class UtilizationCollector(Collector):
             ctx.emit("nvml_gpu_idle_seconds_total", self.idle)
 
     def _add(self, utilization: float, seconds: float) -> None:
-        if 0 < seconds <= MAX_GAP_SECONDS:
+        if 0 < seconds <= self.max_gap:
             utilization = min(max(utilization, 0.0), 1.0)
             self.busy += utilization * seconds
             if utilization < self.idle_threshold:

@@ -1,0 +1,217 @@
+"""Collectors and sampler against simulated NVML at the pynvml boundary (no daemon, fake clock)."""
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from exporter.nvml import Absent, Device, GpuLost, Nvml
+from exporter.simulated import DeviceTraits, Fault, SimulatedNVML
+from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
+
+CORE_METRICS = [
+    "nvml_gpu_info", "nvml_gpu_utilization_ratio", "nvml_gpu_memory_controller_utilization_ratio",
+    "nvml_gpu_busy_seconds_total", "nvml_gpu_idle_seconds_total", "nvml_gpu_memory_used_bytes",
+    "nvml_gpu_memory_total_bytes", "nvml_gpu_memory_free_bytes", "nvml_gpu_temperature_celsius",
+    "nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts", "nvml_gpu_energy_joules_total",
+    "nvml_gpu_clock_hertz", "nvml_gpu_clock_max_hertz", "nvml_gpu_performance_state",
+    "nvml_gpu_pcie_throughput_bytes_per_second", "nvml_gpu_nvlink_data_bytes_total", "nvml_gpu_throttle_active",
+    "nvml_gpu_throttle_seconds_total", "nvml_gpu_ecc_errors_total", "nvml_gpu_remapped_rows_total",
+    "nvml_gpu_process_memory_used_bytes", "nvml_gpu_sm_active_ratio", "nvml_gpu_tensor_active_ratio",
+    "nvml_gpu_dram_active_ratio",
+]
+
+
+def test_eight_h100s_export_every_metric_for_every_gpu():
+    rig = Rig(gpus=8)
+    for _ in range(6):
+        rig.step()
+    everyone = {str(i) for i in range(8)}
+    for name in CORE_METRICS:
+        assert gpus_with(rig, name) == everyone, name
+    assert rig.value("nvml_up") == 1
+    assert rig.value("nvml_gpu_memory_total_bytes", gpu="3", uuid=rig.sampler.devices[3].uuid) == 81559 * 2**20
+    info = rig.series("nvml_gpu_info")[0]
+    assert info["name"] == "NVIDIA H100 80GB HBM3" and info["simulated"] == "true"
+    assert {s["reason"] for s in rig.series("nvml_gpu_throttle_active")} == {
+        "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+        "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting"}
+    assert {s["clock"] for s in rig.series("nvml_gpu_clock_hertz")} == {"graphics", "sm", "memory", "video"}
+    # H100s retire no pages (they remap rows): no series rather than a fake 0, and no error counted.
+    assert rig.series("nvml_gpu_retired_pages_total") == []
+    assert rig.series("nvml_exporter_errors_total") == []
+    assert all(rig.value("nvml_exporter_collector_success", collector=c) == 1 for c in EVERY_COLLECTOR)
+
+
+def test_units_are_base_units():
+    rig = Rig(gpus=1)
+    rig.step()
+    rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    assert 0.85 < rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid) <= 1.0
+    assert rig.value("nvml_gpu_clock_max_hertz", gpu="0", uuid=uuid, clock="sm") == 1980e6
+    assert rig.value("nvml_gpu_power_limit_watts", gpu="0", uuid=uuid) == 700
+    assert 500 < rig.value("nvml_gpu_power_usage_watts", gpu="0", uuid=uuid) < 700
+
+
+def test_nvml_calls_per_gpu_per_sample_stay_within_ten():
+    rig = Rig(gpus=8)
+    rig.step()  # first sample also reads static identity
+    before = sum(rig.lib.calls_by_gpu.values())
+    per_sample = []
+    for _ in range(20):
+        start = sum(rig.lib.calls_by_gpu.values())
+        rig.step()
+        per_sample.append((sum(rig.lib.calls_by_gpu.values()) - start) / 8)
+    average = (sum(rig.lib.calls_by_gpu.values()) - before) / (20 * 8)
+    assert max(per_sample) <= 10, per_sample
+    assert average <= 8, average
+
+
+def test_gpu_without_fan_or_power_exports_no_such_series_and_no_error():
+    devices = {0: DeviceTraits(fans=2), 1: DeviceTraits(power=False)}
+    rig = Rig(gpus=2, devices=devices)
+    for _ in range(6):
+        rig.step()
+    assert {(s["gpu"], s["fan"]) for s in rig.series("nvml_gpu_fan_speed_ratio")} == {("0", "0"), ("0", "1")}
+    for name in ("nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts", "nvml_gpu_energy_joules_total"):
+        assert gpus_with(rig, name) == {"0"}, name
+    assert rig.series("nvml_exporter_errors_total") == []
+    # The fallback functions were tried once, then never again.
+    calls = rig.lib.calls["nvmlDeviceGetPowerUsage"]
+    rig.step()
+    assert rig.lib.calls["nvmlDeviceGetPowerUsage"] == calls == 1
+
+
+def test_older_driver_without_sample_buffer_or_clocks_event_reasons_falls_back():
+    faults = [Fault(function="nvmlDeviceGetSamples", error="FunctionNotFound"),
+              Fault(function="nvmlDeviceGetCurrentClocksEventReasons", error="FunctionNotFound")]
+    rig = Rig("input-bound", gpus=1, faults=faults, interval=0.5)
+    for _ in range(40):  # 20 s: five 4-second busy/idle periods, polled every 0.5 s
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    busy = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid)
+    assert busy == pytest.approx(10, abs=1.0)
+    assert rig.value("nvml_gpu_throttle_seconds_total", gpu="0", uuid=uuid, reason="gpu_idle") == pytest.approx(10, abs=1.0)
+    assert rig.lib.calls["nvmlDeviceGetSamples"] == 1
+    assert rig.lib.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 40
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_gpu_lost_mid_run_drops_only_its_series_and_comes_back():
+    faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=3.0, until=8.0)]
+    rig = Rig(gpus=3, faults=faults)
+    rig.step()
+    rig.step()
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1", "2"}
+    rig.step(2.0)  # t = 4: lost
+    uuid = rig.sampler.devices[1].uuid
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "2"}
+    assert gpus_with(rig, "nvml_gpu_info") == {"0", "2"}
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 1
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=rig.sampler.devices[0].uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="1", uuid=uuid) == 1
+    assert rig.value("nvml_up") == 1
+    for _ in range(3):
+        rig.step()  # still lost: retried, not counted again
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="1", uuid=uuid) == 1
+    rig.step(2.0)  # t = 9: back
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1", "2"}
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="1", uuid=uuid) == 1
+
+
+def test_error_on_one_field_is_counted_and_breaks_nothing_else():
+    faults = [Fault(gpu=0, field=pynvml.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
+              Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Timeout")]
+    rig = Rig(gpus=2, faults=faults)
+    rig.step()
+    rig.step()
+    assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"1"}
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"1"}
+    assert gpus_with(rig, "nvml_gpu_energy_joules_total") == {"0", "1"}
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
+    assert rig.value("nvml_exporter_errors_total", collector="power", error="unknown") == 2
+    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="timeout") == 2
+    assert rig.value("nvml_exporter_collector_success", collector="power") == 0
+    assert rig.value("nvml_exporter_collector_success", collector="memory") == 1
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=rig.sampler.devices[0].uuid) == 0
+
+
+def test_mig_enabled_gpu_breaks_nothing():
+    rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)})
+    for _ in range(6):
+        rig.step()
+    info = {s["gpu"]: s["mig_mode"] for s in rig.series("nvml_gpu_info")}
+    assert info == {"0": "disabled", "1": "enabled"}
+    # MIG mode has no whole-GPU utilization (NOT_SUPPORTED): absent, not an error, not 0.
+    assert gpus_with(rig, "nvml_gpu_utilization_ratio") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_busy_seconds_total") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
+    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0", "1"}
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_vanished_process_series_vanish(tmp_path):
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "comm").write_text("train.py\n")
+    (tmp_path / "4242" / "cgroup").write_text(
+        "0::/kubepods.slice/kubepods-pod1b2c3d4e_0000_4000_8000_0123456789ab.slice/"
+        "cri-containerd-" + "a" * 64 + ".scope\n")
+    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=4242)
+    rig.step()
+    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert series["process"] == "train.py" and series["pid"] == "4242"
+    assert series["pod_uid"] == "1b2c3d4e-0000-4000-8000-0123456789ab"
+    assert series["container_id"] == "a" * 64
+    rig.lib.pid = 4343  # the training process exited; another started
+    for _ in range(5):
+        rig.step()
+    assert [s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")] == ["4343"]
+
+
+def test_slurm_job_from_cgroup(tmp_path):
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_31337/step_0/user/task_0\n")
+    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=77)
+    rig.step()
+    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert series["slurm_job_id"] == "31337" and series["process"] == ""
+
+
+def test_processes_collector_off_exports_no_process_series():
+    rig = Rig(gpus=1, collectors=[c for c in EVERY_COLLECTOR if c != "processes"])
+    rig.step()
+    assert rig.series("nvml_gpu_process_memory_used_bytes") == []
+    assert rig.lib.calls["nvmlDeviceGetComputeRunningProcesses"] == 0
+
+
+def test_every_xid_is_counted_including_repeats():
+    from stack.processes import wait_until
+    rig = Rig(gpus=2, faults=[Fault(gpu=1, xid=79, times=3), Fault(gpu=1, xid=48, times=1)])
+    rig.sampler.xid.start()
+    try:
+        uuid = rig.sampler.devices[1].uuid
+        def counted():
+            rig.step()
+            return (rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79") == 3
+                    and rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="48") == 1)
+        wait_until(counted, timeout=10, what="XID counts")
+        assert gpus_with(rig, "nvml_gpu_xid_errors_total") == {"1"}
+    finally:
+        rig.sampler.xid.stop()
+
+
+def test_boundary_remembers_unsupported_and_maps_errors():
+    lib = SimulatedNVML("healthy", 1)
+    nvml = Nvml(lib)
+    device = Device.open(nvml, 0)
+    with pytest.raises(Absent):
+        device.call("nvmlDeviceGetNumFans")
+    with pytest.raises(Absent):
+        device.call("nvmlDeviceGetNumFans")
+    assert lib.calls["nvmlDeviceGetNumFans"] == 1
+    with pytest.raises(Absent):  # a function this (simulated) binding lacks
+        device.call("nvmlDeviceGetBAR1MemoryInfo")
+    lib.faults.append(Fault(function="*", gpu=0, error="GpuIsLost"))
+    with pytest.raises(GpuLost):
+        device.call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU)
