@@ -1,0 +1,107 @@
+"""The exporter daemon started as a user starts it: flags, environment, exit codes, real HTTP scrapes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pynvml
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.cli import build_parser, env_name, parse_args
+from stack import processes
+from stack.processes import REPO
+
+
+def scrape(url: str, path: str = "/metrics") -> dict[tuple[str, tuple], float]:
+    text = requests.get(url + path, timeout=5).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def values(metrics: dict, name: str, **labels: str) -> list[float]:
+    return [v for (n, l), v in metrics.items() if n == name and labels.items() <= dict(l).items()]
+
+
+def run_exporter(*args: str, env: dict[str, str] | None = None, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def test_no_driver_exits_1_with_one_clear_line():
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has an NVIDIA driver")
+    result = run_exporter("--web.listen-address=127.0.0.1:0")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert "NVML" in line and "driver" in line
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--sample-interval=0"], {}),
+    (["--no-such-flag"], {}),
+    (["--web.listen-address=nonsense"], {}),
+    (["--simulate=sunny"], {}),
+    (["--simulate=healthy", "--simulate.faults=/nonexistent/faults.json"], {}),
+    (["--simulate.faults=/nonexistent/faults.json"], {}),
+    (["--web.config.file=/nonexistent/web.yml"], {}),
+    ([], {"DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "often"}),
+    ([], {"DUALTRACK_EXPORTER_COLLECTOR_PROCESSES": "maybe"}),
+])
+def test_bad_flag_or_config_exits_2_with_one_line(args, env):
+    result = run_exporter(*args, env=env)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("dualtrack-exporter: error:")
+
+
+def test_every_flag_has_an_environment_equivalent():
+    parser = build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "version")]
+    assert {"--web.listen-address", "--web.telemetry-path", "--web.config.file", "--sample-interval",
+            "--idle-threshold", "--log.level", "--collector.processes", "--simulate"} <= {a.option_strings[0]
+                                                                                      for a in options}
+    environ = {env_name("--web.listen-address"): "127.0.0.1:1234", env_name("--web.telemetry-path"): "/m",
+               env_name("--sample-interval"): "0.5", env_name("--collector.processes"): "false",
+               env_name("--simulate.gpus"): "8", env_name("--log.level"): "debug"}
+    assert "DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS" in environ
+    args = parse_args([], environ)
+    assert (args.web_listen_address, args.web_telemetry_path, args.sample_interval, args.collector_processes,
+            args.simulate_gpus, args.log_level) == ("127.0.0.1:1234", "/m", 0.5, False, 8, "debug")
+    assert parse_args(["--sample-interval=2"], environ).sample_interval == 2  # the command line wins
+
+
+def test_simulated_daemon_from_environment_serves_and_stops_cleanly(tmp_path, start_service):
+    env = {"DUALTRACK_EXPORTER_SIMULATE": "healthy", "DUALTRACK_EXPORTER_SIMULATE_GPUS": "3",
+           "DUALTRACK_EXPORTER_COLLECTOR_PROCESSES": "false", "DUALTRACK_EXPORTER_WEB_TELEMETRY_PATH": "/gpu-metrics",
+           "DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "0.2"}
+    exporter = start_service(processes.exporter(tmp_path, [], env=env))
+    metrics = scrape(exporter.url, "/gpu-metrics")
+    assert sorted(dict(l)["gpu"] for (n, l) in metrics if n == "nvml_gpu_info") == ["0", "1", "2"]
+    assert all(dict(l)["simulated"] == "true" for (n, l) in metrics if n == "nvml_gpu_info")
+    assert values(metrics, "nvml_driver_info", driver_version="simulated") == [1.0]
+    assert values(metrics, "nvml_gpu_process_memory_used_bytes") == []
+    assert not any(n.endswith("_created") for n, _ in metrics)
+    assert requests.get(exporter.url + "/-/healthy", timeout=5).status_code == 200
+    exporter.proc.send_signal(signal.SIGTERM)
+    assert exporter.proc.wait(10) == 0
+
+
+def test_busy_seconds_rate_of_input_bound_run_is_half(tmp_path, start_service):
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=input-bound", "--simulate.gpus=1",
+                                                           "--sample-interval=0.2"]))
+    def busy() -> tuple[float, float]:
+        return time.monotonic(), values(scrape(exporter.url), "nvml_gpu_busy_seconds_total")[0]
+    t0, b0 = busy()
+    time.sleep(8.0)  # the measurement window itself: two 4-second busy/idle periods
+    t1, b1 = busy()
+    assert (b1 - b0) / (t1 - t0) == pytest.approx(0.5, abs=0.05)
