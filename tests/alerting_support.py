@@ -32,6 +32,12 @@ class AlertPipeline:
         return [a["state"] for a in alerts if a["labels"]["alertname"] == alertname
                 and all(a["labels"].get(k) == v for k, v in labels.items())]
 
+    def notification_errors(self) -> float:
+        """Prometheus' own count of failed sends to Alertmanagers (from its /metrics)."""
+        text = requests.get(self.prometheus.url + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("prometheus_notifications_errors_total"))
+
     def rule_count(self) -> int:
         groups = requests.get(self.prometheus.url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
         return sum(len(group["rules"]) for group in groups)

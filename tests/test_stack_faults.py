@@ -1,0 +1,52 @@
+"""Stack faults: Prometheus restarted mid-run keeps its rules and its alerts; an Alertmanager that
+was down when an alert fired delivers it once it is back."""
+from __future__ import annotations
+
+import pytest
+
+from stack import processes
+from tests.alerting_support import NonFiniteRun, start_pipeline
+
+pytestmark = pytest.mark.fault
+
+
+def test_prometheus_restart_mid_run_keeps_rules_history_and_alerts(tmp_path, start_service, webhook_receiver):
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
+    rules = pipeline.rule_count()
+    assert rules >= 20
+    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
+    with run.monitor:
+        run.train(10)
+        run.log_nan()
+        processes.wait_until(lambda: pipeline.alert_states("TrainingLossNonFinite", run=run.run) == ["firing"], 30,
+                             what="TrainingLossNonFinite firing")
+        history = f'count_over_time(training_step{{run="{run.run}"}}[1h])'
+        before = float(processes.query(pipeline.prometheus.url, history)[0]["value"][1])
+
+        pipeline.prometheus.restart()
+        run.train(10)  # the run goes on while Prometheus comes back
+
+        assert pipeline.rule_count() == rules
+        processes.wait_until(lambda: pipeline.alert_states("TrainingLossNonFinite", run=run.run) == ["firing"], 30,
+                             what="TrainingLossNonFinite firing again after the restart")
+        after = float(processes.query(pipeline.prometheus.url, history)[0]["value"][1])
+        assert after >= before  # the samples scraped before the restart are still there
+        processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} == 21', 30)
+
+
+def test_alertmanager_down_then_up_delivers_the_pending_alert(tmp_path, start_service, webhook_receiver):
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
+    pipeline.alertmanager.stop()
+    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
+    with run.monitor:
+        run.train(10)
+        run.log_nan()
+        processes.wait_until(lambda: pipeline.alert_states("TrainingLossNonFinite", run=run.run) == ["firing"], 30,
+                             what="TrainingLossNonFinite firing")
+        # Prometheus tried to notify the Alertmanager that is down, and failed.
+        processes.wait_until(lambda: pipeline.notification_errors() > 0, 30, what="failed notifications")
+        assert webhook_receiver.notifications() == []
+
+        pipeline.alertmanager.start()
+        _, alert = webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run.run, timeout=30)
+    assert f"at step {run.nan_step}" in alert["annotations"]["description"]
