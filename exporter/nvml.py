@@ -70,6 +70,8 @@ class Nvml:
         self._absent = {getattr(lib, n) for n in _ABSENT_ERRORS}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
+        self.union_members = union_members(lib)
+        self.success = lib.NVML_SUCCESS
 
     def init(self) -> None:
         """nvmlInit, turning a missing driver or library into `NvmlUnavailable`."""
@@ -204,30 +206,28 @@ class Device:
         if not wanted:
             return {}
         values = self.call("nvmlDeviceGetFieldValues", wanted)
-        lib = self.nvml.lib
+        nvml = self.nvml
         result: dict[tuple[int, int], Any] = {}
         for pair, value in zip(wanted, values):
-            if value.nvmlReturn == lib.NVML_SUCCESS:
-                result[pair] = union_number(lib, value.valueType, value.value)
-            elif value.nvmlReturn in self.nvml._absent:
+            if value.nvmlReturn == nvml.success:
+                result[pair] = union_number(nvml.union_members, value.valueType, value.value)
+            elif value.nvmlReturn in nvml._absent:
                 self.absent.add(("field", pair))
             else:
-                result[pair] = CallFailed(self.nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))
+                result[pair] = CallFailed(nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))
         return result
 
 
-def union_number(lib: ModuleType, kind: int, union: Any) -> float:
+_UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "ulVal",
+                  "UNSIGNED_LONG_LONG": "ullVal", "SIGNED_LONG_LONG": "sllVal", "SIGNED_INT": "siVal",
+                  "UNSIGNED_SHORT": "usVal"}
+
+
+def union_members(lib: ModuleType) -> dict[int, str]:
+    """NVML_VALUE_TYPE_* tag -> the c_nvmlValue_t member holding that type."""
+    return {getattr(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
+
+
+def union_number(members: dict[int, str], kind: int, union: Any) -> float:
     """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag."""
-    if kind == lib.NVML_VALUE_TYPE_DOUBLE:
-        return union.dVal
-    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_INT:
-        return union.uiVal
-    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return union.ulVal
-    if kind == lib.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return union.sllVal
-    if kind == lib.NVML_VALUE_TYPE_SIGNED_INT:
-        return union.siVal
-    if kind == lib.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return union.usVal
-    return union.ullVal
+    return getattr(union, members.get(kind, "ullVal"))

@@ -111,6 +111,7 @@ class GpuSampler:
         self.busy_in = ""
         self.hang_reported = False
         self._latest: dict[str, tuple[Values, CollectorRun]] = {}
+        self._fields = {id(c): tuple(c.fields()) for c in collectors}  # field ids are static
         slow = [c for c in collectors if c.period > 1]
         self._phase = {id(c): position % c.period for position, c in enumerate(slow)}
 
@@ -136,10 +137,11 @@ class GpuSampler:
     def _sample(self, now: float) -> None:
         due = self._due()
         self.busy_in = "fields"
+        wanted = list(chain.from_iterable(self._fields[id(c)] for c in due))
         try:
-            fields = self.device.field_values(chain.from_iterable(c.fields() for c in due))
+            fields = self.device.field_values(wanted)
         except CallFailed as exc:
-            fields = {key: exc for key in chain.from_iterable(c.fields() for c in due)}
+            fields = dict.fromkeys(wanted, exc)
         for collector in due:
             self.busy_in = collector.name
             ctx = SampleContext(self.device, fields, now)

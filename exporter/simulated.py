@@ -125,6 +125,10 @@ def _api(device: bool = True) -> Callable:
     return decorate
 
 
+def _is_function(name: str, value: Any) -> bool:
+    return isinstance(value, types.FunctionType) and name.startswith("nvml")
+
+
 def _handle(buffer: ctypes.Array, kind: Any) -> Any:
     return ctypes.cast(buffer, kind)
 
@@ -158,11 +162,14 @@ class SimulatedNVML:
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
         self._xid_queue: list[tuple[int, int]] = []
+        # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
+        self.__dict__.update({name: value for name, value in vars(pynvml).items()
+                              if not name.startswith("_") and not _is_function(name, value)})
 
     # --- module emulation -------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
-        if isinstance(value, types.FunctionType) and name.startswith("nvml"):
+        if _is_function(name, value):
             raise AttributeError(f"simulated NVML has no {name}")
         return value
 
@@ -419,13 +426,14 @@ class SimulatedNVML:
     def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list) -> Any:
         gpu = self._gpu_of(handle)
         t = self._t()
+        busy = self.busy_seconds(gpu, t)
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         for slot, requested in enumerate(field_ids):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             entry = values[slot]
             entry.fieldId, entry.scopeId, entry.timestamp = field_id, scope, int(self.clock() * 1e6)
             error = self._field_error(gpu, field_id, t)
-            reading = None if error else self._field(gpu, field_id, scope, t)
+            reading = None if error else self._field(gpu, field_id, scope, t, busy)
             if error:
                 entry.nvmlReturn = error
             elif reading is None:
@@ -436,9 +444,8 @@ class SimulatedNVML:
                 entry.value.ullVal = int(reading)
         return values
 
-    def _field(self, gpu: int, field_id: int, scope: int, t: float) -> float | None:
+    def _field(self, gpu: int, field_id: int, scope: int, t: float, busy: float) -> float | None:
         traits = self.traits[gpu]
-        busy = self.busy_seconds(gpu, t)
         if field_id in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
             return 20e9 * busy / traits.nvlinks / 1024 if scope < traits.nvlinks else None
         if field_id in (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT,

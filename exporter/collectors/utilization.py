@@ -57,7 +57,7 @@ class UtilizationCollector(Collector):
         previous = self.last_timestamp
         for sample in sorted(samples, key=lambda s: s.timeStamp):
             if previous is not None and sample.timeStamp > previous:
-                self._add(union_number(lib, kind, sample.sampleValue) / 100,
+                self._add(union_number(self.device.nvml.union_members, kind, sample.sampleValue) / 100,
                           (sample.timeStamp - previous) / 1e6)
             previous = max(previous or 0, sample.timeStamp)
         self.last_timestamp = previous
