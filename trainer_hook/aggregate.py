@@ -64,9 +64,9 @@ class Snapshot:
     cuda: dict[str, float] | None = None
 
 
-def json_number(value: float) -> float | str:
+def json_number(value: float | None) -> float | str | None:
     """JSON has no NaN/Infinity: non-finite values are written as "nan", "inf", "-inf"."""
-    return value if math.isfinite(value) else str(value)
+    return value if value is None or math.isfinite(value) else str(value)
 
 
 def _numeric_id(batch_id: Any) -> float:
@@ -120,7 +120,8 @@ class Aggregator:
             self._counts[bisect.bisect_left(STEP_BUCKETS, entry.duration)] += 1
             state.duration_sum += entry.duration
         line: dict[str, Any] = {"time": round(entry.time, 6), "step": entry.step,
-                                "batch_id": batch_id, "samples": samples, "tokens": tokens,
+                                "batch_id": batch_id, "samples": json_number(samples),
+                                "tokens": json_number(tokens),
                                 "duration_seconds": None if entry.duration is None else round(entry.duration, 9),
                                 "values": {str(k): json_number(v) for k, v in values.items()}}
         if nonfinite:
