@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import requests
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
 from trainer_hook import TrainingMonitor
@@ -53,11 +55,13 @@ def record_lines(path: Path) -> tuple[list[dict], list[dict]]:
     return [x for x in lines if "step" in x and "event" not in x], [x for x in lines if "event" in x]
 
 
-def pushed_value(pushgateway_url: str, name: str, run: str, **labels: str) -> float | None:
-    """A sample's value as the Pushgateway holds it for `run` (None if absent)."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-    text = requests.get(pushgateway_url + "/metrics", timeout=5).text
+def pushed_value(pushgateway_url: str, name: str, run: str, *, http: dict | None = None,
+                 **labels: str) -> float | None:
+    """A sample's value as the Pushgateway holds it for `run` (None if absent).
+
+    `http`: extra arguments for requests.get (auth=, verify=) for a secured Pushgateway.
+    """
+    text = requests.get(pushgateway_url + "/metrics", timeout=5, **(http or {})).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and sample.labels.get("run") == run and \
@@ -67,9 +71,9 @@ def pushed_value(pushgateway_url: str, name: str, run: str, **labels: str) -> fl
 
 
 def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[float], bool],
-                timeout: float = 15.0, **labels: str) -> float:
+                timeout: float = 15.0, *, http: dict | None = None, **labels: str) -> float:
     def probe():
-        value = pushed_value(pushgateway_url, name, run, **labels)
+        value = pushed_value(pushgateway_url, name, run, http=http, **labels)
         return value is not None and predicate(value) and (value,)
     return processes.wait_until(probe, timeout, what=f"{name} for run {run} on the Pushgateway")[0]
 

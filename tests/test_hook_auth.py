@@ -1,0 +1,100 @@
+"""Pushing to a secured Pushgateway: TLS with our CA, basic auth (real daemon), bearer token."""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import yaml
+
+from stack import processes
+from tests.certs import bcrypt_hash, make_pki
+from tests.hook_support import wait_pushed
+from trainer_hook import TrainingMonitor
+
+pytestmark = pytest.mark.e2e
+USER, PASSWORD = "trainer", "s3cret-pw"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def secure_pgw(tmp_path, pki, start_service):
+    """A real Pushgateway behind TLS (our test CA) and basic auth (bcrypt hash) via --web.config.file."""
+    config = tmp_path / "web.yml"
+    config.write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)},
+        "basic_auth_users": {USER: bcrypt_hash(PASSWORD)}}))
+    service = processes.pushgateway(tmp_path)
+    service.argv.append(f"--web.config.file={config}")
+    service.scheme, service.auth = "https", (USER, PASSWORD)
+    return start_service(service)
+
+
+def _push_once(tmp_path, url: str, **kwargs) -> TrainingMonitor:
+    run = f"auth-{uuid.uuid4().hex[:8]}"
+    with TrainingMonitor(job="auth", run=run, pushgateway=url, push_interval=60, push_timeout=2,
+                         record_path=tmp_path / f"{run}.jsonl", **kwargs) as monitor:
+        monitor.log({"loss": 0.5}, step=1)
+    return monitor
+
+
+def test_tls_and_basic_auth_to_a_real_pushgateway(secure_pgw, tmp_path, pki):
+    monitor = _push_once(tmp_path, secure_pgw.url, basic_auth=(USER, PASSWORD), ca_file=str(pki.ca_cert))
+    assert monitor._pusher.failures == 0
+    wait_pushed(secure_pgw.url, "training_loss", monitor.settings.run, lambda v: v == 0.5,
+                http={"auth": (USER, PASSWORD), "verify": str(pki.ca_cert)})
+
+
+def test_credentials_and_ca_from_the_environment(secure_pgw, tmp_path, pki, monkeypatch):
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_USERNAME", USER)
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_PASSWORD", PASSWORD)
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_CA_FILE", str(pki.ca_cert))
+    assert _push_once(tmp_path, secure_pgw.url)._pusher.failures == 0
+
+
+@pytest.mark.parametrize("password, ca", [
+    ("wrong", "ca_cert"),  # refused: 401
+    (PASSWORD, "other_ca_cert"),  # the server certificate is not signed by that CA
+    (PASSWORD, None),  # the system CAs do not know our test CA
+], ids=["wrong-password", "other-ca", "system-ca"])
+def test_refused_pushes_are_counted_and_warned_not_raised(secure_pgw, tmp_path, pki, caplog, password, ca):
+    caplog.set_level(logging.WARNING, logger="trainer_hook")
+    monitor = _push_once(tmp_path, secure_pgw.url, basic_auth=(USER, password),
+                         ca_file=str(getattr(pki, ca)) if ca else None)
+    assert monitor._pusher.failures >= 1
+    assert "training continues" in caplog.text
+
+
+def test_insecure_tls_verify_off_still_authenticates(secure_pgw, tmp_path):
+    monitor = _push_once(tmp_path, secure_pgw.url, basic_auth=(USER, PASSWORD), tls_verify=False)
+    assert monitor._pusher.failures == 0
+
+
+def test_bearer_token_is_sent_as_authorization_header(tmp_path):
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monitor = _push_once(tmp_path, f"http://127.0.0.1:{server.server_port}", bearer_token="tok-123")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert monitor._pusher.failures == 0 and seen and set(seen) == {"Bearer tok-123"}
