@@ -54,6 +54,8 @@ HOOK_METRICS = {
 PROMETHEUS_METRICS = {"up", "ALERTS"}  # from Prometheus itself (scrape health, alert state)
 
 DATASOURCE_UID = "dualtrack-prometheus"
+# How the Training run's Infra panels select the run's GPUs: the hook's training_gpu_info, on uuid.
+RUN_GPUS = 'training_gpu_info{job=~"$job", run=~"$run", instance=~"$instance", uuid=~"$gpu"}'
 # Grafana unit ids the dashboards may use (all in Grafana's unit registry), plus custom suffixes.
 UNITS = {"percentunit", "bytes", "watt", "celsius", "hertz", "s", "binBps", "none", "short", "joule"}
 GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s",
@@ -195,6 +197,52 @@ def test_shared_crosshair_and_alert_annotations(dashboard):
     assert any(re.search(r'ALERTS\{alertstate="firing"', e) for e in exprs)
 
 
+# What each dashboard must show (issue 4), by the metrics its queries use.
+REQUIRED_METRICS = {
+    "training-run": {
+        "training_loss", "training_loss_max", "training_learning_rate", "training_grad_norm",
+        "training_grad_norm_max", "training_steps_total", "training_samples_total",
+        "training_data_wait_seconds_total", "training_nonfinite_steps_total", "training_last_nonfinite_step",
+        "training_run_state", "training_run_info", "training_gpu_info", "nvml_gpu_busy_seconds_total",
+        "nvml_gpu_idle_seconds_total", "nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts",
+        "nvml_gpu_memory_used_bytes", "nvml_gpu_memory_total_bytes",
+        "instance_gpu:nvml_gpu_memory_used_bytes:predict_linear1h_4h", "nvml_gpu_temperature_celsius",
+        "nvml_gpu_throttle_seconds_total", "ALERTS"},
+    "gpu-fleet": {
+        "nvml_gpu_utilization_ratio", "nvml_gpu_memory_used_bytes", "nvml_gpu_power_usage_watts",
+        "nvml_gpu_temperature_celsius", "nvml_gpu_clock_hertz", "nvml_gpu_throttle_active",
+        "nvml_gpu_pcie_throughput_bytes_per_second", "nvml_gpu_nvlink_data_bytes_total",
+        "nvml_gpu_ecc_errors_total", "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes",
+        "nvml_up", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_errors_total", "nvml_gpu_lost",
+        "ALERTS"},
+}
+
+
+@pytest.mark.parametrize("stem", sorted(REQUIRED_METRICS))
+def test_dashboard_shows_what_the_issue_asks_for(stem):
+    dashboard = load(REPO / "dashboards" / f"{stem}.json")
+    used = {name for _, expr, _ in queries(dashboard) for name in metric_names(expr)}
+    assert REQUIRED_METRICS[stem] - used == set()
+
+
+def test_training_run_shows_the_tracks_side_by_side():
+    """Model panels in the left half, Infra panels in the right half, paired row by row."""
+    dashboard = load(REPO / "dashboards" / "training-run.json")
+    rows: dict[int, dict[str, int]] = {}
+    for panel in panels(dashboard):
+        track = panel["title"].split(" · ")[0]
+        if track in ("Model", "Infra"):
+            pos = panel["gridPos"]
+            assert (pos["x"], pos["w"]) == ((0, 12) if track == "Model" else (12, 12)), panel["title"]
+            rows.setdefault(pos["y"], {})[track] = pos["h"]
+    assert len(rows) >= 6
+    assert all(set(row) == {"Model", "Infra"} and len(set(row.values())) == 1 for row in rows.values()), rows
+    tracks = {panel["title"].split(" · ")[0] for panel in panels(dashboard) if " · " in panel["title"]}
+    assert tracks == {"Model", "Infra"}
+    infra = [t["expr"] for p in panels(dashboard) if p["title"].startswith("Infra · ") for t in p["targets"]]
+    assert all(expr.endswith(f"and on(uuid) {RUN_GPUS}") for expr in infra), "Infra panels follow the run's GPUs"
+
+
 def test_panel_ids_unique_and_grid_positions_do_not_overlap(dashboard):
     ids = [p["id"] for p in panels(dashboard)]
     assert len(ids) == len(set(ids))
@@ -288,7 +336,7 @@ def test_every_query_is_valid_promql(tmp_path):
     for path in DASHBOARDS:
         dashboard = load(path)
         values = {v["name"]: ".*" for v in dashboard["templating"]["list"]}
-        for i, (where, expr, _) in enumerate(queries(dashboard)):
+        for where, expr, _ in queries(dashboard):
             rules.append({"record": f"dashboard:query{len(rules)}:check", "expr": substitute(expr, values),
                           "labels": {"where": f"{path.stem}: {where}"}})
     (tmp_path / "queries.yml").write_text(yaml.safe_dump({"groups": [{"name": "q", "rules": rules}]}))
