@@ -3,6 +3,7 @@ Alertmanager (the repo's routes and inhibitions, short test timings) -> a loopba
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +33,21 @@ class AlertPipeline:
         return [a["state"] for a in alerts if a["labels"]["alertname"] == alertname
                 and all(a["labels"].get(k) == v for k, v in labels.items())]
 
+    def wait_firing(self, alertname: str, timeout: float = 30.0, **labels: str) -> None:
+        processes.wait_until(lambda: self.alert_states(alertname, **labels) == ["firing"], timeout,
+                             what=f"{alertname} {labels} firing in Prometheus")
+
     def notification_errors(self) -> float:
         """Prometheus' own count of failed sends to Alertmanagers (from its /metrics)."""
         text = requests.get(self.prometheus.url + "/metrics", timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("prometheus_notifications_errors_total"))
+
+    def query_at(self, expr: str, at: float) -> list[dict]:
+        """Instant query evaluated at unix time `at`."""
+        response = requests.get(self.prometheus.url + "/api/v1/query", params={"query": expr, "time": at}, timeout=5)
+        response.raise_for_status()
+        return response.json()["data"]["result"]
 
     def rule_count(self) -> int:
         groups = requests.get(self.prometheus.url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
@@ -83,6 +94,9 @@ class NonFiniteRun:
         for _ in range(steps):
             self.trainer.train_step(self.monitor)
 
-    def log_nan(self) -> None:
+    def diverge(self, healthy_steps: int = 10) -> float:
+        """Train `healthy_steps` steps, then one whose loss is NaN; returns when that was logged."""
+        self.train(healthy_steps)
         self.nan_step = self.trainer.step
         self.trainer.train_step(self.monitor, loss_scale=float("nan"), batch_id=self.nan_batch_id)
+        return time.time()
