@@ -400,15 +400,17 @@ class SimulatedNVML:
         return {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
                 pynvml.NVML_CLOCK_VIDEO: 1965}[clock]
 
-    @_api()
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+    def _reasons(self, handle: Any) -> int:
         idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
         return pynvml.nvmlClocksEventReasonGpuIdle if idle else 0
 
     @_api()
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
-        idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
-        return pynvml.nvmlClocksThrottleReasonGpuIdle if idle else 0
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        return self._reasons(handle)
+
+    @_api()
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:  # the pre-R535 name
+        return self._reasons(handle)
 
     @_api()
     def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
