@@ -54,10 +54,10 @@ class Stack:
             scrape_interval="1s", evaluation_interval="1s")
         self.prom = self._start(processes.prometheus(self.workdir, config))
         self.uuid = processes.wait_for_series(self.prom.url, 'nvml_gpu_info{gpu="0"}', 30)[0]["metric"]["uuid"]
-        # ~25 s of training: a slow-loader phase, then an explosion (a NaN step) while still running.
+        # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step).
         self.training = subprocess.Popen(
             [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url, "--job", JOB,
-             "--run", RUN, "--steps", "500", "--step-time", "0.05", "--push-interval", "0.5",
+             "--run", RUN, "--steps", "0", "--step-time", "0.05", "--push-interval", "0.5",
              "--input-bound", "40:80", "--data-delay", "0.05", "--explode-at", "150",
              "--gpu-uuid", self.uuid],
             cwd=processes.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
