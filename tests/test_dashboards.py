@@ -23,7 +23,7 @@ DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 PROVISIONING = REPO / "grafana" / "provisioning"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "grafana-dashboard.jsonschema.json"
 
-# The metric contract (issue 1 / issue 2): what the exporter and the hook export.
+# The metric contract (the brief's list, plus what the exporter adds): what the exporter and hook export.
 EXPORTER_METRICS = {
     "nvml_up", "nvml_driver_info", "nvml_gpu_info", "nvml_exporter_build_info",
     "nvml_gpu_utilization_ratio", "nvml_gpu_memory_controller_utilization_ratio",
@@ -38,6 +38,7 @@ EXPORTER_METRICS = {
     "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "nvml_gpu_lost",
     "nvml_exporter_collector_success", "nvml_exporter_collector_duration_seconds",
     "nvml_exporter_errors_total", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_gpu_lost_total",
+    "nvml_gpu_memory_temperature_celsius",  # added by the exporter (docs/metrics.md)
 }
 HOOK_METRICS = {
     "training_step", "training_epoch", "training_loss", "training_loss_max", "training_learning_rate",
