@@ -133,6 +133,11 @@ def _handle(buffer: ctypes.Array, kind: Any) -> Any:
     return ctypes.cast(buffer, kind)
 
 
+def simulated_uuid(index: int) -> str:
+    """The UUID of simulated GPU `index` (stable, so a demo run can name the GPU it trains on)."""
+    return f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{index}')}"
+
+
 class SimulatedNVML:
     """A stand-in for the `pynvml` module. Attribute access falls through to pynvml for constants,
     structs and error classes; pynvml functions not simulated here raise AttributeError."""
@@ -157,7 +162,7 @@ class SimulatedNVML:
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
         self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
         self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
-        self._uuids = [f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{i}')}" for i in range(gpus)]
+        self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
