@@ -6,6 +6,16 @@ from typing import Any, Iterable
 from ._torch import torch
 
 
+def _by_device_and_dtype(grads: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
+    group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)  # C++, what clip_grad_norm_ uses
+    if group is not None:
+        return {key: tensors for key, ((tensors,), _) in group([grads], False).items()}
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
+
+
 def grad_norm(parameters: Iterable[Any] | Any, norm_type: float = 2.0) -> Any:
     """The total `norm_type` norm of the parameters' gradients, as a 0-d tensor on their device.
 
@@ -22,13 +32,13 @@ def grad_norm(parameters: Iterable[Any] | Any, norm_type: float = 2.0) -> Any:
         return torch.tensor(0.0)
     foreach_norm = getattr(torch, "_foreach_norm", None)
     with torch.no_grad():
-        groups: dict[tuple[Any, Any], list[Any]] = {}
-        for grad in grads:
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        device = grads[0].device
+        groups = _by_device_and_dtype(grads)
+        device, dtype = grads[0].device, torch.float32
+        for _, grad_dtype in groups:
+            dtype = torch.promote_types(dtype, grad_dtype)
         norms = []
         for group in groups.values():
             per_tensor = (foreach_norm(group, norm_type) if foreach_norm is not None
                           else [torch.linalg.vector_norm(g, norm_type) for g in group])
-            norms.extend(norm.to(device) for norm in per_tensor)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            norms.append(torch.stack(per_tensor).to(device=device, dtype=dtype))
+        return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)

@@ -1,0 +1,209 @@
+"""trainer_hook benchmark: side-by-side figures from one run (`.venv/bin/python bench/bench_hook.py`).
+
+1. log() on the calling thread (median / p99), Python numbers and CPU tensors.
+2. End-to-end overhead on a ~10 ms CPU training step: hook vs no hook, interleaved blocks.
+3. grad_norm() vs the per-parameter .item() loop on a 192-tensor model, with sync counts.
+4. Step time with the Pushgateway dead vs alive (a real prometheus-pushgateway), interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from stack import processes  # noqa: E402
+from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 0.5)
+
+
+class StepModel:
+    """A CPU MLP whose training step takes about `target` seconds on this machine."""
+
+    def __init__(self, target: float = 0.010) -> None:
+        torch.manual_seed(0)
+        self.width = 256
+        self.model = self._build(self.width)
+        while self._time_step() < target and self.width < 8192:  # grow until ~target
+            self.width = int(self.width * 1.4)
+            self.model = self._build(self.width)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x, self.y = torch.randn(64, 256), torch.randn(64, 1)
+
+    @staticmethod
+    def _build(width: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                   torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def _time_step(self) -> float:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x, self.y = torch.randn(64, 256), torch.randn(64, 1)
+        return median([self.step()[0] for _ in range(10)])
+
+    def step(self) -> tuple[float, torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return time.perf_counter() - started, loss, norm
+
+
+def timed_loop(model: StepModel, monitor: TrainingMonitor | None, steps: int) -> list[float]:
+    """Per-step wall time of a loop over a loader, with or without the hook."""
+    batches: Iterator[int] = iter(range(steps))
+    if monitor is not None:
+        batches = monitor.loader(batches)
+    times = []
+    for batch_id in batches:
+        started = time.perf_counter()
+        _, loss, norm = model.step()
+        if monitor is not None:
+            monitor.log({"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
+                        step=batch_id, samples=64, batch_id=batch_id)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def bench_log_call(record_dir: Path, pgw_url: str, calls: int) -> list[tuple[str, str, str]]:
+    rows = []
+    loss, norm = torch.tensor(0.5), torch.tensor(1.5)
+    payloads: dict[str, Callable[[], dict]] = {
+        "python floats": lambda: {"loss": 0.5, "grad_norm": 1.5, "learning_rate": 1e-3, "epoch": 0},
+        "CPU 0-d tensors": lambda: {"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
+    }
+    with TrainingMonitor(job="bench", run="log-call", pushgateway=pgw_url, push_interval=1.0,
+                         record_path=record_dir / "log-call.jsonl") as monitor:
+        for name, payload in payloads.items():
+            times = []
+            for step in range(calls):
+                values = payload()
+                started = time.perf_counter()
+                monitor.log(values, step=step, samples=64, batch_id=step)
+                times.append(time.perf_counter() - started)
+            rows.append((f"log() call, {name}", f"median {median(times) * 1e6:.1f} us",
+                         f"p99 {percentile(times, 0.99) * 1e6:.1f} us (target median < 20 us)"))
+    return rows
+
+
+def bench_overhead(model: StepModel, record_dir: Path, pgw_url: str, rounds: int, steps: int):
+    plain, hooked = [], []
+    with TrainingMonitor(job="bench", run="overhead", pushgateway=pgw_url, push_interval=1.0,
+                         record_path=record_dir / "overhead.jsonl") as monitor:
+        for _ in range(rounds):
+            plain += timed_loop(model, None, steps)
+            hooked += timed_loop(model, monitor, steps)
+    overhead = (median(hooked) - median(plain)) / median(plain) * 100
+    return [("training step, no hook", f"median {median(plain) * 1e3:.2f} ms", f"p99 {percentile(plain, .99) * 1e3:.2f} ms"),
+            ("training step, with hook", f"median {median(hooked) * 1e3:.2f} ms",
+             f"overhead {overhead:+.2f} % (target < 1 %)")]
+
+
+@contextlib.contextmanager
+def counting_item() -> Iterator[list[int]]:
+    """Count Tensor.item() calls (each one is a device->host sync on a GPU)."""
+    count = [0]
+    original = torch.Tensor.item
+
+    def item(self):
+        count[0] += 1
+        return original(self)
+
+    torch.Tensor.item = item
+    try:
+        yield count
+    finally:
+        torch.Tensor.item = original
+
+
+def bench_grad_norm(reps: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(96)])  # 192 tensors
+    params = list(model.parameters())
+    model(torch.randn(8, 64)).sum().backward()
+
+    def naive() -> float:  # the common blog loop: one norm and one .item() per parameter
+        total = 0.0
+        for p in model.parameters():
+            total += p.grad.data.norm(2).item() ** 2
+        return total ** 0.5
+
+    def fused() -> float:
+        return grad_norm(model.parameters()).item()
+
+    assert abs(naive() - fused()) < 1e-3 * fused()
+    times = {"naive": [], "fused": []}
+    for _ in range(reps):
+        for name, fn in (("naive", naive), ("fused", fused)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    syncs = {}
+    for name, fn in (("naive", naive), ("fused", fused)):
+        with counting_item() as count:
+            fn()
+        syncs[name] = count[0]
+    speedup = median(times["naive"]) / median(times["fused"])
+    return [(f"grad norm, per-parameter .item() loop ({len(params)} tensors)",
+             f"median {median(times['naive']) * 1e6:.0f} us", f"{syncs['naive']} syncs"),
+            ("grad norm, grad_norm() (fused, one read)", f"median {median(times['fused']) * 1e6:.0f} us",
+             f"{syncs['fused']} sync; {speedup:.2f}x faster (target >= 1.8x)")]
+
+
+def bench_dead_vs_alive(model: StepModel, record_dir: Path, pgw_url: str, rounds: int, steps: int):
+    dead_url = f"http://127.0.0.1:{processes.free_port()}"
+    times = {"alive": [], "dead": []}
+    with TrainingMonitor(job="bench", run="alive", pushgateway=pgw_url, push_interval=0.5,
+                         record_path=record_dir / "alive.jsonl") as alive, \
+            TrainingMonitor(job="bench", run="dead", pushgateway=dead_url, push_interval=0.5,
+                            record_path=record_dir / "dead.jsonl") as dead:
+        for _ in range(rounds):
+            times["alive"] += timed_loop(model, alive, steps)
+            times["dead"] += timed_loop(model, dead, steps)
+        failures = dead._pusher.failures
+    ratio = median(times["dead"]) / median(times["alive"])
+    return [("training step, Pushgateway alive", f"median {median(times['alive']) * 1e3:.2f} ms", ""),
+            ("training step, Pushgateway dead", f"median {median(times['dead']) * 1e3:.2f} ms",
+             f"dead/alive {ratio:.3f} ({failures} failed pushes; target equal within noise)")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    args = parser.parse_args()
+    scale = 0.2 if args.quick else 1.0
+    torch.set_num_threads(1)  # steadier step times on a shared machine
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        pgw = processes.pushgateway(workdir).start()
+        try:
+            model = StepModel()
+            rows = bench_log_call(workdir, pgw.url, int(20000 * scale))
+            rows += bench_overhead(model, workdir, pgw.url, rounds=int(10 * scale) or 2, steps=50)
+            rows += bench_grad_norm(int(300 * scale))
+            rows += bench_dead_vs_alive(model, workdir, pgw.url, rounds=int(6 * scale) or 2, steps=50)
+        finally:
+            pgw.stop()
+    width = max(len(r[0]) for r in rows)
+    print(f"torch {torch.__version__}, 1 CPU thread, step model width {model.width}")
+    for name, first, second in rows:
+        print(f"{name:<{width}}  {first:<18}  {second}")
+
+
+if __name__ == "__main__":
+    main()
