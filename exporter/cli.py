@@ -129,7 +129,22 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     """Parse the environment, then the command line (which wins); raises UsageError."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    return parser.parse_args(env_arguments(parser, dict(os.environ if environ is None else environ)) + argv)
+    given = {_option(arg) for arg in argv if arg.startswith("--")}
+    from_env = [flag for flag in env_arguments(parser, dict(os.environ if environ is None else environ))
+                if _option(flag) not in given]
+    try:
+        return parser.parse_args(from_env + argv)
+    except UsageError as exc:
+        match = re.match(r"argument (\S+):", str(exc))
+        culprit = match and match.group(1).split("/")[0]
+        if culprit in {_option(flag) for flag in from_env}:
+            raise UsageError(f"{exc} (from {env_name(culprit)})") from None
+        raise
+
+
+def _option(argument: str) -> str:
+    """--no-collector.x=... -> --collector.x"""
+    return argument.split("=")[0].replace("--no-", "--", 1)
 
 
 def open_nvml(args: argparse.Namespace) -> Nvml:

@@ -125,8 +125,14 @@ class Nvml:
 
     def devices(self) -> list["Device"]:
         """Open every GPU and read its static identity (once)."""
-        count = self.call("nvmlDeviceGetCount")
-        return [Device.open(self, index) for index in range(count)]
+        devices = []
+        for index in range(self.call("nvmlDeviceGetCount")):
+            try:
+                devices.append(Device.open(self, index))
+            except (Absent, CallFailed, GpuLost) as exc:  # without a UUID it cannot be labelled
+                log.error("GPU %d cannot be opened (%s): not exported; restart the exporter once it is back",
+                          index, exc)
+        return devices
 
 
 @dataclass

@@ -215,3 +215,10 @@ def test_boundary_remembers_unsupported_and_maps_errors():
     lib.faults.append(Fault(function="*", gpu=0, error="GpuIsLost"))
     with pytest.raises(GpuLost):
         device.call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU)
+
+
+def test_gpu_that_cannot_be_opened_at_start_is_skipped_not_fatal():
+    rig = Rig(gpus=3, faults=[Fault(gpu=1, function="nvmlDeviceGetUUID", error="GpuIsLost")])
+    rig.step()
+    assert [d.index for d in rig.sampler.devices] == [0, 2]
+    assert gpus_with(rig, "nvml_gpu_info") == {"0", "2"}

@@ -62,6 +62,11 @@ def test_bad_flag_or_config_exits_2_with_one_line(args, env):
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("dualtrack-exporter: error:")
+    assert all(name in line for name in env)  # a bad environment variable is named
+
+
+def test_flag_wins_over_environment():
+    assert parse_args(["--sample-interval", "2"], {"DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "often"}).sample_interval == 2
 
 
 def test_every_flag_has_an_environment_equivalent():
@@ -105,3 +110,19 @@ def test_busy_seconds_rate_of_input_bound_run_is_half(tmp_path, start_service):
     time.sleep(8.0)  # the measurement window itself: two 4-second busy/idle periods
     t1, b1 = busy()
     assert (b1 - b0) / (t1 - t0) == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.e2e
+def test_prometheus_rate_of_busy_seconds_reads_half(tmp_path, start_service):
+    """A real Prometheus scraping the daemon every second: rate() over whole busy/idle periods is 0.5."""
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=input-bound", "--simulate.gpus=2",
+                                                           "--sample-interval=0.2"]))
+    config = processes.render_prometheus_config(tmp_path, {processes.EXPORTER_JOB: [exporter.address]},
+                                                scrape_interval="1s", evaluation_interval="1s")
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    expr = "rate(nvml_gpu_busy_seconds_total[8s])"
+    result = processes.wait_for_series(prometheus.url, f"count(count_over_time(nvml_gpu_busy_seconds_total[8s]) >= 8)",
+                                       timeout=30, predicate=lambda r: r and float(r[0]["value"][1]) == 2)
+    assert result
+    rates = [float(series["value"][1]) for series in processes.query(prometheus.url, expr)]
+    assert len(rates) == 2 and all(0.35 <= rate <= 0.65 for rate in rates), rates

@@ -1,0 +1,63 @@
+"""The simulated NVML's scenarios behave as documented (what demos and dashboard previews show)."""
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from exporter.simulated import GIB, FaultPlanError, SimulatedNVML, load_fault_plan
+from tests.exporter_support import FakeClock
+
+
+def test_input_bound_swings_two_seconds_busy_two_idle_and_power_follows():
+    lib = SimulatedNVML("input-bound", 1)
+    assert [lib.utilization(0, t) for t in (0.5, 1.5, 2.5, 3.5, 4.5)] == [1, 1, 0, 0, 1]
+    assert lib.power_mw(0, 0.5) > 600_000 > 100_000 > lib.power_mw(0, 2.5)
+
+
+def test_memory_leak_climbs_in_steps_until_full_within_the_configured_minutes():
+    lib = SimulatedNVML("memory-leak", 1, leak_minutes=30)
+    total = lib.traits[0].memory_total
+    used = [lib.memory_used(0, minute * 60.0) for minute in range(0, 32)]
+    assert used == sorted(used) and used[0] < total / 2
+    assert lib.memory_used(0, 10.0) == lib.memory_used(0, 20.0)  # steps, not a ramp
+    assert used[30] >= total - GIB
+
+
+def test_demo_cycles_healthy_input_bound_memory_leak():
+    lib = SimulatedNVML("demo", 1, phase_seconds=100)
+    assert lib.utilization(0, 50.5) > 0.85 and lib.utilization(0, 50.6) > 0.85          # healthy
+    assert {lib.utilization(0, 100.5), lib.utilization(0, 102.5)} == {1.0, 0.0}         # input-bound
+    assert lib.memory_used(0, 290.0) > lib.memory_used(0, 210.0)                       # memory leak
+    assert lib.utilization(0, 350.5) > 0.85                                            # healthy again
+
+
+def test_structs_and_errors_are_pynvmls_own():
+    clock = FakeClock()
+    lib = SimulatedNVML("healthy", 1, clock=clock)
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    assert isinstance(lib.nvmlDeviceGetMemoryInfo(handle, pynvml.nvmlMemory_v2), pynvml.c_nvmlMemory_v2_t)
+    assert isinstance(lib.nvmlDeviceGetUtilizationRates(handle), pynvml.c_nvmlUtilization_t)
+    assert isinstance(lib.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_POWER_INSTANT])[0],
+                      pynvml.c_nvmlFieldValue_t)
+    clock.advance(1.0)
+    kind, samples = lib.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    assert kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT and isinstance(samples[0], pynvml.c_nvmlSample_t)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        lib.nvmlDeviceGetNumFans(handle)
+    with pytest.raises(AttributeError):  # a pynvml function the simulation lacks looks missing
+        lib.nvmlDeviceGetBAR1MemoryInfo
+    assert lib.NVML_FI_DEV_POWER_INSTANT == pynvml.NVML_FI_DEV_POWER_INSTANT
+
+
+def test_fault_plan_errors_are_one_line(tmp_path):
+    bad = tmp_path / "faults.json"
+    bad.write_text('{"faults": [{"gpu": 0, "error": "Sunspots"}]}')
+    with pytest.raises(FaultPlanError, match="unknown NVML error"):
+        load_fault_plan(str(bad))
+    bad.write_text('{"devices": {"0": {"wings": 2}}}')
+    with pytest.raises(FaultPlanError, match="unknown device trait"):
+        load_fault_plan(str(bad))
+    bad.write_text("{")
+    with pytest.raises(FaultPlanError) as error:
+        load_fault_plan(str(bad))
+    assert "\n" not in str(error.value)
