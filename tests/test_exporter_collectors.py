@@ -222,3 +222,14 @@ def test_gpu_that_cannot_be_opened_at_start_is_skipped_not_fatal():
     rig.step()
     assert [d.index for d in rig.sampler.devices] == [0, 2]
     assert gpus_with(rig, "nvml_gpu_info") == {"0", "2"}
+
+
+def test_pre_hopper_gpu_without_gpm_or_nvlink_exports_neither():
+    a100 = DeviceTraits(name="NVIDIA A100-PCIE-40GB", memory_total=40 * 2**30, gpm=False, nvlinks=0, fans=1)
+    rig = Rig(gpus=2, devices={1: a100})
+    for _ in range(11):
+        rig.step()
+    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_nvlink_data_bytes_total") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_fan_speed_ratio") == {"1"}
+    assert rig.series("nvml_exporter_errors_total") == []

@@ -1,7 +1,7 @@
 """What a collector is, and the context it reads NVML through during one GPU sample."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 from exporter.metrics import SPECS
 from exporter.nvml import Absent, CallFailed, Device
@@ -49,24 +49,23 @@ class SampleContext:
         self.values: Values = {}
         self.errors: list[str] = []
 
-    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Device call; None when absent or failed (the failure is recorded). GpuLost propagates."""
+    def guarded(self, read: Callable[[], Any]) -> Any:
+        """Run one NVML read: None when absent or failed (the failure is recorded). GpuLost propagates."""
         try:
-            return self.device.call(function, *args, **kwargs)
+            return read()
         except Absent:
             return None
         except CallFailed as exc:
             self.errors.append(exc.error)
             return None
 
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
+        """A guarded per-device NVML call."""
+        return self.guarded(lambda: self.device.call(function, *args, **kwargs))
+
     def call_first(self, functions: tuple[str, ...], *args: Any) -> Any:
-        try:
-            return self.device.call_first(functions, *args)
-        except Absent:
-            return None
-        except CallFailed as exc:
-            self.errors.append(exc.error)
-            return None
+        """A guarded call of the first of several equivalent functions that exists (newest first)."""
+        return self.guarded(lambda: self.device.call_first(functions, *args))
 
     def field(self, field_id: int, scope: int = 0) -> float | None:
         """A value from the shared field batch; None if unsupported or failed (recorded)."""

@@ -7,7 +7,6 @@ nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, D
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed
 
 
 class GpmCollector(Collector):
@@ -31,7 +30,7 @@ class GpmCollector(Collector):
             support = ctx.call("nvmlGpmQueryDeviceSupport")
             self.supported = bool(support and support.isSupportedDevice)
             if self.supported:
-                self.samples = [self._lib_call(ctx, "nvmlGpmSampleAlloc") for _ in range(2)]
+                self.samples = [ctx.guarded(lambda: self.device.nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
                 self.supported = None not in self.samples
         if not self.supported:
             return
@@ -49,19 +48,9 @@ class GpmCollector(Collector):
         request.sample1, request.sample2 = previous, current
         for slot, metric_id in enumerate(self.metrics.values()):
             request.metrics[slot].metricId = metric_id
-        if self._lib_call(ctx, "nvmlGpmMetricsGet", request) is None:
+        if ctx.guarded(lambda: self.device.nvml.call("nvmlGpmMetricsGet", request)) is None:
             return
         for slot, metric in enumerate(self.metrics):
             result = request.metrics[slot]
             if result.nvmlReturn == lib.NVML_SUCCESS:
                 ctx.emit(metric, result.value / 100)
-
-    def _lib_call(self, ctx: SampleContext, function: str, *args):
-        """A GPM call that takes no device handle; None when absent or failed (recorded)."""
-        try:
-            return self.device.nvml.call(function, *args)
-        except Absent:
-            return None
-        except CallFailed as exc:
-            ctx.errors.append(exc.error)
-            return None
