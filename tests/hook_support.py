@@ -1,11 +1,14 @@
 """Shared pieces of the trainer_hook tests: a small real training loop and record readers."""
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import requests
 import torch
@@ -76,6 +79,33 @@ def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[
         value = pushed_value(pushgateway_url, name, run, http=http, **labels)
         return value is not None and predicate(value) and (value,)
     return processes.wait_until(probe, timeout, what=f"{name} for run {run} on the Pushgateway")[0]
+
+
+@contextlib.contextmanager
+def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int]) -> Iterator[str]:
+    """A local HTTP server standing in for a misbehaving Pushgateway; yields its URL.
+
+    `respond(request)` runs for every push (it may block, e.g. to answer slowly) and returns the
+    status code to answer with.
+    """
+    class Handler(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(respond(self))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def median(values: list[float]) -> float:

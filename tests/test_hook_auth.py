@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
 
 from stack import processes
 from tests.certs import bcrypt_hash, make_pki
-from tests.hook_support import wait_pushed
+from tests.hook_support import http_gateway, wait_pushed
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -79,22 +77,10 @@ def test_insecure_tls_verify_off_still_authenticates(secure_pgw, tmp_path):
 def test_bearer_token_is_sent_as_authorization_header(tmp_path):
     seen: list[str | None] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            seen.append(self.headers.get("Authorization"))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    def respond(request) -> int:
+        seen.append(request.headers.get("Authorization"))
+        return 200
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monitor = _push_once(tmp_path, f"http://127.0.0.1:{server.server_port}", bearer_token="tok-123")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_gateway(respond) as url:
+        monitor = _push_once(tmp_path, url, bearer_token="tok-123")
     assert monitor._pusher.failures == 0 and seen and set(seen) == {"Bearer tok-123"}

@@ -15,13 +15,12 @@ import threading
 import time
 import tracemalloc
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from stack import processes
-from tests.hook_support import Trainer, median, pushed_value, record_lines, wait_pushed
+from tests.hook_support import Trainer, http_gateway, median, pushed_value, record_lines, wait_pushed
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.fault
@@ -29,31 +28,20 @@ pytestmark = pytest.mark.fault
 
 @contextlib.contextmanager
 def bad_gateway(mode: str):
-    """A local HTTP server that answers every push with 500, or only after 10 s ("slow")."""
+    """A Pushgateway stand-in that answers every push with 500, or only after 10 s ("slow")."""
     release = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            if mode == "slow":
-                release.wait(10)  # answers after 10 s (released at teardown)
-            self.send_response(500 if mode == "500" else 200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    def respond(request) -> int:
+        if mode == "slow":
+            release.wait(10)  # answers after 10 s (released at teardown)
+            return 200
+        return 500
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        with http_gateway(respond) as url:
+            yield url
     finally:
         release.set()
-        server.shutdown()
-        server.server_close()
 
 
 def run_id(prefix: str) -> str:
