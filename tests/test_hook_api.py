@@ -39,6 +39,7 @@ def monitor(tmp_path, **kwargs) -> TrainingMonitor:
     ({"basic_auth": ("u", "p"), "bearer_token": "t"}, "either basic_auth or bearer_token"),
     ({"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
     ({"config": 42}, "config must be a mapping"),
+    ({"max_hold": -1}, "max_hold must be a positive"),
 ])
 def test_invalid_arguments_raise_value_error_at_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -178,7 +179,7 @@ def test_log_after_close_is_counted_not_raised(tmp_path, caplog):
     m.close()  # idempotent
     with caplog.at_level(logging.WARNING, logger="trainer_hook"):
         m.log({"loss": 2.0})
-    assert "value not kept (closed)" in caplog.text
+    assert "log() after close() is ignored" in caplog.text
     steps, events = record_lines(tmp_path / "record.jsonl")
     assert len(steps) == 1 and [e["event"] for e in events] == ["start", "end"]
 

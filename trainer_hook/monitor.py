@@ -57,7 +57,7 @@ class TrainingMonitor:
             push_timeout=push_timeout, rank=rank, instance=instance, listen_port=listen_port,
             listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
             basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
-            tls_verify=tls_verify, client_cert=client_cert, strict=strict)
+            tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold)
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
@@ -75,12 +75,12 @@ class TrainingMonitor:
         self._wake = threading.Event()
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
-        self._aggregator = Aggregator(self._names, max(0.0, float(max_hold)))
+        self._aggregator = Aggregator(self._names, s.max_hold)
         self.record = Record(s.record_path)
         self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
                             "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
-        self._latest = self._publish("running")
         self._pusher = Pusher(s) if s.pushgateway else None
+        self._latest = self._publish("running")
         if self._pusher:
             self._pusher.offer(self._latest)
         self._server = None
@@ -101,7 +101,7 @@ class TrainingMonitor:
         """Record one training step. No network I/O, no device sync; never raises unless strict."""
         now = time.perf_counter()
         if self._closed:
-            self._drop("log", Dropped("closed"), len(values or ()) or 1)
+            self._warn_once("log", "closed", "log() after close() is ignored")
             return
         kept: dict[Any, Any] = {}
         if values:
@@ -187,10 +187,10 @@ class TrainingMonitor:
         self._names[key] = name
         return name
 
-    def _drop(self, key: Any, reason: Dropped, count: int = 1) -> None:
+    def _drop(self, key: Any, reason: Dropped) -> None:
         if self.settings.strict:
             raise ValueError(f"trainer_hook: the value for {key!r} was not kept: {reason}")
-        self._dropped[reason] += count
+        self._dropped[reason] += 1
         self._warn_once(key, reason, f"log key {key!r}: value not kept ({reason}); counted in "
                                      f"training_dropped_values_total")
 
@@ -252,7 +252,7 @@ class TrainingMonitor:
             state=state, start_time=self._start_time, data_wait_seconds=self._data_wait,
             dropped={r: self._dropped[r] + background.get(r, 0) for r in DROP_REASONS},
             record_failures=self.record.failures, run_labels=self._run_labels,
-            push_failures=self._pusher.failures if getattr(self, "_pusher", None) else 0,
+            push_failures=self._pusher.failures if self._pusher else 0,
             gpus=self._gpus(), cuda=self._cuda_stats())
 
     def _gpus(self) -> tuple[tuple[str, str], ...]:

@@ -44,6 +44,7 @@ class Settings:
     tls_verify: bool
     client_cert: tuple[str, str] | None
     strict: bool
+    max_hold: float
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -131,7 +132,7 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
 
 def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, instance, listen_port,
             listen_address, record_path, gpu_uuid, basic_auth, bearer_token, ca_file, tls_verify,
-            client_cert, strict) -> Settings:
+            client_cert, strict, max_hold) -> Settings:
     """Validate the constructor arguments (falling back to the environment); raise ValueError."""
     job = _name("job", job, ENV_JOB)
     run = _name("run", run, ENV_RUN, default=time.strftime("%Y%m%d-%H%M%S"))
@@ -164,4 +165,5 @@ def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, instanc
         basic_auth=tuple(basic_auth) if basic_auth else None, bearer_token=bearer_token,
         ca_file=ca_file, tls_verify=bool(tls_verify),
         client_cert=tuple(client_cert) if client_cert else None, strict=bool(strict),
+        max_hold=0.0 if max_hold == 0 else _positive("max_hold", max_hold),
     )

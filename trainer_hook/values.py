@@ -11,7 +11,7 @@ from ._torch import TENSOR_TYPES
 PREFIX = "training_"
 #: training_dropped_values_total{reason}: why a logged value was not kept.
 DROP_REASONS = ("invalid_key", "not_numeric", "not_scalar", "out_of_range", "unreadable",
-                "reserved_name", "closed")
+                "reserved_name")
 MAX_LABEL_LENGTH = 256
 #: W&B/HF spellings of the standard keys.
 ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "grad_norm",
@@ -66,12 +66,14 @@ def scalar(value: Any) -> Any:
             return Dropped("unreadable")
         # A copy keeps the value of this step even if the caller updates the tensor in place later.
         return value.detach().clone()
-    if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
-        try:
-            return float(value)
-        except (OverflowError, ValueError, TypeError):
-            return Dropped("out_of_range")
-    return Dropped("not_numeric")
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        return Dropped("not_numeric")
+    try:  # numbers, numpy scalars and one-element arrays, Decimal, Fraction
+        return float(value)
+    except OverflowError:
+        return Dropped("out_of_range")
+    except (ValueError, TypeError):
+        return Dropped("not_numeric")
 
 
 def label_name(key: object) -> str:
