@@ -240,8 +240,10 @@ class Sampler:
             self._threads.append(thread)
 
     def ready(self) -> bool:
-        """True once every GPU has been sampled (or found lost) at least once."""
-        return all(gpu.samples_taken or gpu.lost for gpu in self.gpus)
+        """True once every GPU has been sampled, found lost, or found hanging in its first sample."""
+        now = self.clock()
+        return all(gpu.samples_taken or gpu.lost or
+                   (gpu.busy_since is not None and now - gpu.busy_since > self.hang_after) for gpu in self.gpus)
 
     def watchdog(self) -> None:
         for gpu in self.gpus:
