@@ -163,7 +163,8 @@ class Device:
 
     def reopen(self) -> None:
         """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
-        self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid)
+        # pynvml passes this argument straight to ctypes.c_char_p: it must be bytes.
+        self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid.encode())
         self.call("nvmlDeviceGetMemoryInfo")
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
 from exporter.collectors.base import Values
-from exporter.nvml import CallFailed, Device, GpuLost, Nvml
+from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,11 @@ class GpuSampler:
     def _recover(self, now: float) -> bool:
         try:
             self.device.reopen()
-        except Exception:  # noqa: BLE001 - still unreachable, whatever NVML says
+        except (GpuLost, CallFailed, Absent):  # still unreachable
+            self.retry_at = now + self.retry_interval
+            return False
+        except Exception:  # noqa: BLE001 - a bug: say so, keep retrying
+            log.exception("GPU %d: re-opening failed", self.device.index)
             self.retry_at = now + self.retry_interval
             return False
         log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)

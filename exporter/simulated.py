@@ -182,8 +182,9 @@ class SimulatedNVML:
         return sorted(set(dir(pynvml)) | set(super().__dir__()))
 
     def _gpu_of(self, handle: Any) -> int | None:
-        if isinstance(handle, str):
-            return self._uuids.index(handle) if handle in self._uuids else None
+        if isinstance(handle, bytes):  # a UUID, as nvmlDeviceGetHandleByUUID takes it
+            uuid = handle.decode()
+            return self._uuids.index(uuid) if uuid in self._uuids else None
         try:
             return self._by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
         except (TypeError, ctypes.ArgumentError):
@@ -286,10 +287,12 @@ class SimulatedNVML:
         return self._handles[index]
 
     @_api()
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Any:
-        if uuid not in self._uuids:
+    def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> Any:
+        ctypes.c_char_p(uuid)  # like pynvml: a str here is a TypeError
+        gpu = self._gpu_of(uuid)
+        if gpu is None:
             raise pynvml.NVMLError_NotFound()
-        return self._handles[self._uuids.index(uuid)]
+        return self._handles[gpu]
 
     # --- identity --------------------------------------------------------------------------------
     @_api()

@@ -61,3 +61,16 @@ def test_fault_plan_errors_are_one_line(tmp_path):
     with pytest.raises(FaultPlanError) as error:
         load_fault_plan(str(bad))
     assert "\n" not in str(error.value)
+
+
+def test_every_simulated_function_has_pynvmls_signature():
+    import inspect
+    lib = SimulatedNVML("healthy", 1)
+    simulated = [name for name in dir(type(lib)) if getattr(getattr(type(lib), name), "simulated_api", False)]
+    assert len(simulated) > 30
+    for name in simulated:
+        real = [p.name for p in inspect.signature(getattr(pynvml, name)).parameters.values()]
+        ours = [p.name for p in inspect.signature(getattr(lib, name)).parameters.values()]
+        assert len(ours) == len(real), (name, ours, real)
+    with pytest.raises(TypeError):  # pynvml hands this argument to ctypes.c_char_p: str is refused
+        lib.nvmlDeviceGetHandleByUUID(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetHandleByIndex(0)))
