@@ -119,7 +119,11 @@ def _api(device: bool = True) -> Callable:
         def wrapper(self: "SimulatedNVML", *args: Any, **kwargs: Any) -> Any:
             gpu = self._gpu_of(args[0]) if device and args else None
             self._enter(method.__name__, gpu)
-            return method(self, *args, **kwargs)
+            started = time.thread_time()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.cpu_seconds += time.thread_time() - started
         wrapper.simulated_api = True
         return wrapper
     return decorate
@@ -157,6 +161,7 @@ class SimulatedNVML:
         self.leak_minutes = leak_minutes
         self.pid = os.getpid() if pid is None else pid
         self.calls: Counter = Counter()
+        self.cpu_seconds = 0.0  # spent simulating (not by the exporter): benchmarks subtract it
         self.calls_by_gpu: Counter = Counter()
         self._lock = threading.Lock()
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
