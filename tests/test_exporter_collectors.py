@@ -233,3 +233,13 @@ def test_pre_hopper_gpu_without_gpm_or_nvlink_exports_neither():
     assert gpus_with(rig, "nvml_gpu_nvlink_data_bytes_total") == {"0"}
     assert gpus_with(rig, "nvml_gpu_fan_speed_ratio") == {"1"}
     assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_a_scrape_never_calls_nvml():
+    rig = Rig(gpus=2, faults=[Fault(function="*", gpu=0, hang=30, at=5)])
+    rig.step()
+    calls = sum(rig.lib.calls.values())
+    rig.clock.advance(10)  # GPU 0 would now hang in any NVML call
+    for _ in range(5):
+        rig.exposition()
+    assert sum(rig.lib.calls.values()) == calls

@@ -126,3 +126,9 @@ def test_prometheus_rate_of_busy_seconds_reads_half(tmp_path, start_service):
     assert result
     rates = [float(series["value"][1]) for series in processes.query(prometheus.url, expr)]
     assert len(rates) == 2 and all(0.35 <= rate <= 0.65 for rate in rates), rates
+
+
+def test_sigint_stops_cleanly_too(tmp_path, start_service):
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1"]))
+    exporter.proc.send_signal(signal.SIGINT)
+    assert exporter.proc.wait(10) == 0
