@@ -106,9 +106,7 @@ class Aggregator:
             name = self._names[key]
             state.gauges[name] = value
             if name in WINDOW_MAX_KEYS and not math.isnan(value):
-                current = self._window.get(name)
-                if current is None or value > current:
-                    self._window[name] = value
+                _raise_max(self._window, name, value)
         state.step = entry.step
         state.steps_total += 1
         state.last_update = entry.time
@@ -159,8 +157,7 @@ class Aggregator:
             state.maxima = {}
             for _, window in self._recent:
                 for name, value in window.items():
-                    if name not in state.maxima or value > state.maxima[name]:
-                        state.maxima[name] = value
+                    _raise_max(state.maxima, name, value)
             cumulative, total = [], 0
             for count in self._counts:
                 total += count
@@ -173,8 +170,12 @@ class Aggregator:
 def merge_maxima(older: Snapshot, newer: Snapshot) -> None:
     """Carry the maxima of a snapshot that never reached the Pushgateway into the next one."""
     for name, value in older.maxima.items():
-        if name not in newer.maxima or value > newer.maxima[name]:
-            newer.maxima[name] = value
+        _raise_max(newer.maxima, name, value)
+
+
+def _raise_max(maxima: dict[str, float], name: str, value: float) -> None:
+    if name not in maxima or value > maxima[name]:
+        maxima[name] = value
 
 
 def _read_tensors(entries: list[Entry], dropped: dict[str, int]) -> list[tuple[dict, dict]]:

@@ -1,6 +1,7 @@
 """Prometheus metric families for a published Snapshot (used by push and by pull mode)."""
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -20,27 +21,23 @@ KNOWN_GAUGES = {
 }
 
 
-def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
-    return family
-
-
-def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> CounterMetricFamily:
-    family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))
+def _single(kind: type, name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
+    """A family of `kind` with one sample."""
+    family = kind(PREFIX + name, doc, labels=list(labels))
     family.add_metric(list(labels.values()), value)
     return family
 
 
 def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     """Every training_* family for `snap`; `const` labels go on every sample (pull mode: run, rank)."""
-    g = lambda name, doc, value: _gauge(name, doc, value, const)  # noqa: E731
-    c = lambda name, doc, value: _counter(name, doc, value, const)  # noqa: E731
+    g = functools.partial(_single, GaugeMetricFamily, labels=const)
+    c = functools.partial(_single, CounterMetricFamily, labels=const)
     yield g("step", "Step passed to the last log() call.", snap.step)
     for name, value in sorted(snap.gauges.items()):
         yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
     for name, value in sorted(snap.maxima.items()):
-        yield g(f"{name}_max", f"Maximum {name} over the steps since the previous push (NaN ignored).",
+        yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least since the "
+                "previous push (NaN ignored).",
                 value)
     yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)
     yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
@@ -65,7 +62,8 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name in RUN_STATES:
         state.add_metric([*const.values(), name], float(name == snap.state))
     yield state
-    yield _gauge("run_info", "Hyper-parameters of the run as labels.", 1, {**const, **snap.run_labels})
+    yield _single(GaugeMetricFamily, "run_info", "Hyper-parameters of the run as labels.", 1,
+                  {**const, **snap.run_labels})
     if snap.gpus:
         info = GaugeMetricFamily(PREFIX + "gpu_info", "GPUs this rank trains on.",
                                  labels=[*const, "gpu", "uuid"])
