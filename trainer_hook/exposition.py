@@ -36,9 +36,8 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name, value in sorted(snap.gauges.items()):
         yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
     for name, value in sorted(snap.maxima.items()):
-        yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least since the "
-                "previous push (NaN ignored).",
-                value)
+        yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least "
+                "since the previous push (NaN ignored).", value)
     yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)
     yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
     if snap.tokens_total is not None:
