@@ -203,6 +203,10 @@ class Device:
         except (Absent, CallFailed):
             return None
 
+    def lacks_field(self, field_id: int, scope: int = 0) -> bool:
+        """True if the GPU answered NOT_SUPPORTED for this field, or the driver has no field batches."""
+        return ("field", (field_id, scope)) in self.absent or ("nvmlDeviceGetFieldValues", ()) in self.absent
+
     def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 

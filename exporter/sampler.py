@@ -140,6 +140,8 @@ class GpuSampler:
         wanted = list(chain.from_iterable(self._fields[id(c)] for c in due))
         try:
             fields = self.device.field_values(wanted)
+        except Absent:  # a driver without nvmlDeviceGetFieldValues: collectors fall back or go without
+            fields = {}
         except CallFailed as exc:
             fields = dict.fromkeys(wanted, exc)
         for collector in due:
@@ -199,7 +201,10 @@ class GpuSampler:
     def run(self, stop: threading.Event) -> None:
         next_at = self.clock()
         while not stop.is_set():
-            self.sample_once()
+            try:
+                self.sample_once()
+            except Exception:  # noqa: BLE001 - a bug in one sample must not end this GPU's sampling
+                log.exception("GPU %d: sample failed", self.device.index)
             next_at += self.interval
             delay = next_at - self.clock()
             if delay < 0:  # fell behind (a slow call): resynchronise instead of bursting

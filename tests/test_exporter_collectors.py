@@ -243,3 +243,12 @@ def test_a_scrape_never_calls_nvml():
     for _ in range(5):
         rig.exposition()
     assert sum(rig.lib.calls.values()) == calls
+
+
+def test_driver_without_field_batches_still_samples_with_fallbacks():
+    rig = Rig(gpus=1, faults=[Fault(function="nvmlDeviceGetFieldValues", error="FunctionNotFound")])
+    rig.step()
+    rig.step()
+    assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"0"}  # nvmlDeviceGetPowerUsage
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0"}
+    assert rig.series("nvml_exporter_errors_total") == []

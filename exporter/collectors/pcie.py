@@ -30,7 +30,7 @@ class PcieCollector(Collector):
             if total is not None:
                 ctx.emit("nvml_gpu_pcie_throughput_bytes_per_second", self._rate(direction, total, ctx.now),
                          direction)
-            elif ("field", (field_id, 0)) in self.device.absent:
+            elif self.device.lacks_field(field_id):
                 kib_per_second = ctx.call("nvmlDeviceGetPcieThroughput", counter)
                 ctx.emit("nvml_gpu_pcie_throughput_bytes_per_second",
                          None if kib_per_second is None else kib_per_second * 1024, direction)

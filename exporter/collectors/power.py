@@ -27,7 +27,7 @@ class PowerCollector(Collector):
     def collect(self, ctx: SampleContext) -> None:
         for metric, field_id, fallback in self._readings():
             milli = ctx.field(field_id)
-            if milli is None and ("field", (field_id, 0)) in self.device.absent:
+            if milli is None and self.device.lacks_field(field_id):
                 milli = ctx.call(fallback)
             ctx.emit(metric, None if milli is None else milli / 1000)
 
