@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -272,3 +273,24 @@ def test_strict_mode_raises_on_each_bad_value(tmp_path, key, value):
         monitor.log({"loss": 1.0}, step=0)
         with pytest.raises(ValueError, match="was not kept"):
             monitor.log({key: value}, step=1)
+
+
+def test_sigterm_in_a_forked_child_does_not_close_the_parents_run(pgw, tmp_path):
+    """DataLoader workers are forks: their SIGTERM or exit must not push `failed` for the trainer."""
+    run = run_id("fork")
+    with TrainingMonitor(job="faults", run=run, pushgateway=pgw.url, push_interval=0.2,
+                         record_path=tmp_path / "r.jsonl") as monitor:
+        monitor.log({"loss": 1.0}, step=0)
+        wait_pushed(pgw.url, "training_steps_total", run, lambda v: v == 1)
+        pid = os.fork()
+        if pid == 0:  # the child: die of SIGTERM with the inherited handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(3)  # not reached if SIGTERM killed us
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        monitor.log({"loss": 2.0}, step=1)
+        wait_pushed(pgw.url, "training_steps_total", run, lambda v: v == 2)
+        assert pushed_value(pgw.url, "training_run_state", run, state="running") == 1
+    assert pushed_value(pgw.url, "training_run_state", run, state="finished") == 1
+    _, events = record_lines(tmp_path / "r.jsonl")
+    assert [e["event"] for e in events] == ["start", "end"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -70,6 +71,7 @@ class TrainingMonitor:
         self._last_step = -1
         self._last_log: float | None = None
         self._closed = False
+        self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()
@@ -283,7 +285,12 @@ class TrainingMonitor:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, failed: bool = False, reason: str | None = None) -> None:
-        """Flush the record, push the final state (`finished`, or `failed`). Idempotent."""
+        """Flush the record, push the final state (`finished`, or `failed`). Idempotent.
+
+        Does nothing in a forked child process: only the process that created the monitor closes it.
+        """
+        if os.getpid() != self._pid:
+            return
         with self._close_lock:
             if self._closed:
                 return
