@@ -47,6 +47,12 @@ def test_invalid_arguments_raise_value_error_at_construction(tmp_path, kwargs, m
         monitor(tmp_path, **kwargs)
 
 
+def test_pull_mode_port_in_use_raises_value_error(tmp_path):
+    with monitor(tmp_path, listen_port=0) as first:
+        with pytest.raises(ValueError, match="cannot serve /metrics"):
+            monitor(tmp_path, run="r2", listen_port=first.listen_port)
+
+
 def test_settings_come_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("DUALTRACK_JOB", "envjob")
     monkeypatch.setenv("DUALTRACK_RUN", "envrun")

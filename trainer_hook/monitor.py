@@ -79,17 +79,22 @@ class TrainingMonitor:
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
         self._aggregator = Aggregator(self._names, s.max_hold)
         self.record = Record(s.record_path)
+        self._server = None
+        self._latest = Snapshot()  # until the first publish, a few lines below
+        if s.listen_port is not None:
+            const = {"run": s.run, "rank": str(s.rank)}
+            try:
+                self._server, _ = start_http_server(s.listen_port, addr=s.listen_address,
+                                                    registry=registry_for(lambda: self._latest, const))
+            except OSError as exc:
+                self.record.close()
+                raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
         self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
                             "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
         self._pusher = Pusher(s) if s.pushgateway else None
         self._latest = self._publish("running")
         if self._pusher:
             self._pusher.offer(self._latest)
-        self._server = None
-        if s.listen_port is not None:
-            const = {"run": s.run, "rank": str(s.rank)}
-            self._server, _ = start_http_server(s.listen_port, addr=s.listen_address,
-                                                registry=registry_for(lambda: self._latest, const))
         if pushgateway is None and not s.pushgateway and s.listen_port is None:
             log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY) and no "
                         "listen_port: metrics go only to the local record %s", s.record_path)
