@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import concurrent.futures
 import hashlib
 import gzip
 import html
@@ -40,6 +41,7 @@ HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 96 * 1024  # the request line alone may be 64 KiB, as http.server allows
 MAX_CONNECTIONS = 128
 AUTH_CACHE_SIZE = 64
+RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 _PROBE_PATHS = ("/-/healthy", "/-/ready")
 _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")
 
@@ -139,6 +141,56 @@ def _basic_credentials(header: str | None) -> tuple[str | None, bytes]:
         return (user.decode("utf-8"), password) if sep else (None, b"")
     except (binascii.Error, UnicodeDecodeError):
         return None, b""
+
+
+class _Renderer:
+    """Renders the exposition in one dedicated thread; concurrent requests for the same output share it.
+
+    Sharing (Go's singleflight): rendering hundreds of series is milliseconds of GIL-bound Python;
+    when many scrapes arrive at once (HA Prometheus pairs, the load test's 50 scrapers) one rendering
+    serves all of them, so latency stays flat instead of growing with the queue. A scrape that joins
+    gets output whose rendering began at most one rendering before it arrived (the data come from
+    the sampler's snapshot anyway).
+    One thread: rendering allocates the large strings; done by whichever connection thread came first,
+    it made each of glibc's per-thread malloc arenas grow to hold them (resident memory crept up by
+    about 1 MB a minute under 50 scrapers; 0.2 MB with one rendering thread).
+    """
+
+    class _Call:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+            self.result: bytes = b""
+            self.error: BaseException | None = None
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[object, _Renderer._Call] = {}
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exporter-render")
+
+    def run(self, key: object, function: Callable[[], bytes]) -> bytes:
+        """The result of `function()`, shared with the callers that ask for the same `key` meanwhile."""
+        with self._lock:
+            call = self._calls.get(key)
+            leader = call is None
+            if leader:
+                call = self._calls[key] = self._Call()
+        if leader:
+            try:
+                call.result = self._thread.submit(function).result(timeout=RENDER_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - handed to every caller below
+                call.error = exc
+            finally:
+                with self._lock:
+                    del self._calls[key]
+                call.done.set()
+        else:
+            call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
 
 
 class _HeadReader(io.RawIOBase):
@@ -263,21 +315,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, b"Not Found\n", head=head)
 
     def _metrics(self, params: dict[str, list[str]], head: bool) -> None:
-        registry = self.server.registry
         encoder, content_type = choose_encoder(self.headers.get("Accept"))
-        if "name[]" in params and hasattr(registry, "restricted_registry"):
-            registry = registry.restricted_registry(params["name[]"])
+        names = tuple(sorted(params.get("name[]", ())))
+        compress = gzip_accepted(self.headers.get("Accept-Encoding"))
         try:
-            body = encoder(registry)
+            body = self.server.renders.run((content_type, names, compress),
+                                           lambda: self.server.render(encoder, names, compress))
         except Exception:  # a collector bug must not take the server down; the scrape reports 500
             log.exception("rendering metrics failed")
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
             return
-        extra = {}
-        if gzip_accepted(self.headers.get("Accept-Encoding")):
-            body = gzip.compress(body, compresslevel=6)
-            extra["Content-Encoding"] = "gzip"
-        self._reply(HTTPStatus.OK, body, content_type, head=head, extra=extra)
+        self._reply(HTTPStatus.OK, body, content_type, head=head,
+                    extra={"Content-Encoding": "gzip"} if compress else None)
 
     def _reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
                head: bool = False, extra: dict[str, str] | None = None) -> None:
@@ -312,6 +361,7 @@ class _Server(ThreadingHTTPServer):
         self.allowed_sans = config.client_allowed_sans
         self.authenticator = _Authenticator(dict(config.users), cache=auth_cache) if config.users else None
         self.landing_page = _landing_page(telemetry_path)
+        self.renders = _Renderer()
         self._max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
         self._limit_logged = -1e9
@@ -321,6 +371,13 @@ class _Server(ThreadingHTTPServer):
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # ":port" = IPv4 and IPv6
         socketserver.TCPServer.server_bind(self)  # skip HTTPServer's getfqdn(): a DNS lookup at start-up
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def render(self, encoder: Callable, names: tuple[str, ...], compress: bool) -> bytes:
+        registry = self.registry
+        if names and hasattr(registry, "restricted_registry"):
+            registry = registry.restricted_registry(names)
+        body = encoder(registry)
+        return gzip.compress(body, compresslevel=6) if compress else body
 
     def is_ready(self) -> bool:
         try:
@@ -445,6 +502,7 @@ class WebServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.renders.close()
             self._server = None
 
     @property

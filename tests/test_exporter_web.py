@@ -6,7 +6,9 @@ would notice on the command line start `python -m exporter` as a daemon.
 """
 from __future__ import annotations
 
+import argparse
 import gzip
+import os
 import shutil
 import socket
 import ssl
@@ -22,6 +24,7 @@ import requests
 
 from exporter.web import WebServer, add_web_arguments
 from exporter.webconfig import WebConfig, WebConfigError, load_web_config
+from stack import processes
 from tests.certs import Pki, bcrypt_hash, make_pki
 
 PASSWORD = "s3cret pass:word"
@@ -118,6 +121,20 @@ def test_openmetrics_and_gzip_are_negotiated_like_client_python(serve):
     assert "Content-Encoding" not in plain.headers and "nvml_up 1.0" in plain.text
 
 
+def test_a_failing_collector_gives_500_and_the_server_keeps_serving(serve, registry):
+    class Broken:
+        def collect(self):
+            raise RuntimeError("collector bug")
+
+    url = serve()
+    broken = Broken()
+    registry.register(broken)
+    assert requests.get(url + "/metrics", timeout=5).status_code == 500
+    assert requests.get(url + "/-/healthy", timeout=5).status_code == 200
+    registry.unregister(broken)
+    assert requests.get(url + "/metrics", timeout=5).status_code == 200
+
+
 def test_busy_port_raises_oserror(registry):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -136,7 +153,6 @@ def test_busy_port_raises_oserror(registry):
     (["--web.telemetry-path=/-/ready"], "must be a path"),
 ])
 def test_bad_web_flags_exit_2_naming_the_problem(argv, message, capsys):
-    import argparse
     parser = argparse.ArgumentParser(prog="dualtrack-exporter")
     add_web_arguments(parser)
     assert parser.parse_args([]).web_listen_address == ":9942"
@@ -283,3 +299,46 @@ def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_pat
     assert empty.ssl_context is None and not empty.users
     with pytest.raises(WebConfigError, match="cannot read: No such file or directory"):
         load_web_config(str(tmp_path / "missing.yml"))
+
+
+# --- the daemon, as a user starts it --------------------------------------------------------------
+
+
+def exporter_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "exporter", "--simulate=healthy", *args]
+
+
+def test_daemon_with_tls_and_basic_auth(start_service, pki, tmp_path, password_hash):
+    config = write_config(tmp_path, tls_config(pki) + f"basic_auth_users:\n  prometheus: '{password_hash}'\n")
+    service = processes.exporter(tmp_path, ["--simulate=healthy", f"--web.config.file={config}",
+                                            "--web.telemetry-path=/gpu-metrics"], scheme="https")
+    service.auth = ("prometheus", PASSWORD)
+    start_service(service)
+    ca = str(pki.ca_cert)
+
+    ok = requests.get(service.url + "/gpu-metrics", auth=service.auth, verify=ca, timeout=5)
+    assert ok.status_code == 200 and 'nvml_gpu_info{' in ok.text and 'simulated="true"' in ok.text
+    assert requests.get(service.url + "/metrics", auth=service.auth, verify=ca, timeout=5).status_code == 404
+    for auth in (("prometheus", "wrong"), ("admin", PASSWORD), None):
+        denied = requests.get(service.url + "/gpu-metrics", auth=auth, verify=ca, timeout=5)
+        assert denied.status_code == 401 and "nvml_" not in denied.text
+    plain = requests.get(f"http://{service.address}/gpu-metrics", auth=service.auth, timeout=5)
+    assert plain.status_code == 400 and "nvml_" not in plain.text
+    assert requests.get(service.url + "/-/ready", auth=service.auth, verify=ca, timeout=5).status_code == 200
+    assert service.running()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("basic_auth_users: {prometheus: [unclosed\n", "invalid YAML"),
+    ("basic_auth_users:\n  prometheus: hunter2\n", "must be a bcrypt hash"),
+    ("tls_server_config:\n  cert_file: missing.crt\n  key_file: missing.key\n", "No such file or directory"),
+    ("tls_server_config:\n  certfile: server.crt\n", "unknown key 'certfile'"),
+])
+def test_daemon_with_a_malformed_web_config_exits_2_with_one_line(text, problem, tmp_path):
+    config = write_config(tmp_path, text)
+    done = subprocess.run(exporter_cmd("--web.listen-address=127.0.0.1:0", f"--web.config.file={config}"),
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and problem in lines[0] and config in lines[0], lines
