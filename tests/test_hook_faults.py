@@ -248,13 +248,16 @@ def test_hostile_values_keys_and_labels_never_crash(pgw, tmp_path, caplog):
                          record_path=tmp_path / "r.jsonl") as monitor:
         for step in range(3):
             monitor.log(HOSTILE, step=step, samples="many", batch_id=("shard", step), tokens=float("nan"))
-        wait_pushed(pgw.url, "training_steps_total", run, lambda v: v == 3)
+        monitor.log([("loss", 1.0)], step=3)  # not a mapping: the step is still counted, the values not
+        wait_pushed(pgw.url, "training_steps_total", run, lambda v: v == 4)
     steps, _ = record_lines(tmp_path / "r.jsonl")
     assert steps[0]["values"] == KEPT
     assert steps[0]["batch_id"] == ["shard", 0] and steps[0]["samples"] is None
     assert steps[0]["tokens"] == "nan"
-    for reason, count in {**DROPPED, "not_numeric": DROPPED["not_numeric"] + 1}.items():  # + samples="many"
-        assert pushed_value(pgw.url, "training_dropped_values_total", run, reason=reason) == 3 * count, reason
+    expected = {reason: 3 * count for reason, count in DROPPED.items()}
+    expected["not_numeric"] += 3 + 1  # samples="many" three times, the list once
+    for reason, count in expected.items():
+        assert pushed_value(pgw.url, "training_dropped_values_total", run, reason=reason) == count, reason
     assert pushed_value(pgw.url, "training_nonfinite_steps_total", run) == 3
     assert pushed_value(pgw.url, "training_push_failures_total", run) == 0
     assert pushed_value(pgw.url, "training_huge", run) == 1e308
@@ -263,7 +266,8 @@ def test_hostile_values_keys_and_labels_never_crash(pgw, tmp_path, caplog):
                         unicode="学习率 ✓", nested_list="[1, 2]", bad_key_x="1", config_job="shadow")
     assert info == 1
     dropped_warnings = [r for r in caplog.records if "not kept" in r.getMessage()]
-    assert len(dropped_warnings) == len(HOSTILE) - len(KEPT) + 1  # once per key (+ samples=)
+    assert len(dropped_warnings) == len(HOSTILE) - len(KEPT) + 2  # once per key (+ samples=, the list)
+    assert steps[3]["values"] == {} and steps[3]["step"] == 3
 
 
 @pytest.mark.parametrize("key, value", [(k, v) for k, v in HOSTILE.items() if k not in KEPT])

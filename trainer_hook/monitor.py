@@ -111,6 +111,9 @@ class TrainingMonitor:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
         kept: dict[Any, Any] = {}
+        if values is not None and type(values) is not dict and not isinstance(values, Mapping):
+            self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
+            values = None
         if values:
             names = self._names
             for key, value in values.items():
