@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import prometheus_client
 import pytest
@@ -23,7 +23,9 @@ import requests
 
 from exporter.web import HEADER_TIMEOUT, WebServer
 from stack import processes
+from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
+from tests.certs import Pki, make_pki
 
 pytestmark = pytest.mark.fault
 
@@ -34,11 +36,19 @@ SCRAPERS = 50
 MAX_LATENCY_UNDER_ATTACK = 1.0
 
 
-@pytest.fixture
-def daemon(start_service, tmp_path) -> Service:
-    """The real exporter with 8 simulated GPUs, as a user would start it."""
-    return start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=8",
-                                                       "--sample-interval=0.5"]))
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Iterator[Service]:
+    """The real exporter with 8 simulated GPUs, as a user would start it; shared by the attacks below."""
+    service = processes.exporter(tmp_path_factory.mktemp("exporter"),
+                                 ["--simulate=healthy", "--simulate.gpus=8", "--sample-interval=0.5"])
+    service.start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def scrape(url: str, session: requests.Session | None = None, timeout: float = 5.0) -> float:
@@ -158,6 +168,32 @@ def test_connections_over_the_cap_are_refused_until_slots_free_up():
         assert time.monotonic() - started < 3
     finally:
         for sock in holders:
+            sock.close()
+        server.shutdown()
+
+
+def test_slow_tls_handshakes_are_cut_off_and_https_served_meanwhile(pki, tmp_path):
+    """Clients that open the TLS port and stall mid-handshake never block the accept loop."""
+    config = tmp_path / "web.yml"
+    config.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n")
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
+                       web_config=load_web_config(str(config)), ready=lambda: True, header_timeout=1.0)
+    server.start()
+    url = f"https://127.0.0.1:{server.server_address[1]}/metrics"
+    stalled = [socket.create_connection(server.server_address, timeout=5) for _ in range(20)]
+    try:
+        for sock in stalled:
+            sock.sendall(bytes.fromhex("16030100"))  # the start of a ClientHello, then nothing
+        started = time.monotonic()
+        assert requests.get(url, verify=str(pki.ca_cert), timeout=5).status_code == 200
+        assert time.monotonic() - started < MAX_LATENCY_UNDER_ATTACK
+        for sock in stalled:
+            assert sock.recv(100) == b""  # closed by the server after header_timeout
+        assert time.monotonic() - started < 3
+    finally:
+        for sock in stalled:
             sock.close()
         server.shutdown()
 
