@@ -59,7 +59,7 @@ class Stack:
             [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url, "--job", JOB,
              "--run", RUN, "--steps", "0", "--step-time", "0.05", "--push-interval", "0.5",
              "--input-bound", "40:80", "--data-delay", "0.05", "--explode-at", "150",
-             "--gpu-uuid", self.uuid],
+             "--gpu-uuid", self.uuid, "--record-path", str(self.workdir / "record.jsonl")],
             cwd=processes.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return self
 
