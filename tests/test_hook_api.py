@@ -39,10 +39,14 @@ def monitor(tmp_path, **kwargs) -> TrainingMonitor:
     ({"basic_auth": ("user",)}, "basic_auth"),
     ({"basic_auth": ("u", "p"), "bearer_token": "t"}, "either basic_auth or bearer_token"),
     ({"ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+    ({"ca_file": "NOT_PEM", "pushgateway": "https://127.0.0.1:9091"}, "cannot use the TLS files"),
     ({"config": 42}, "config must be a mapping"),
     ({"max_hold": -1}, "max_hold must be a positive"),
 ])
 def test_invalid_arguments_raise_value_error_at_construction(tmp_path, kwargs, message):
+    if kwargs.get("ca_file") == "NOT_PEM":
+        (tmp_path / "ca.pem").write_text("not a certificate")
+        kwargs = {**kwargs, "ca_file": str(tmp_path / "ca.pem")}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         monitor(tmp_path, **kwargs)
 

@@ -16,7 +16,7 @@ from ._torch import TENSOR_TYPES, cuda_ready, torch
 from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
-from .push import Pusher
+from .push import Pusher, make_handler
 from .record import Record
 from .settings import resolve
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
@@ -59,6 +59,7 @@ class TrainingMonitor:
             listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
             basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
             tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold)
+        handler = make_handler(s) if s.pushgateway else None
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
@@ -91,7 +92,7 @@ class TrainingMonitor:
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
         self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
                             "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
-        self._pusher = Pusher(s) if s.pushgateway else None
+        self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         if self._pusher:
             self._pusher.offer(self._latest)
@@ -256,7 +257,6 @@ class TrainingMonitor:
                 self.record.write(self._aggregator.drain(entries))
 
     def _publish(self, state: str) -> Snapshot:
-        s = self.settings
         background = self._aggregator.dropped()
         return self._aggregator.publish(
             state=state, start_time=self._start_time, data_wait_seconds=self._data_wait,

@@ -18,15 +18,21 @@ log = logging.getLogger("trainer_hook")
 
 
 def make_handler(settings: Settings) -> Callable:
-    """A prometheus_client push handler with our auth headers, TLS options and timeout."""
+    """A prometheus_client push handler with our auth headers and TLS options.
+
+    Raises ValueError for unusable TLS files (called at construction, before anything starts).
+    """
     context = None
     if settings.pushgateway and settings.pushgateway.startswith("https"):
-        context = ssl.create_default_context(cafile=settings.ca_file)
+        try:
+            context = ssl.create_default_context(cafile=settings.ca_file)
+            if settings.client_cert:
+                context.load_cert_chain(*settings.client_cert)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"cannot use the TLS files (ca_file/client_cert): {exc}") from None
         if not settings.tls_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        if settings.client_cert:
-            context.load_cert_chain(*settings.client_cert)
     auth = None
     if settings.basic_auth:
         auth = "Basic " + base64.b64encode(":".join(settings.basic_auth).encode()).decode()
@@ -51,10 +57,10 @@ def make_handler(settings: Settings) -> Callable:
 class Pusher:
     """Pushes the latest offered snapshot; a failed push's maxima are carried into the next one."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, handler: Callable) -> None:
         self.settings = settings
         self.failures = 0
-        self._handler = make_handler(settings)
+        self._handler = handler
         self._cond = threading.Condition()
         self._pending: Snapshot | None = None
         self._carry: Snapshot | None = None
