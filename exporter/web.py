@@ -5,7 +5,8 @@ a connection must deliver a complete request head within HEADER_TIMEOUT seconds 
 slowloris client trickling one byte a second is cut off), the head may not exceed MAX_HEADER_BYTES,
 at most MAX_CONNECTIONS connections are served at once (more are closed on accept), and the TLS
 handshake runs in the connection's thread so a slow handshake never blocks `accept`. No request
-can stop the server: every error is confined to its connection.
+can stop the server: every error is confined to its connection. Concurrent scrapes share one
+rendering of the registry, done in a dedicated thread (see _Renderer).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import argparse
 import base64
 import binascii
 import concurrent.futures
-import hashlib
 import gzip
+import hashlib
 import html
 import http.client
 import io
@@ -477,25 +478,37 @@ class WebServer:
         self._options = dict(registry=registry, telemetry_path=telemetry_path, web_config=web_config, ready=ready,
                              header_timeout=header_timeout, max_connections=max_connections, auth_cache=auth_cache)
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Bind the listen address and serve in a background daemon thread."""
-        family, address = _resolve(self._host, self._port)
-        server = _Server(address, family, **self._options)
-        try:
-            server.server_bind()
-            server.server_activate()
-        except OSError:
-            server.server_close()
-            raise
+        server = self._bind()
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="exporter-http-accept", daemon=True)
-        self._thread.start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+                         name="exporter-http-accept", daemon=True).start()
         host, port = self.server_address
         log.info("serving on %s://%s:%d%s", "https" if server.ssl_context else "http",
                  f"[{host}]" if ":" in host else host, port, server.telemetry_path)
+
+    def _bind(self) -> "_Server":
+        """Bind; an empty host means "::" (IPv4 and IPv6), or all IPv4 addresses where IPv6 is off."""
+        if self._host:
+            candidates = [_resolve(self._host, self._port)]
+        else:
+            candidates = [(socket.AF_INET6, ("::", self._port)), (socket.AF_INET, ("", self._port))]
+        error = OSError(f"cannot bind {self._host}:{self._port}")
+        for family, address in candidates:
+            server = None
+            try:
+                server = _Server(address, family, **self._options)
+                server.server_bind()
+                server.server_activate()
+                return server
+            except OSError as exc:
+                error = exc
+                if server is not None:
+                    server.server_close()
+                    server.renders.close()
+        raise error
 
     def shutdown(self) -> None:
         """Stop accepting connections and close the listening socket (in-flight requests may finish)."""
@@ -514,20 +527,10 @@ class WebServer:
 
 
 def _resolve(host: str, port: int) -> tuple[int, tuple[str, int]]:
-    """Address family and bind address; an empty host is all interfaces (IPv6 dual-stack if possible)."""
-    if not host:
-        return (socket.AF_INET6, ("::", port)) if socket.has_ipv6 and _ipv6_works() else (socket.AF_INET, ("", port))
+    """Address family and bind address of a named or numeric host."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve listen host {host!r}: {exc.strerror}") from None
     family, _, _, _, sockaddr = infos[0]
     return family, sockaddr[:2]
-
-
-def _ipv6_works() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM):
-            return True
-    except OSError:
-        return False

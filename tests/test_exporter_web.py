@@ -66,6 +66,19 @@ def serve(registry) -> Iterator[Callable[..., str]]:
         server.shutdown()
 
 
+def run_exporter(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m exporter --simulate=healthy ARGS` on loopback, expected to exit on its own."""
+    return subprocess.run([sys.executable, "-m", "exporter", "--simulate=healthy", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd, env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+
+
+def assert_usage_error(done: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 2 and exactly one line on stderr, containing every needle."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and all(needle in lines[0] for needle in needles), lines
+
+
 def write_config(directory: Path, text: str) -> str:
     path = directory / "web.yml"
     path.write_text(textwrap.dedent(text))
@@ -145,21 +158,23 @@ def test_busy_port_raises_oserror(registry):
             server.start()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--web.listen-address=9942"], "is not [host]:port"),
-    (["--web.listen-address=::1:9942"], "IPv6 hosts in brackets"),
-    (["--web.listen-address=:99999"], "is not [host]:port"),
-    (["--web.telemetry-path=metrics"], "must be a path"),
-    (["--web.telemetry-path=/-/ready"], "must be a path"),
-])
-def test_bad_web_flags_exit_2_naming_the_problem(argv, message, capsys):
-    parser = argparse.ArgumentParser(prog="dualtrack-exporter")
+def test_web_flag_defaults():
+    parser = argparse.ArgumentParser()
     add_web_arguments(parser)
-    assert parser.parse_args([]).web_listen_address == ":9942"
-    with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    args = parser.parse_args([])
+    assert (args.web_listen_address, args.web_telemetry_path, args.web_config_file) == (":9942", "/metrics", None)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--web.listen-address=9942", "is not [host]:port"),
+    ("--web.listen-address=::1:9942", "IPv6 hosts in brackets"),
+    ("--web.listen-address=127.0.0.1:99999", "is not [host]:port"),
+    ("--web.telemetry-path=metrics", "must be a path"),
+    ("--web.telemetry-path=/-/ready", "must be a path"),
+])
+def test_bad_web_flags_exit_2_with_one_line(flag, message, tmp_path):
+    done = run_exporter(flag, cwd=tmp_path)
+    assert_usage_error(done, message)
 
 
 # --- TLS ----------------------------------------------------------------------------------------
@@ -304,8 +319,6 @@ def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_pat
 # --- the daemon, as a user starts it --------------------------------------------------------------
 
 
-def exporter_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "exporter", "--simulate=healthy", *args]
 
 
 def test_daemon_with_tls_and_basic_auth(start_service, pki, tmp_path, password_hash):
@@ -336,9 +349,5 @@ def test_daemon_with_tls_and_basic_auth(start_service, pki, tmp_path, password_h
 ])
 def test_daemon_with_a_malformed_web_config_exits_2_with_one_line(text, problem, tmp_path):
     config = write_config(tmp_path, text)
-    done = subprocess.run(exporter_cmd("--web.listen-address=127.0.0.1:0", f"--web.config.file={config}"),
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(processes.REPO)})
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1 and problem in lines[0] and config in lines[0], lines
+    done = run_exporter("--web.listen-address=127.0.0.1:0", f"--web.config.file={config}", cwd=tmp_path)
+    assert_usage_error(done, problem, config)
