@@ -64,19 +64,22 @@ class StepModel:
         return time.perf_counter() - started, loss, norm
 
 
-def timed_loop(model: StepModel, monitor: TrainingMonitor | None, steps: int) -> list[float]:
-    """Per-step wall time of a loop over a loader, with or without the hook."""
-    batches: Iterator[int] = iter(range(steps))
-    if monitor is not None:
-        batches = monitor.loader(batches)
-    times = []
-    for batch_id in batches:
-        started = time.perf_counter()
-        _, loss, norm = model.step()
-        if monitor is not None:
-            monitor.log({"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
+def paired_steps(model: StepModel, monitors: dict[str, TrainingMonitor | None],
+                 steps: int) -> dict[str, list[float]]:
+    """Per-step wall time (batch fetch + step + log) for each monitor (None: no hook), alternating
+    step by step so that load changes on a shared machine hit every variant alike."""
+    batches = {name: iter(range(steps)) if mon is None else mon.loader(range(steps))
+               for name, mon in monitors.items()}
+    times: dict[str, list[float]] = {name: [] for name in monitors}
+    for _ in range(steps):
+        for name, mon in monitors.items():
+            started = time.perf_counter()
+            batch_id = next(batches[name])
+            _, loss, norm = model.step()
+            if mon is not None:
+                mon.log({"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
                         step=batch_id, samples=64, batch_id=batch_id)
-        times.append(time.perf_counter() - started)
+            times[name].append(time.perf_counter() - started)
     return times
 
 
@@ -101,17 +104,20 @@ def bench_log_call(record_dir: Path, pgw_url: str, calls: int) -> list[tuple[str
     return rows
 
 
-def bench_overhead(model: StepModel, record_dir: Path, pgw_url: str, rounds: int, steps: int):
-    plain, hooked = [], []
+def bench_overhead(model: StepModel, record_dir: Path, pgw_url: str, steps: int):
+    """Hook vs no hook, plus a second no-hook variant: their difference is the noise floor."""
     with TrainingMonitor(job="bench", run="overhead", pushgateway=pgw_url, push_interval=1.0,
                          record_path=record_dir / "overhead.jsonl") as monitor:
-        for _ in range(rounds):
-            plain += timed_loop(model, None, steps)
-            hooked += timed_loop(model, monitor, steps)
-    overhead = (median(hooked) - median(plain)) / median(plain) * 100
-    return [("training step, no hook", f"median {median(plain) * 1e3:.2f} ms", f"p99 {percentile(plain, .99) * 1e3:.2f} ms"),
-            ("training step, with hook", f"median {median(hooked) * 1e3:.2f} ms",
-             f"overhead {overhead:+.2f} % (target < 1 %)")]
+        times = paired_steps(model, {"plain": None, "hooked": monitor, "plain again": None}, steps)
+    plain, hooked, again = (median(times[name]) for name in ("plain", "hooked", "plain again"))
+    overhead = (hooked - plain) / plain * 100
+    noise = (again - plain) / plain * 100
+    return [("training step, no hook", f"median {plain * 1e3:.2f} ms",
+             f"p99 {percentile(times['plain'], .99) * 1e3:.2f} ms"),
+            ("training step, with hook", f"median {hooked * 1e3:.2f} ms",
+             f"overhead {overhead:+.2f} % (target < 1 %)"),
+            ("training step, no hook again (noise floor)", f"median {again * 1e3:.2f} ms",
+             f"difference {noise:+.2f} %")]
 
 
 @contextlib.contextmanager
@@ -167,16 +173,13 @@ def bench_grad_norm(reps: int):
              f"{syncs['fused']} sync; {speedup:.2f}x faster (target >= 1.8x)")]
 
 
-def bench_dead_vs_alive(model: StepModel, record_dir: Path, pgw_url: str, rounds: int, steps: int):
+def bench_dead_vs_alive(model: StepModel, record_dir: Path, pgw_url: str, steps: int):
     dead_url = f"http://127.0.0.1:{processes.free_port()}"
-    times = {"alive": [], "dead": []}
     with TrainingMonitor(job="bench", run="alive", pushgateway=pgw_url, push_interval=0.5,
                          record_path=record_dir / "alive.jsonl") as alive, \
             TrainingMonitor(job="bench", run="dead", pushgateway=dead_url, push_interval=0.5,
                             record_path=record_dir / "dead.jsonl") as dead:
-        for _ in range(rounds):
-            times["alive"] += timed_loop(model, alive, steps)
-            times["dead"] += timed_loop(model, dead, steps)
+        times = paired_steps(model, {"alive": alive, "dead": dead}, steps)
         failures = dead._pusher.failures
     ratio = median(times["dead"]) / median(times["alive"])
     return [("training step, Pushgateway alive", f"median {median(times['alive']) * 1e3:.2f} ms", ""),
@@ -196,9 +199,9 @@ def main() -> None:
         try:
             model = StepModel()
             rows = bench_log_call(workdir, pgw.url, int(20000 * scale))
-            rows += bench_overhead(model, workdir, pgw.url, rounds=int(10 * scale) or 2, steps=50)
-            rows += bench_grad_norm(int(300 * scale))
-            rows += bench_dead_vs_alive(model, workdir, pgw.url, rounds=int(6 * scale) or 2, steps=50)
+            rows += bench_overhead(model, workdir, pgw.url, steps=int(600 * scale))
+            rows += bench_grad_norm(int(600 * scale))
+            rows += bench_dead_vs_alive(model, workdir, pgw.url, steps=int(400 * scale))
         finally:
             pgw.stop()
     width = max(len(r[0]) for r in rows)

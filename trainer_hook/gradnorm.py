@@ -27,7 +27,7 @@ def grad_norm(parameters: Iterable[Any] | Any, norm_type: float = 2.0) -> Any:
         raise RuntimeError("grad_norm() needs torch (pip install 'dualtrack[torch]')")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [grad for p in parameters if (grad := p.grad) is not None]
     if not grads:
         return torch.tensor(0.0)
     foreach_norm = getattr(torch, "_foreach_norm", None)
