@@ -393,7 +393,7 @@ class _Server(ThreadingHTTPServer):
                 self._limit_logged = time.monotonic()
                 log.warning("%d connections open: closing new ones (from %s) until some finish",
                             self._max_connections, client_address[0])
-            self.shutdown_request(request)
+            self.close_request(request)  # at once: draining here would stall the accept loop
             return
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
                                   name="exporter-http", daemon=True)
@@ -401,7 +401,7 @@ class _Server(ThreadingHTTPServer):
             thread.start()
         except RuntimeError:  # cannot start a thread (resource limits): drop this connection only
             self._slots.release()
-            self.shutdown_request(request)
+            self.close_request(request)
 
     def process_request_thread(self, request: socket.socket, client_address) -> None:
         try:
@@ -426,7 +426,6 @@ class _Server(ThreadingHTTPServer):
             if first and any(method.startswith(first) or first.startswith(method) for method in _HTTP_METHODS):
                 sock.sendall(b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
                              b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
-                _drain(sock)
                 self.shutdown_request(sock)
                 return None
             sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -437,16 +436,29 @@ class _Server(ThreadingHTTPServer):
             self.shutdown_request(sock)
             return None
 
+    def shutdown_request(self, request: socket.socket) -> None:
+        """Lingering close: half-close, read what the client still sends (bounded), then close.
+
+        Closing a socket with unread input makes the kernel send a reset, which can destroy an error
+        reply (431, 400, ...) before the client has read it.
+        """
+        try:
+            _drain(request)
+        except OSError:
+            pass
+        self.close_request(request)
+
     def handle_error(self, request, client_address) -> None:
         log.debug("error serving %s", client_address[0], exc_info=True)
 
 
-def _drain(sock: socket.socket, limit: int = 65536) -> None:
-    """Half-close and read what the client sent, so that closing does not reset our reply away."""
+def _drain(sock: socket.socket, limit: int = 65536, seconds: float = 1.0) -> None:
+    """Half-close, then read and drop what the client still sends: at most `limit` bytes and `seconds`."""
     sock.shutdown(socket.SHUT_WR)
-    sock.settimeout(1.0)
-    while limit > 0:
-        chunk = sock.recv(4096)
+    deadline = time.monotonic() + seconds
+    while limit > 0 and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        chunk = sock.recv(min(limit, 65536))
         if not chunk:
             return
         limit -= len(chunk)
