@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from stack.processes import REPO, wait_until
+from stack.processes import REPO, free_port, wait_until
 from tests.hook_support import Trainer, record_lines
 from trainer_hook import TrainingMonitor, grad_norm
 
@@ -248,3 +249,26 @@ def test_exposition_passes_promtool_check_metrics(tmp_path):
     assert 'training_gpu_info{gpu="0",rank="0",run="r1",uuid="GPU-8d3c2b1a-0000-1111-2222-333344445555"} 1.0' in text
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+
+
+DISTRIBUTED_SCRIPT = """
+import sys
+import torch.distributed as dist
+from trainer_hook import TrainingMonitor
+rank, port, record_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+with TrainingMonitor(job="ddp", run="r", pushgateway=False, record_path=record_dir) as monitor:
+    monitor.log({"loss": float(rank)}, step=0)
+dist.destroy_process_group()
+"""
+
+
+def test_rank_comes_from_torch_distributed_without_torchrun_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", DISTRIBUTED_SCRIPT, str(rank), port, str(tmp_path)],
+                              cwd=REPO, env=env) for rank in (0, 1)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    for rank in (0, 1):
+        steps, events = record_lines(tmp_path / f"ddp-r-rank{rank}.jsonl")
+        assert events[0]["rank"] == rank and steps[0]["values"] == {"loss": float(rank)}
