@@ -16,11 +16,11 @@ import sys
 import threading
 from typing import NoReturn, Sequence
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, disable_created_metrics
+from prometheus_client import PlatformCollector, ProcessCollector, disable_created_metrics
 
 from exporter import __version__
 from exporter.collectors import ALL
-from exporter.exposition import SnapshotCollector
+from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
 from exporter.sampler import Sampler
 from exporter.simulated import SCENARIOS, FaultPlanError, SimulatedNVML, load_fault_plan
@@ -199,13 +199,10 @@ def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Even
         print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
         return 1
     disable_created_metrics()
-    registry = CollectorRegistry()
-    registry.register(SnapshotCollector(sampler))
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
+    exposition = Exposition(sampler, [ProcessCollector(registry=None), PlatformCollector(registry=None)])
     sampler.start()
-    server = WebServer(registry, listen_address=args.web_listen_address, telemetry_path=args.web_telemetry_path,
-                       web_config=web_config, ready=sampler.ready)
+    server = WebServer(exposition.registry, render=exposition.render, listen_address=args.web_listen_address,
+                       telemetry_path=args.web_telemetry_path, web_config=web_config, ready=sampler.ready)
     try:
         server.start()
     except OSError as exc:

@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
 from exporter.collectors.base import Values
+from exporter.exposition import sample_lines
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class GpuSample:
     taken_at: float
     values: Values
     runs: dict[str, CollectorRun]
+    lines: tuple[bytes, ...]  # exposition.sample_lines of `values`, rendered once here instead of on every scrape
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,13 @@ class GpuSampler:
     """Samples one GPU every interval with the enabled collectors."""
 
     def __init__(self, device: Device, collectors: list[Collector], store: SnapshotStore, stats: Stats, *,
-                 interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.device = device
         self.collectors = collectors
         self.store = store
         self.stats = stats
         self.interval = interval
+        self.simulated = simulated
         self.clock = clock
         self.retry_interval = max(interval, 1.0)
         self.samples_taken = 0
@@ -164,7 +167,8 @@ class GpuSampler:
             for metric, series in collector_values.items():
                 values.setdefault(metric, {}).update(series)
         runs = {name: run for name, (_, run) in self._latest.items()}
-        self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs))
+        lines = sample_lines(self.device, values, self.simulated)
+        self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 
     def _mark_lost(self, now: float, error: str) -> None:
         if not self.lost:
@@ -233,7 +237,8 @@ class Sampler:
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
         options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
         self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
-                                self.store, self.stats, interval=self.interval, clock=self.clock)
+                                self.store, self.stats, interval=self.interval, simulated=self.simulated,
+                                clock=self.clock)
                      for device in self.devices]
         self.hang_after = max(3 * self.interval, 2.0)
         self._stop = threading.Event()

@@ -14,6 +14,7 @@ import argparse
 import base64
 import binascii
 import concurrent.futures
+import functools
 import gzip
 import hashlib
 import html
@@ -47,6 +48,13 @@ _PROBE_PATHS = ("/-/healthy", "/-/ready")
 _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")
 
 log = logging.getLogger("exporter.web")
+Render = Callable[[str | None], tuple[bytes, str]]  # Accept header -> (body, content type)
+
+
+def render_registry(registry, accept: str | None) -> tuple[bytes, str]:
+    """`registry` rendered by prometheus_client in the format an Accept header asks for, and its content type."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type
 
 
 def check_listen_address(value: str) -> str:
@@ -160,7 +168,7 @@ class _Renderer:
     class _Call:
         def __init__(self) -> None:
             self.done = threading.Event()
-            self.result: bytes = b""
+            self.result: tuple[bytes, str] = (b"", "")
             self.error: BaseException | None = None
 
     def __init__(self) -> None:
@@ -168,7 +176,7 @@ class _Renderer:
         self._calls: dict[object, _Renderer._Call] = {}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exporter-render")
 
-    def run(self, key: object, function: Callable[[], bytes]) -> bytes:
+    def run(self, key: object, function: Callable[[], tuple[bytes, str]]) -> tuple[bytes, str]:
         """The result of `function()`, shared with the callers that ask for the same `key` meanwhile."""
         with self._lock:
             call = self._calls.get(key)
@@ -316,12 +324,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, b"Not Found\n", head=head)
 
     def _metrics(self, params: dict[str, list[str]], head: bool) -> None:
-        encoder, content_type = choose_encoder(self.headers.get("Accept"))
+        accept = self.headers.get("Accept")
         names = tuple(sorted(params.get("name[]", ())))
         compress = gzip_accepted(self.headers.get("Accept-Encoding"))
         try:
-            body = self.server.renders.run((content_type, names, compress),
-                                           lambda: self.server.render(encoder, names, compress))
+            body, content_type = self.server.renders.run((accept, names, compress),
+                                                         lambda: self.server.render(accept, names, compress))
         except Exception:  # a collector bug must not take the server down; the scrape reports 500
             log.exception("rendering metrics failed")
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
@@ -347,13 +355,14 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], family: int, *, registry, telemetry_path: str,
-                 web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
+    def __init__(self, address: tuple[str, int], family: int, *, registry, render: Render | None,
+                 telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
                  max_connections: int, auth_cache: bool) -> None:
         self.address_family = family
         super().__init__(address, _Handler, bind_and_activate=False)
         config = web_config or WebConfig()
         self.registry = registry
+        self.render_all = render or functools.partial(render_registry, registry)
         self.telemetry_path = telemetry_path
         self.ready = ready
         self.header_timeout = header_timeout
@@ -373,12 +382,12 @@ class _Server(ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)  # skip HTTPServer's getfqdn(): a DNS lookup at start-up
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
-    def render(self, encoder: Callable, names: tuple[str, ...], compress: bool) -> bytes:
-        registry = self.registry
-        if names and hasattr(registry, "restricted_registry"):
-            registry = registry.restricted_registry(names)
-        body = encoder(registry)
-        return gzip.compress(body, compresslevel=6) if compress else body
+    def render(self, accept: str | None, names: tuple[str, ...], compress: bool) -> tuple[bytes, str]:
+        if names and hasattr(self.registry, "restricted_registry"):  # filtered scrapes are rare: the generic way
+            body, content_type = render_registry(self.registry.restricted_registry(names), accept)
+        else:
+            body, content_type = self.render_all(accept)
+        return gzip.compress(body, compresslevel=6) if compress else body, content_type
 
     def is_ready(self) -> bool:
         try:
@@ -475,20 +484,23 @@ def _landing_page(path: str) -> bytes:
 class WebServer:
     """Serve `registry` on the telemetry path, plus /-/healthy, /-/ready and a landing page.
 
+    `render(accept_header) -> (body, content_type)`, when given, renders unfiltered scrapes (it must
+    serve what `registry` holds); `name[]`-filtered scrapes always render `registry` with prometheus_client.
     The constructor checks the listen address (ValueError); start() binds and serves from daemon
     threads, raising OSError when the address cannot be bound; shutdown() stops serving.
     """
 
     def __init__(self, registry, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
-                 ready: Callable[[], bool], header_timeout: float = HEADER_TIMEOUT,
+                 ready: Callable[[], bool], render: Render | None = None, header_timeout: float = HEADER_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, auth_cache: bool = True) -> None:
         try:
             self._host, self._port = parse_listen_address(listen_address)
             check_telemetry_path(telemetry_path)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
-        self._options = dict(registry=registry, telemetry_path=telemetry_path, web_config=web_config, ready=ready,
-                             header_timeout=header_timeout, max_connections=max_connections, auth_cache=auth_cache)
+        self._options = dict(registry=registry, render=render, telemetry_path=telemetry_path, web_config=web_config,
+                             ready=ready, header_timeout=header_timeout, max_connections=max_connections,
+                             auth_cache=auth_cache)
         self._server: _Server | None = None
 
     def start(self) -> None:
