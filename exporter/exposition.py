@@ -209,7 +209,9 @@ class Exposition:
     def __init__(self, sampler: Sampler, others: Iterable = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.collector = SnapshotCollector(sampler, clock)
         self.others = list(others)
-        self.registry = CollectorRegistry()
+        # the snapshot collector describes nothing (its families depend on the hardware): without this,
+        # name[] filtering would find none of them
+        self.registry = CollectorRegistry(support_collectors_without_names=True)
         for collector in [self.collector, *self.others]:
             self.registry.register(collector)
         # HELP/TYPE of each of our families (keyed by family name), per format, as prometheus_client writes them.

@@ -1,0 +1,156 @@
+"""The scrape path (pre-rendered GPU lines) serves exactly what prometheus_client renders from the same snapshot."""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import math
+import shutil
+import subprocess
+
+import pytest
+import requests
+from prometheus_client import Gauge, Histogram, PlatformCollector
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from exporter.exposition import Exposition, sample_lines
+from stack import processes
+from tests.exporter_support import Rig
+
+TEXT = None  # what Prometheus gets without an Accept header: text 0.0.4
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
+              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2's scrape Accept header
+ACCEPTS = [TEXT, OPENMETRICS, "application/openmetrics-text; version=1.0.0; escaping=allow-utf-8",
+           "text/plain; version=1.0.0; escaping=underscores", "application/openmetrics-text; version=1.0.0; escaping=dots"]
+
+
+@pytest.fixture
+def rig(tmp_path) -> Rig:
+    """Two simulated H100s with every collector and one compute process, sampled until GPM reports."""
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "comm").write_text('py "train" \\ 1\n')  # label escaping: quote and backslash
+    rig = Rig("healthy", gpus=2, proc_root=str(tmp_path), pid=4242)
+    for _ in range(6):
+        rig.step()
+    return rig
+
+
+def serve(rig: Rig) -> Exposition:
+    """The exposition the daemon builds, with other collectors whose values hold still (unlike process_*)."""
+    gauge = Gauge("other_gauge", "An other collector's gauge.", ["label"], registry=None)
+    gauge.labels('with "quotes"').set(2)
+    histogram = Histogram("other_seconds", "An other collector's histogram.", registry=None, buckets=(0.5, 1.0))
+    histogram.observe(0.7)
+    return Exposition(rig.sampler, [gauge, histogram, PlatformCollector(registry=None)], clock=rig.clock)
+
+
+def reference(exposition: Exposition, accept: str | None) -> tuple[bytes, str]:
+    """prometheus_client's own rendering of the same collectors."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(exposition.registry), content_type
+
+
+def families(body: bytes, content_type: str) -> list[tuple]:
+    """The parsed families: name, type, help and samples (values as text, so that NaN equals NaN)."""
+    parse = parse_openmetrics if content_type.startswith("application/openmetrics-text") else parse_text
+    return [(f.name, f.type, f.documentation, [(s.name, s.labels, repr(s.value), s.timestamp) for s in f.samples])
+            for f in parse(body.decode())]
+
+
+def assert_same_as_prometheus_client(exposition: Exposition, accept: str | None) -> bytes:
+    body, content_type = exposition.render(accept)
+    expected, expected_type = reference(exposition, accept)
+    assert content_type == expected_type
+    assert families(body, content_type) == families(expected, expected_type)
+    assert body == expected
+    return body
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_scrape_path_output_is_prometheus_clients_byte_for_byte(rig, accept):
+    body = assert_same_as_prometheus_client(serve(rig), accept)
+    assert b'_ratio{gpu="1",' in body  # (escaping=dots doubles the underscores in names)
+    assert b'process="py \\"train\\" \\\\ 1"' in body
+
+
+def test_openmetrics_ends_with_one_eof_and_counters_keep_their_total_suffix(rig):
+    body, content_type = serve(rig).render(OPENMETRICS)
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert body.count(b"# EOF") == 1 and body.endswith(b"\n# EOF\n")
+    assert b"# TYPE nvml_gpu_energy_joules counter\n" in body and b"\nnvml_gpu_energy_joules_total{" in body
+    text, _ = serve(rig).render(TEXT)
+    assert b"# TYPE nvml_gpu_energy_joules_total counter\n" in text and b"# EOF" not in text
+
+
+def test_special_values_and_label_escaping_match_prometheus_client(rig):
+    """NaN, infinities, large and integral values, and label values with quotes, backslashes and newlines."""
+    store, device = rig.sampler.store, rig.sampler.devices[0]
+    sample = store.current.samples[0]
+    values = {**sample.values,
+              "nvml_gpu_utilization_ratio": {(): math.nan},
+              "nvml_gpu_power_usage_watts": {(): math.inf},
+              "nvml_gpu_temperature_celsius": {(): -math.inf},
+              "nvml_gpu_memory_used_bytes": {(): 81559732224},
+              "nvml_gpu_energy_joules_total": {(): 1e22},
+              "nvml_gpu_memory_total_bytes": {(): 3},
+              "nvml_gpu_xid_errors_total": {("79",): 2.5e-7},
+              "nvml_gpu_process_memory_used_bytes": {("7", 'a"b\\c\nd', "", "", ""): 0.1}}
+    store.publish(0, dataclasses.replace(sample, values=values, lines=sample_lines(device, values, True)))
+    body = assert_same_as_prometheus_client(serve(rig), TEXT)
+    assert_same_as_prometheus_client(serve(rig), OPENMETRICS)
+    for line in (b"nvml_gpu_utilization_ratio{gpu=\"0\",uuid=\"%s\"} NaN", b"nvml_gpu_power_usage_watts{gpu=\"0\",uuid=\"%s\"} +Inf",
+                 b"nvml_gpu_temperature_celsius{gpu=\"0\",uuid=\"%s\"} -Inf",
+                 b"nvml_gpu_memory_total_bytes{gpu=\"0\",uuid=\"%s\"} 3.0",
+                 b"nvml_gpu_energy_joules_total{gpu=\"0\",uuid=\"%s\"} 1e+22"):
+        assert line % device.uuid.encode() in body
+    assert b'process="a\\"b\\\\c\\nd"' in body
+
+
+def test_stale_and_lost_gpus_drop_their_series_like_the_collector(rig):
+    exposition = serve(rig)
+    rig.clock.advance(rig.sampler.hang_after + 1)
+    rig.sampler.gpus[0].sample_once()  # GPU 1's sample is now stale
+    body = assert_same_as_prometheus_client(exposition, TEXT)
+    assert b'nvml_gpu_utilization_ratio{gpu="0",' in body and b'nvml_gpu_utilization_ratio{gpu="1",' not in body
+    assert b'nvml_exporter_gpu_sample_age_seconds{gpu="1",' in body  # the self-metrics still say how old it is
+    rig.sampler.store.publish(0, None)  # what the sampler publishes for a lost GPU
+    body = assert_same_as_prometheus_client(exposition, OPENMETRICS)
+    assert b'nvml_gpu_lost{gpu="0",' in body and b"nvml_gpu_utilization_ratio{" not in body
+    assert b"nvml_up 0.0" in body
+    rig.step()  # both GPUs answer again
+    body = assert_same_as_prometheus_client(exposition, TEXT)
+    assert b'nvml_gpu_utilization_ratio{gpu="0",' in body and b'nvml_gpu_utilization_ratio{gpu="1",' in body
+
+
+def test_a_broken_sample_falls_back_to_prometheus_client_instead_of_failing_the_scrape(rig, caplog):
+    sample = rig.sampler.store.current.samples[1]
+    rig.sampler.store.publish(1, dataclasses.replace(sample, lines=()))
+    body = assert_same_as_prometheus_client(serve(rig), OPENMETRICS)
+    assert b'nvml_gpu_utilization_ratio{gpu="1",' in body
+    assert "fast exposition failed" in caplog.text
+
+
+def test_daemon_serves_both_formats_gzip_and_name_filter(tmp_path, start_service):
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
+                                                           "--sample-interval=0.1"]))
+    url = exporter.url + "/metrics"
+    processes.wait_until(lambda: "nvml_gpu_sm_active_ratio{" in requests.get(url, timeout=5).text,
+                         timeout=10, what="GPM metrics after two GPM samples")
+    text = requests.get(url, timeout=5)
+    assert text.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    om = requests.get(url, timeout=5, headers={"Accept": OPENMETRICS, "Accept-Encoding": "gzip"}, stream=True)
+    assert om.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert om.headers["Content-Encoding"] == "gzip"
+    om_text = gzip.decompress(om.raw.read()).decode()
+    assert om_text.endswith("\n# EOF\n") and om_text.count("# EOF") == 1
+
+    def series(families_) -> set:
+        return {(s.name, tuple(sorted(s.labels.items()))) for f in families_ for s in f.samples
+                if not s.name.startswith(("process_", "nvml_exporter_collector_duration"))}
+    assert series(parse_text(text.text)) == series(parse_openmetrics(om_text))
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=text.text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+    only = requests.get(url, params={"name[]": "nvml_gpu_temperature_celsius"}, timeout=5).text
+    assert {f.name for f in parse_text(only)} == {"nvml_gpu_temperature_celsius"}
