@@ -6,6 +6,9 @@ every scrape" exporter (nvitop-exporter's call pattern), in one run, on the same
 
 Reports scrape latency p50/p99, CPU per second while idle (the sampler's cost), CPU per scrape,
 resident memory, NVML calls per GPU per sample (counted in the simulated NVML), and series per GPU.
+The "generic path" column is the same daemon with the same flags rendering every scrape with
+prometheus_client and without pre-rendered sample lines (how scrapes were served before); its
+scrapes alternate with the pre-rendered daemon's.
 """
 from __future__ import annotations
 
@@ -66,6 +69,16 @@ class NaiveCollector:
         yield from families.values()
 
 
+def serve_generic(argv: list[str]) -> int:
+    """The exporter daemon with `argv`, minus the scrape path: no pre-rendered lines, prometheus_client renders."""
+    import exporter.cli
+    import exporter.sampler
+    web_server = exporter.cli.WebServer
+    exporter.cli.WebServer = lambda *args, render=None, **kwargs: web_server(*args, **kwargs)
+    exporter.sampler.sample_lines = lambda *args: ()
+    return exporter.cli.main(argv)
+
+
 def serve_naive(port: int) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
     from exporter.simulated import SimulatedNVML
@@ -98,15 +111,21 @@ def start(name: str, argv: list[str], port: int) -> tuple[str, subprocess.Popen,
     return name, proc, url
 
 
-def scrape_latencies(session: requests.Session, url: str, count: int) -> tuple[list[float], int]:
-    latencies = []
-    size = 0
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
+              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2's scrape Accept header
+
+
+def scrape_latencies(session: requests.Session, urls: list[str], count: int,
+                     accept: str = "*/*") -> list[tuple[list[float], int]]:
+    """`count` scrapes of every URL, alternating between them: (latencies, body size) per URL."""
+    results: list[tuple[list[float], int]] = [([], 0) for _ in urls]
     for _ in range(count):
-        started = time.perf_counter()
-        response = session.get(url, timeout=30)
-        latencies.append(time.perf_counter() - started)
-        size = len(response.content)
-    return latencies, size
+        for i, url in enumerate(urls):
+            started = time.perf_counter()
+            response = session.get(url, timeout=30, headers={"Accept": accept})
+            results[i][0].append(time.perf_counter() - started)
+            results[i] = (results[i][0], len(response.content))
+    return results
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,21 +133,29 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def in_process_sampling(samples: int = 60) -> dict[str, float]:
+def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, float]:
     """Ours, in this process over `samples` steady-state samples of 8 GPUs (no call cost): NVML calls
     per GPU per sample counted in the simulated NVML, and the sampler's own CPU time per sample
-    (process CPU minus the CPU the simulation itself spent)."""
+    (process CPU minus the CPU the simulation itself spent); `prerender=False`: without rendering
+    the sample lines, as with the generic path."""
+    import exporter.sampler
     from tests.exporter_support import Rig
-    rig = Rig(gpus=GPUS)
-    rig.step()
-    first = sum(rig.lib.calls_by_gpu.values()) / GPUS
-    per_sample = []
-    cpu, simulated = time.process_time(), rig.lib.cpu_seconds
-    for _ in range(samples):
-        before = sum(rig.lib.calls_by_gpu.values())
+    rendering = exporter.sampler.sample_lines
+    if not prerender:
+        exporter.sampler.sample_lines = lambda *args: ()
+    try:
+        rig = Rig(gpus=GPUS)
         rig.step()
-        per_sample.append((sum(rig.lib.calls_by_gpu.values()) - before) / GPUS)
-    cpu, simulated = time.process_time() - cpu, rig.lib.cpu_seconds - simulated
+        first = sum(rig.lib.calls_by_gpu.values()) / GPUS
+        per_sample = []
+        cpu, simulated = time.process_time(), rig.lib.cpu_seconds
+        for _ in range(samples):
+            before = sum(rig.lib.calls_by_gpu.values())
+            rig.step()
+            per_sample.append((sum(rig.lib.calls_by_gpu.values()) - before) / GPUS)
+        cpu, simulated = time.process_time() - cpu, rig.lib.cpu_seconds - simulated
+    finally:
+        exporter.sampler.sample_lines = rendering
     series = sum(len(v) for v in rig.sampler.store.current.samples[0].values.values()) + 1  # + nvml_gpu_info
     return {"average": statistics.mean(per_sample), "max": max(per_sample), "first": first, "series": series,
             "exporter_cpu": (cpu - simulated) / samples, "simulation_cpu": simulated / samples}
@@ -143,38 +170,51 @@ def naive_calls_per_gpu() -> tuple[float, int]:
     return (sum(lib.calls_by_gpu.values()) - before) / GPUS, len(families)
 
 
+def daemon_flags(port: int, interval: float) -> list[str]:
+    return ["--simulate=healthy", f"--simulate.gpus={GPUS}", f"--simulate.call-cost={CALL_COST}", "--log.level=error",
+            f"--sample-interval={interval:g}", f"--web.listen-address=127.0.0.1:{port}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=300)
     parser.add_argument("--window", type=float, default=10.0, help="seconds of idle CPU measurement")
     parser.add_argument("--naive-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--generic-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive_server:
         serve_naive(args.naive_server)
         return 0
+    if args.generic_server:
+        return serve_generic(daemon_flags(args.generic_server, 1))
 
-    ports = [free_port() for _ in range(3)]
-    ours = [sys.executable, "-m", "exporter", "--simulate=healthy", f"--simulate.gpus={GPUS}",
-            f"--simulate.call-cost={CALL_COST}", "--log.level=error"]
+    ports = [free_port() for _ in range(4)]
+    ours = [sys.executable, "-m", "exporter"]
     daemons = [
-        start("dualtrack (1 s sampling)", ours + ["--sample-interval=1", f"--web.listen-address=127.0.0.1:{ports[0]}"],
-              ports[0]),
-        start("dualtrack, sampler idle", ours + ["--sample-interval=3600", f"--web.listen-address=127.0.0.1:{ports[1]}"],
-              ports[1]),
-        start("naive per-scrape", [sys.executable, __file__, f"--naive-server={ports[2]}"], ports[2]),
+        start("pre-rendered (now)", ours + daemon_flags(ports[0], 1), ports[0]),
+        start("generic path (before)", [sys.executable, __file__, f"--generic-server={ports[1]}"], ports[1]),
+        start("dualtrack, sampler idle", ours + daemon_flags(ports[2], 3600), ports[2]),
+        start("naive per-scrape", [sys.executable, __file__, f"--naive-server={ports[3]}"], ports[3]),
     ]
+    (fast, fast_proc, fast_url), (generic, generic_proc, generic_url) = daemons[0], daemons[1]
+    idle_name, (naive, naive_proc, naive_url) = daemons[2][0], daemons[3]
     try:
         time.sleep(3)  # let the samplers reach steady state (GPM, processes, clocks all sampled)
         idle_cpu = {name: cpu_seconds(proc.pid) for name, proc, _ in daemons}
         time.sleep(args.window)
         idle_cpu = {name: (cpu_seconds(proc.pid) - idle_cpu[name]) / args.window for name, proc, _ in daemons}
-        results = {}
         session = requests.Session()
-        for name, proc, url in (daemons[0], daemons[2]):
-            scrape_latencies(session, url, 20)  # warm-up
-            before = cpu_seconds(proc.pid)
-            latencies, size = scrape_latencies(session, url, args.scrapes)
-            results[name] = (latencies, (cpu_seconds(proc.pid) - before) / args.scrapes, size, rss_mb(proc.pid))
+        ours_urls, ours_procs = [fast_url, generic_url], [fast_proc, generic_proc]
+        scrape_latencies(session, ours_urls + [naive_url], 20)  # warm-up
+        before = [cpu_seconds(proc.pid) for proc in ours_procs]
+        text = dict(zip((fast, generic), scrape_latencies(session, ours_urls, args.scrapes)))
+        cpu_per_scrape = {name: (cpu_seconds(proc.pid) - start_cpu) / args.scrapes
+                          for name, proc, start_cpu in zip((fast, generic), ours_procs, before)}
+        om = dict(zip((fast, generic), scrape_latencies(session, ours_urls, args.scrapes, OPENMETRICS)))
+        before = cpu_seconds(naive_proc.pid)
+        text[naive] = scrape_latencies(session, [naive_url], args.scrapes)[0]
+        cpu_per_scrape[naive] = (cpu_seconds(naive_proc.pid) - before) / args.scrapes
+        rss = {name: rss_mb(proc.pid) for name, proc, _ in daemons}
         bare = subprocess.run([sys.executable, "-c", "import prometheus_client, pynvml, pathlib; "
                                "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
                                "if l.startswith('VmRSS')][0].split()[1])"], capture_output=True, text=True)
@@ -184,33 +224,43 @@ def main() -> int:
             proc.terminate()
             proc.wait(10)
 
-    sampling = in_process_sampling()
+    sampling = {fast: in_process_sampling(), generic: in_process_sampling(prerender=False)}
     naive_calls, naive_series = naive_calls_per_gpu()
-    sampler_cpu = idle_cpu[daemons[0][0]] - idle_cpu[daemons[1][0]]
-    ours_name, naive_name = daemons[0][0], daemons[2][0]
+    sampler_cpu = {name: idle_cpu[name] - idle_cpu[idle_name] for name in (fast, generic)}
+
+    def ms(latencies: list[float], q: float) -> str:
+        return f"{percentile(latencies, q) * 1e3:.1f}"
+
     rows = [
-        ("scrape latency p50 (ms)", f"{percentile(results[ours_name][0], 0.5) * 1e3:.1f}",
-         f"{percentile(results[naive_name][0], 0.5) * 1e3:.1f}", ""),
-        ("scrape latency p99 (ms)", f"{percentile(results[ours_name][0], 0.99) * 1e3:.1f}",
-         f"{percentile(results[naive_name][0], 0.99) * 1e3:.1f}", "< 5"),
-        ("CPU per scrape (ms)", f"{results[ours_name][1] * 1e3:.1f}", f"{results[naive_name][1] * 1e3:.1f}", ""),
-        ("CPU while not scraped (% of a core)", f"{idle_cpu[ours_name] * 100:.2f}",
-         f"{idle_cpu[naive_name] * 100:.2f}", ""),
-        ("  of which sampler + simulated NVML (% of a core)", f"{sampler_cpu * 100:.2f}", "-", ""),
-        ("sampler alone, 1 s interval (% of a core)", f"{sampling['exporter_cpu'] * 100:.2f}", "-", "<= 1"),
-        ("  simulated NVML, 1 s interval (% of a core)", f"{sampling['simulation_cpu'] * 100:.2f}", "-", ""),
-        ("resident memory (MB)", f"{results[ours_name][3]:.1f}", f"{results[naive_name][3]:.1f}", "< 40"),
-        ("  bare python + prometheus_client + pynvml (MB)", f"{bare_mb:.1f}", f"{bare_mb:.1f}", ""),
-        ("NVML calls per GPU per sample/scrape (avg)", f"{sampling['average']:.1f}", f"{naive_calls:.1f}", "<= 10"),
-        ("NVML calls per GPU per sample (max; first sample)", f"{sampling['max']:.0f}; {sampling['first']:.0f}",
-         f"{naive_calls:.0f}", ""),
-        ("series per GPU", f"{sampling['series']}", f"{naive_series}", ""),
-        ("exposition size (bytes, 8 GPUs)", f"{results[ours_name][2]}", f"{results[naive_name][2]}", ""),
+        ("scrape latency p50, text 0.0.4 (ms)", ms(text[fast][0], 0.5), ms(text[generic][0], 0.5),
+         ms(text[naive][0], 0.5), ""),
+        ("scrape latency p99, text 0.0.4 (ms)", ms(text[fast][0], 0.99), ms(text[generic][0], 0.99),
+         ms(text[naive][0], 0.99), "< 5"),
+        ("scrape latency p50, OpenMetrics (ms)", ms(om[fast][0], 0.5), ms(om[generic][0], 0.5), "-", ""),
+        ("scrape latency p99, OpenMetrics (ms)", ms(om[fast][0], 0.99), ms(om[generic][0], 0.99), "-", "< 5"),
+        ("CPU per scrape, text (ms)", *(f"{cpu_per_scrape[name] * 1e3:.1f}" for name in (fast, generic, naive)), ""),
+        ("CPU while not scraped (% of a core)", *(f"{idle_cpu[name] * 100:.2f}" for name in (fast, generic, naive)), ""),
+        ("  of which sampler + simulated NVML (% of a core)", f"{sampler_cpu[fast] * 100:.2f}",
+         f"{sampler_cpu[generic] * 100:.2f}", "-", ""),
+        ("sampler alone, 1 s interval (% of a core)", f"{sampling[fast]['exporter_cpu'] * 100:.2f}",
+         f"{sampling[generic]['exporter_cpu'] * 100:.2f}", "-", "<= 1"),
+        ("  simulated NVML, 1 s interval (% of a core)", f"{sampling[fast]['simulation_cpu'] * 100:.2f}",
+         f"{sampling[generic]['simulation_cpu'] * 100:.2f}", "-", ""),
+        ("resident memory (MB)", *(f"{rss[name]:.1f}" for name in (fast, generic, naive)), "< 40"),
+        ("  bare python + prometheus_client + pynvml (MB)", *[f"{bare_mb:.1f}"] * 3, ""),
+        ("NVML calls per GPU per sample/scrape (avg)", f"{sampling[fast]['average']:.1f}",
+         f"{sampling[generic]['average']:.1f}", f"{naive_calls:.1f}", "<= 10"),
+        ("NVML calls per GPU per sample (max; first sample)", f"{sampling[fast]['max']:.0f}; {sampling[fast]['first']:.0f}",
+         f"{sampling[generic]['max']:.0f}; {sampling[generic]['first']:.0f}", f"{naive_calls:.0f}", ""),
+        ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[generic]['series']}", f"{naive_series}", ""),
+        ("exposition size (bytes, 8 GPUs; text)", *(f"{text[name][1]}" for name in (fast, generic, naive)), ""),
     ]
-    print(f"8 simulated H100s, every NVML call costs {CALL_COST * 1e3:.0f} ms; {args.scrapes} sequential scrapes; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    widths = [max(len(row[i]) for row in rows + [("", "dualtrack", "naive per-scrape", "target")]) for i in range(4)]
-    for row in [("", "dualtrack", "naive per-scrape", "target")] + rows:
+    print(f"8 simulated H100s, every NVML call costs {CALL_COST * 1e3:.0f} ms; {args.scrapes} sequential scrapes "
+          f"per format (pre-rendered and generic alternating); load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs")
+    header = ("", "dualtrack " + fast, "dualtrack " + generic, naive, "target")
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(5)]
+    for row in [header] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     return 0
 
