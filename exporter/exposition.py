@@ -4,10 +4,10 @@ A scrape never calls NVML and never waits for a sampler: it reads one immutable 
 and the counters. Two ways produce the same bytes:
 - `SnapshotCollector`, a prometheus_client collector: the reference, and what `name[]` filtering uses.
 - `Exposition.render`, the scrape path: each GPU's sample lines are rendered once, by its sampler
-  thread when the sample is taken (`sample_lines`); a scrape only joins them under per-format family
-  headers rendered at start-up, and renders the small rest (`nvml_up`, identity, self-metrics,
-  process and platform collectors) with prometheus_client. Formatting ~500 GPU samples with
-  prometheus_client cost ~85 % of a scrape.
+  thread when the sample is taken (`sample_lines`); a scrape joins them under HELP/TYPE headers that
+  prometheus_client rendered at start-up, writes our few dozen other samples (`nvml_up`, identity,
+  self-metrics) with the same line writer, and leaves only the process and platform collectors to
+  prometheus_client. Formatting ~500 GPU samples with prometheus_client was ~85 % of a scrape.
 Sample lines are the same in the Prometheus text format 0.0.4 and OpenMetrics 1.0 (gauges, and
 counters whose samples end in `_total`); only the HELP/TYPE headers differ.
 A scrape never raises: if building the families fails, the failure is logged and only the exporter's
@@ -44,7 +44,7 @@ _OPENMETRICS = "application/openmetrics-text"
 _EOF = b"# EOF\n"
 
 
-def family_name(spec: MetricSpec) -> str:
+def _family_name(spec: MetricSpec) -> str:
     """The name of a spec's metric family: counters lose their `_total` (their samples get it back)."""
     return spec.name.removesuffix("_total") if spec.type == COUNTER else spec.name
 
@@ -53,7 +53,7 @@ def family(spec: MetricSpec, labels: tuple[str, ...] | None = None) -> Metric:
     """An empty metric family for a spec."""
     names = list(spec.labels if labels is None else labels)
     if spec.type == COUNTER:
-        return CounterMetricFamily(family_name(spec), spec.help, labels=names)
+        return CounterMetricFamily(_family_name(spec), spec.help, labels=names)
     return GaugeMetricFamily(spec.name, spec.help, labels=names)
 
 
@@ -215,7 +215,7 @@ class Exposition:
         for collector in [self.collector, *self.others]:
             self.registry.register(collector)
         # HELP/TYPE of each of our families (keyed by family name), per format, as prometheus_client writes them.
-        self._headers = {fmt: {family_name(spec): encoder(_Families([family(spec)])).removesuffix(_EOF)
+        self._headers = {fmt: {_family_name(spec): encoder(_Families([family(spec)])).removesuffix(_EOF)
                                for spec in _OWN_SPECS}
                          for fmt, encoder in _FORMATS.items()}
 
@@ -237,7 +237,7 @@ class Exposition:
         for i, spec in enumerate(GPU_METRICS):
             lines = [sample.lines[i] for sample in view.fresh if sample.lines[i]]
             if lines:
-                parts.append(headers[family_name(spec)])
+                parts.append(headers[_family_name(spec)])
                 parts += lines
         parts += [self._family(headers, metric) for metric in self.collector.tail(view.snapshot.samples, view.now)]
         others = [metric for collector in self.others for metric in collector.collect()]
