@@ -3,23 +3,22 @@
 Starts the exporter (real NVML when a driver answers, simulated GPUs otherwise), Pushgateway,
 Prometheus (the repo's prometheus.yml and rules, loopback targets), Alertmanager (the repo's config,
 its webhook pointed at a receiver in this process that prints each alert as it fires and resolves),
-Grafana when `grafana-server` is installed, and a demo training run on CPU with the hook. The run goes
+Grafana when `grafana-server` is installed, and a demo training run (CUDA when present) with the hook. The run goes
 through a healthy phase, an input-bound phase, a gradient explosion, while the simulated GPUs go
 healthy → input-bound → memory leak. Ctrl-C stops everything.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from exporter.simulated import simulated_uuid
@@ -28,8 +27,6 @@ from stack.processes import REPO, Service, free_port
 
 DEFAULT_PORTS = {"prometheus": 9090, "pushgateway": 9091, "alertmanager": 9093, "exporter": 9942,
                  "grafana": 3000}
-
-
 STEP_TIME = 0.05  # seconds per demo training step
 DATA_DELAY = 0.2  # default --data-delay of stack.demo_training
 
@@ -45,7 +42,6 @@ def log(message: str) -> None:
 
 def port_for(name: str) -> int:
     """The component's usual port when it is free, else any free port."""
-    import socket
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", DEFAULT_PORTS[name]))
@@ -65,27 +61,12 @@ def nvml_available() -> bool:
         return False
 
 
-class AlertPrinter(BaseHTTPRequestHandler):
-    """Alertmanager webhook receiver: prints each alert as it fires and resolves."""
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server naming
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        for alert in body.get("alerts", []):
-            labels, annotations = alert.get("labels", {}), alert.get("annotations", {})
-            state = "FIRING  " if alert.get("status") == "firing" else "RESOLVED"
-            log(f"{state} {labels.get('alertname')} [{labels.get('severity', '')}] "
-                f"{annotations.get('summary', '')}")
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def start_alert_printer() -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), AlertPrinter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def print_alerts(payload: dict) -> None:
+    """Alertmanager webhook payload → one line per alert as it fires or resolves."""
+    for alert in payload.get("alerts", []):
+        labels, annotations = alert.get("labels", {}), alert.get("annotations", {})
+        state = "FIRING  " if alert.get("status") == "firing" else "RESOLVED"
+        log(f"{state} {labels.get('alertname')} [{labels.get('severity', '')}] {annotations.get('summary', '')}")
 
 
 def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str) -> Path:
@@ -133,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dualtrack-"))
     workdir.mkdir(parents=True, exist_ok=True)
     services: list[Service] = []
-    training: Service | None = None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -143,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return service.start(timeout=60)
 
     try:
-        printer = start_alert_printer()
-        webhook = f"http://127.0.0.1:{printer.server_address[1]}/alerts"
+        webhook = processes.WebhookReceiver(on_payload=print_alerts).start()
         real_gpus = nvml_available()
         phase = args.phase_seconds
         exporter_args = [] if real_gpus else ["--simulate=demo", f"--simulate.phase-seconds={phase:g}"]
@@ -152,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         log("exporter reads " + ("real GPUs through NVML" if real_gpus else
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
         pushgateway = up(processes.pushgateway(workdir, port=port_for("pushgateway")))
-        alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook})
+        alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url})
         alertmanager = up(processes.alertmanager(workdir, alertmanager_config, port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")
         config = processes.render_prometheus_config(
@@ -166,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         if grafana_service:
             up(grafana_service)
 
-        training = up(Service(
+        up(Service(
             "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway.url,
                          "--step-time", f"{STEP_TIME}", "--input-bound", f"{phase:g}:{2 * phase:g}",
-                         "--explode-at", str(explosion_step(phase)), "--gpu-uuid", simulated_uuid(0),
-                         "--record-path", str(workdir / "training-record.jsonl")],
+                         "--explode-at", str(explosion_step(phase)),
+                         "--record-path", str(workdir / "training-record.jsonl"),
+                         *([] if real_gpus else ["--gpu-uuid", simulated_uuid(0)])],
             0, workdir / "training.log", ready_path=None, env={**os.environ, "PYTHONPATH": str(REPO)}))
         print(flush=True)
         log("dualtrack is up:")
@@ -195,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         log("stopping")
-        for service in ([training] if training else []) + list(reversed(services)):
+        for service in reversed(services):  # the training run first
             service.stop()
     return 0
 

@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--explode-at", type=int, default=-1,
                         help="step at which the learning rate jumps x1e4 (grad norm spike, then NaN); "
                              "the run then rolls back to its last checkpoint and carries on")
-    parser.add_argument("--gpu-uuid", default=None, help="GPU UUID this run trains on (simulated GPUs)")
+    parser.add_argument("--gpu-uuid", default=None,
+                        help="GPU UUID this run trains on, for simulated GPUs (on CUDA the hook finds it)")
     parser.add_argument("--record-path", default=None, help="local JSON-lines record")
     args = parser.parse_args(argv)
     first, _, last = args.input_bound.partition(":")
@@ -67,7 +68,9 @@ def train(args: argparse.Namespace) -> None:
     """Run the training loop described by `args` (see parse_args)."""
     torch.manual_seed(0)
     features = 32
-    model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 1)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=0.9)
     batches = SyntheticBatches(features)
     config = {"learning_rate": args.learning_rate, "batch_size": BATCH_SIZE, "model": "mlp-32-64-1"}
@@ -79,6 +82,7 @@ def train(args: argparse.Namespace) -> None:
         run_started = time.monotonic()
         for batch_id, (x, y) in enumerate(monitor.loader(batches)):
             started = time.monotonic()
+            x, y = x.to(device), y.to(device)
             slow_from, slow_to = args.input_bound
             batches.delay = args.data_delay if slow_from <= started - run_started < slow_to else 0.0
             if step == args.explode_at:

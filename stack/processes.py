@@ -260,18 +260,23 @@ class WebhookReceiver:
 
     `url` is what goes into $DUALTRACK_WEBHOOK_URL; `notifications()` returns the payloads so far
     (each with `receiver`, `status` and `alerts`), `wait_for_alert()` waits for one alert in them.
+    `on_payload`, when given, is called with each payload as it arrives (the demo prints them).
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, on_payload: Callable[[dict], None] | None = None) -> None:
         self._payloads: list[dict] = []
+        self._on_payload = on_payload
         self._lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                payload = {**json.loads(body), "received_at": time.time()}
                 with receiver._lock:
-                    receiver._payloads.append({**json.loads(body), "received_at": time.time()})
+                    receiver._payloads.append(payload)
+                if receiver._on_payload:
+                    receiver._on_payload(payload)
                 self.send_response(200)
                 self.end_headers()
 
