@@ -498,7 +498,9 @@ class SimulatedNVML:
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             t = self._t()
-            for fault in self.faults:
+            # Draw new events only once the pending ones are delivered: a rule without `times` fires
+            # on every wait, and several such rules must not queue faster than the waits consume.
+            for fault in self.faults if not self._xid_queue else ():
                 if fault.xid is not None and fault.active(t):
                     fault.fired += 1
                     self._xid_queue.append((fault.gpu or 0, fault.xid))
