@@ -2,14 +2,14 @@
 
 Each test warms up untraced (first-sample state, caches of static readings, the allocator), then
 measures what tracemalloc still holds at a later checkpoint compared with an earlier one. A leak of
-even a few bytes per sample shows up as tens of KiB over the measured samples; the bounds leave
+one small object per sample shows up as tens of KiB over the measured samples; the bounds leave
 room for noise only. On failure the message names the allocation sites that grew.
 """
 from __future__ import annotations
 
 import gc
-import logging
 import itertools
+import logging
 import tracemalloc
 from typing import Callable
 
@@ -25,6 +25,7 @@ class Growth:
 
     def __init__(self) -> None:
         self.before: tracemalloc.Snapshot | None = None
+        self.start = 0
         self.grown = 0
         self.report = ""
 
@@ -36,9 +37,9 @@ class Growth:
         gc.collect()
         if self.before is None:
             self.before = tracemalloc.take_snapshot()
-            self._start = tracemalloc.get_traced_memory()[0]
+            self.start = tracemalloc.get_traced_memory()[0]
             return
-        self.grown = tracemalloc.get_traced_memory()[0] - self._start
+        self.grown = tracemalloc.get_traced_memory()[0] - self.start
         ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
         stats = tracemalloc.take_snapshot().filter_traces(ignore).compare_to(self.before.filter_traces(ignore),
                                                                           "traceback")
