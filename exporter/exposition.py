@@ -177,10 +177,9 @@ class SnapshotCollector:
         errors = family(ERRORS)
         for (collector, error), count in sorted(self.sampler.stats.errors().items()):
             errors.add_metric([collector, error], count)
-        lost_total = family(GPU_LOST_TOTAL)
+        lost_total, losses = family(GPU_LOST_TOTAL), self.sampler.stats.losses()
         for device in self.sampler.devices:
-            lost_total.add_metric([str(device.index), device.uuid],
-                                  self.sampler.stats.losses().get((str(device.index), device.uuid), 0))
+            lost_total.add_metric([str(device.index), device.uuid], losses.get((str(device.index), device.uuid), 0))
         age, gpu_age = family(SNAPSHOT_AGE), family(GPU_SAMPLE_AGE)
         ages = [max(0.0, now - s.taken_at) for s in samples]
         for sample, sample_age in zip(samples, ages):
