@@ -239,9 +239,10 @@ def exporter(workdir: Path, args: list[str], port: int | None = None,
                    env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-def query(prometheus_url: str, expr: str, timeout: float = 5.0) -> list[dict]:
-    """Instant query; returns the result vector (list of {metric, value})."""
-    response = requests.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=timeout)
+def query(prometheus_url: str, expr: str, timeout: float = 5.0, at: float | None = None) -> list[dict]:
+    """Instant query (at unix time `at`, default now); returns the result vector (list of {metric, value})."""
+    params = {"query": expr} if at is None else {"query": expr, "time": at}
+    response = requests.get(f"{prometheus_url}/api/v1/query", params=params, timeout=timeout)
     response.raise_for_status()
     return response.json()["data"]["result"]
 
