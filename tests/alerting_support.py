@@ -43,12 +43,6 @@ class AlertPipeline:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("prometheus_notifications_errors_total"))
 
-    def query_at(self, expr: str, at: float) -> list[dict]:
-        """Instant query evaluated at unix time `at`."""
-        response = requests.get(self.prometheus.url + "/api/v1/query", params={"query": expr, "time": at}, timeout=5)
-        response.raise_for_status()
-        return response.json()["data"]["result"]
-
     def rule_count(self) -> int:
         groups = requests.get(self.prometheus.url + "/api/v1/rules", timeout=5).json()["data"]["groups"]
         return sum(len(group["rules"]) for group in groups)

@@ -24,14 +24,14 @@ def test_prometheus_restart_mid_run_keeps_rules_history_and_alerts(tmp_path, sta
         pipeline.wait_firing("TrainingLossNonFinite", run=run.run)
         step = f'training_step{{run="{run.run}"}}'
         before_restart = time.time()
-        assert pipeline.query_at(step, before_restart)
+        assert processes.query(pipeline.prometheus.url, step, at=before_restart)
 
         pipeline.prometheus.restart()
         run.train(10)  # the run goes on while Prometheus comes back
 
         assert pipeline.rule_count() == rules
         pipeline.wait_firing("TrainingLossNonFinite", run=run.run)  # again, after the restart
-        assert pipeline.query_at(step, before_restart)  # what was scraped before the restart is still there
+        assert processes.query(pipeline.prometheus.url, step, at=before_restart)  # what was scraped before the restart is still there
         processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} == 21', 30)
 
 
