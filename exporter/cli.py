@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 import threading
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from prometheus_client import PlatformCollector, ProcessCollector, disable_created_metrics
 
@@ -42,26 +42,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(kind: type, minimum: float = 0.0):
+def _number(kind: type, noun: str, valid: Callable[[float], bool], requirement: str):
+    """An argparse type: `text` as a `kind` for which `valid` holds, else "... must be <requirement>"."""
     def check(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be greater than {minimum:g}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {noun}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {requirement}")
         return value
     return check
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
-    return value
+def _positive(kind: type, minimum: float = 0.0):
+    return _number(kind, kind.__name__, lambda value: value > minimum, f"greater than {minimum:g}")
+
+
+_ratio = _number(float, "number", lambda value: 0.0 <= value <= 1.0, "between 0 and 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--simulate.faults", dest="simulate_faults", metavar="FILE", default=None,
                           help="JSON fault plan: lost GPUs, failing or hanging calls, missing functions, "
                                "GPUs without fans/power, MIG, XID events (see exporter/simulated.py)")
-    simulate.add_argument("--simulate.call-cost", dest="simulate_call_cost", type=float, default=0.0,
+    simulate.add_argument("--simulate.call-cost", dest="simulate_call_cost", default=0.0,
+                          type=_number(float, "float", lambda value: value >= 0, "0 or more"),
                           metavar="SECONDS", help="simulated latency of every NVML call (default %(default)s)")
     simulate.add_argument("--simulate.phase-seconds", dest="simulate_phase_seconds", type=_positive(float),
                           default=300.0, metavar="SECONDS", help="length of each demo phase (default %(default)s)")

@@ -51,6 +51,7 @@ def test_no_driver_exits_1_with_one_clear_line():
     (["--no-such-flag"], {}),
     (["--web.listen-address=nonsense"], {}),
     (["--simulate=sunny"], {}),
+    (["--simulate=healthy", "--simulate.call-cost=-1"], {}),
     (["--simulate=healthy", "--simulate.faults=/nonexistent/faults.json"], {}),
     (["--simulate.faults=/nonexistent/faults.json"], {}),
     (["--web.config.file=/nonexistent/web.yml"], {}),
