@@ -173,7 +173,7 @@ class Device:
         A function found absent (NOT_SUPPORTED, FUNCTION_NOT_FOUND) is not called again. Absence is
         remembered per function and first argument, so one fan or clock can be absent alone.
         """
-        key = (function, args[:1] if args and isinstance(args[0], (int, str)) else ())
+        key = _absent_key(function, args)
         if key in self.absent:
             raise Absent("remembered")
         self.calls += 1
@@ -203,9 +203,13 @@ class Device:
         except (Absent, CallFailed):
             return None
 
+    def lacks(self, function: str, *args: Any) -> bool:
+        """True if `call(function, *args)` was found absent (and so is no longer made)."""
+        return _absent_key(function, args) in self.absent
+
     def lacks_field(self, field_id: int, scope: int = 0) -> bool:
         """True if the GPU answered NOT_SUPPORTED for this field, or the driver has no field batches."""
-        return ("field", (field_id, scope)) in self.absent or ("nvmlDeviceGetFieldValues", ()) in self.absent
+        return ("field", (field_id, scope)) in self.absent or self.lacks("nvmlDeviceGetFieldValues")
 
     def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
@@ -227,6 +231,11 @@ class Device:
             else:
                 result[pair] = CallFailed(nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))
         return result
+
+
+def _absent_key(function: str, args: Sequence[Any]) -> tuple:
+    """What absence is remembered by: the function and its first argument when that is a number or name."""
+    return function, tuple(args[:1]) if args and isinstance(args[0], (int, str)) else ()
 
 
 _UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "ulVal",

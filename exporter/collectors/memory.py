@@ -15,7 +15,7 @@ class MemoryCollector(Collector):
     def collect(self, ctx: SampleContext) -> None:
         lib = self.device.nvml.lib
         memory = ctx.call("nvmlDeviceGetMemoryInfo", lib.nvmlMemory_v2)
-        if memory is None and ("nvmlDeviceGetMemoryInfo", (lib.nvmlMemory_v2,)) in self.device.absent:
+        if memory is None and self.device.lacks("nvmlDeviceGetMemoryInfo", lib.nvmlMemory_v2):
             memory = ctx.call("nvmlDeviceGetMemoryInfo")
         if memory is not None:
             ctx.emit("nvml_gpu_memory_used_bytes", memory.used)
