@@ -8,8 +8,8 @@ API), then each panel query and annotation runs against Prometheus.
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -39,7 +39,6 @@ class Stack:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.services: list[processes.Service] = []
-        self.training: subprocess.Popen | None = None
 
     def start(self) -> "Stack":
         self.pgw = self._start(processes.pushgateway(self.workdir))
@@ -55,12 +54,14 @@ class Stack:
         self.prom = self._start(processes.prometheus(self.workdir, config))
         self.uuid = processes.wait_for_series(self.prom.url, 'nvml_gpu_info{gpu="0"}', 30)[0]["metric"]["uuid"]
         # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step).
-        self.training = subprocess.Popen(
-            [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url, "--job", JOB,
-             "--run", RUN, "--steps", "0", "--step-time", "0.05", "--push-interval", "0.5",
-             "--input-bound", "40:80", "--data-delay", "0.05", "--explode-at", "150",
-             "--gpu-uuid", self.uuid, "--record-path", str(self.workdir / "record.jsonl")],
-            cwd=processes.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._start(processes.Service(
+            "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
+                         "--job", JOB, "--run", RUN, "--steps", "0", "--step-time", "0.05",
+                         "--push-interval", "0.5", "--input-bound", "40:80", "--data-delay", "0.05",
+                         "--explode-at", "150", "--gpu-uuid", self.uuid,
+                         "--record-path", str(self.workdir / "record.jsonl")],
+            0, self.workdir / "training.log", ready_path=None,
+            env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
         return self
 
     def _start(self, service: processes.Service) -> processes.Service:
@@ -68,10 +69,7 @@ class Stack:
         return service.start()
 
     def stop(self) -> None:
-        if self.training and self.training.poll() is None:
-            self.training.terminate()
-            self.training.wait(10)
-        for service in reversed(self.services):
+        for service in reversed(self.services):  # the training run first
             service.stop()
 
 
