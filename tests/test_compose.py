@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from stack.processes import REPO
+
 COMPOSE = REPO / "docker-compose.yml"
 SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana"}
 PASSWORD = "GRAFANA_ADMIN_PASSWORD"

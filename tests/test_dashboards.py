@@ -18,7 +18,9 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from stack.processes import REPO, RULES_DIR
+from tests.test_compose import bind_mounts, services
+
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 PROVISIONING = REPO / "grafana" / "provisioning"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "grafana-dashboard.jsonschema.json"
@@ -127,22 +129,10 @@ def metric_names(expr: str) -> set[str]:
 @lru_cache(maxsize=1)
 def recording_rule_names() -> frozenset[str]:
     names = set()
-    for path in (REPO / "rules").glob("*.yml"):
+    for path in RULES_DIR.glob("*.yml"):
         for group in (yaml.safe_load(path.read_text()) or {}).get("groups", []):
             names.update(rule["record"] for rule in group.get("rules", []) if "record" in rule)
     return frozenset(names)
-
-
-@lru_cache(maxsize=1)
-def compose_grafana_mounts() -> dict[str, str]:
-    """Grafana's bind mounts in docker-compose.yml: container path -> repo-relative source."""
-    service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["grafana"]
-    mounts = {}
-    for volume in service["volumes"]:
-        source, target, *_ = volume.split(":")
-        if source.startswith("."):
-            mounts[target] = source
-    return mounts
 
 
 def provisioned(directory: str, key: str) -> list[dict]:
@@ -361,7 +351,7 @@ def test_datasources_provisioning():
 
 
 def test_provisioning_matches_the_compose_mounts():
-    mounts = compose_grafana_mounts()
+    mounts = {target: source for source, target in bind_mounts(services()["grafana"])}
     assert mounts.get("/etc/grafana/provisioning") == "./grafana/provisioning"
     providers = provisioned("dashboards", "providers")
     assert providers
