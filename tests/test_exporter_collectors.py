@@ -82,6 +82,19 @@ def test_gpu_without_fan_or_power_exports_no_such_series_and_no_error():
     assert rig.lib.calls["nvmlDeviceGetPowerUsage"] == calls == 1
 
 
+def test_static_reading_that_fails_once_is_read_again():
+    faults = [Fault(function="nvmlDeviceGetNumFans", error="Timeout", times=1),
+              Fault(function="nvmlDeviceGetMaxClockInfo", error="Timeout", times=1)]
+    rig = Rig(gpus=1, devices={0: DeviceTraits(fans=2)}, faults=faults)
+    for _ in range(11):  # fan and clocks run every 5th sample: three runs
+        rig.step()
+    assert {s["fan"] for s in rig.series("nvml_gpu_fan_speed_ratio")} == {"0", "1"}
+    assert {s["clock"] for s in rig.series("nvml_gpu_clock_max_hertz")} == {"graphics", "sm", "memory", "video"}
+    assert rig.value("nvml_exporter_errors_total", collector="fan", error="timeout") == 1
+    assert rig.value("nvml_exporter_errors_total", collector="clocks", error="timeout") == 1
+    assert rig.lib.calls["nvmlDeviceGetMaxClockInfo"] == 5  # four, one of them twice; then never again
+
+
 def test_older_driver_without_sample_buffer_or_clocks_event_reasons_falls_back():
     faults = [Fault(function="nvmlDeviceGetSamples", error="FunctionNotFound"),
               Fault(function="nvmlDeviceGetCurrentClocksEventReasons", error="FunctionNotFound")]

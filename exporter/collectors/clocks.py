@@ -20,14 +20,16 @@ class ClocksCollector(Collector):
         lib = device.nvml.lib
         self.domains = {"graphics": lib.NVML_CLOCK_GRAPHICS, "sm": lib.NVML_CLOCK_SM,
                         "memory": lib.NVML_CLOCK_MEM, "video": lib.NVML_CLOCK_VIDEO}
-        self.max_mhz: dict[str, float | None] | None = None
+        # read once per clock; a failed read is retried (an absent one is remembered by the device: no call)
+        self.max_mhz: dict[str, float] = {}
 
     def collect(self, ctx: SampleContext) -> None:
-        if self.max_mhz is None:
-            self.max_mhz = {clock: ctx.call("nvmlDeviceGetMaxClockInfo", domain)
-                            for clock, domain in self.domains.items()}
         for clock, domain in self.domains.items():
             current = ctx.call("nvmlDeviceGetClockInfo", domain)
             ctx.emit("nvml_gpu_clock_hertz", None if current is None else current * MHZ, clock)
-            maximum = self.max_mhz[clock]
+            maximum = self.max_mhz.get(clock)
+            if maximum is None:
+                maximum = ctx.call("nvmlDeviceGetMaxClockInfo", domain)
+                if maximum is not None:
+                    self.max_mhz[clock] = maximum
             ctx.emit("nvml_gpu_clock_max_hertz", None if maximum is None else maximum * MHZ, clock)

@@ -29,11 +29,11 @@ class FanCollector(Collector):
 
     def __init__(self, device, **kwargs) -> None:
         super().__init__(device, **kwargs)
-        self.fans: int | None = None
+        self.fans: int | None = None  # read once; a failed read is retried (an absent one costs no call)
 
     def collect(self, ctx: SampleContext) -> None:
         if self.fans is None:
-            self.fans = ctx.call("nvmlDeviceGetNumFans") or 0
-        for fan in range(self.fans):
+            self.fans = ctx.call("nvmlDeviceGetNumFans")
+        for fan in range(self.fans or 0):
             speed = ctx.call("nvmlDeviceGetFanSpeed_v2", fan)
             ctx.emit("nvml_gpu_fan_speed_ratio", None if speed is None else speed / 100, str(fan))
