@@ -84,10 +84,12 @@ def test_gpu_without_fan_or_power_exports_no_such_series_and_no_error():
 
 def test_static_reading_that_fails_once_is_read_again():
     faults = [Fault(function="nvmlDeviceGetNumFans", error="Timeout", times=1),
-              Fault(function="nvmlDeviceGetMaxClockInfo", error="Timeout", times=1)]
+              Fault(function="nvmlDeviceGetMaxClockInfo", error="Timeout", times=1),
+              Fault(function="nvmlGpmQueryDeviceSupport", error="Timeout", times=1)]
     rig = Rig(gpus=1, devices={0: DeviceTraits(fans=2)}, faults=faults)
-    for _ in range(11):  # fan and clocks run every 5th sample: three runs
+    for _ in range(16):  # fan, clocks and gpm run every 5th sample: four runs (gpm needs two samples)
         rig.step()
+    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0"}
     assert {s["fan"] for s in rig.series("nvml_gpu_fan_speed_ratio")} == {"0", "1"}
     assert {s["clock"] for s in rig.series("nvml_gpu_clock_max_hertz")} == {"graphics", "sm", "memory", "video"}
     assert rig.value("nvml_exporter_errors_total", collector="fan", error="timeout") == 1

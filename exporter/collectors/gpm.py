@@ -28,7 +28,9 @@ class GpmCollector(Collector):
         lib = self.device.nvml.lib
         if self.supported is None:
             support = ctx.call("nvmlGpmQueryDeviceSupport")
-            self.supported = bool(support and support.isSupportedDevice)
+            if support is None:  # failed: asked again next run (absent: remembered by the device, no call)
+                return
+            self.supported = bool(support.isSupportedDevice)
             if self.supported:
                 self.samples = [ctx.guarded(lambda: self.device.nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
                 self.supported = None not in self.samples
