@@ -120,7 +120,6 @@ class SnapshotCollector:
     def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic) -> None:
         self.sampler = sampler
         self.clock = clock
-        self.stale_after = sampler.hang_after
         self._build = (__version__, platform.python_version(), _version("nvidia-ml-py"))
 
     def describe(self) -> list[Metric]:
@@ -138,7 +137,8 @@ class SnapshotCollector:
     def view(self) -> _View:
         snapshot = self.sampler.store.current
         now = self.clock()
-        return _View(snapshot, now, [s for s in snapshot.samples if now - s.taken_at <= self.stale_after])
+        stale_after = self.sampler.hang_after
+        return _View(snapshot, now, [s for s in snapshot.samples if now - s.taken_at <= stale_after])
 
     def head(self, view: _View) -> list[Metric]:
         """The families served before the per-GPU ones: up, driver and build identity, lost GPUs."""
