@@ -28,7 +28,7 @@ from stack.processes import REPO, Service, free_port
 DEFAULT_PORTS = {"prometheus": 9090, "pushgateway": 9091, "alertmanager": 9093, "exporter": 9942,
                  "grafana": 3000}
 STEP_TIME = 0.05  # seconds per demo training step
-DATA_DELAY = 0.2  # default --data-delay of stack.demo_training
+DATA_DELAY = 0.2  # seconds the slow data loader waits per batch in the input-bound phase
 
 
 def explosion_step(phase: float) -> int:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         alertmanager = up(processes.alertmanager(workdir, alertmanager_config, port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")
         config = processes.render_prometheus_config(
-            workdir, {"dualtrack-exporter": [exporter.address], "pushgateway": [pushgateway.address],
+            workdir, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pushgateway.address],
                       "prometheus": [f"127.0.0.1:{prometheus_port}"]},
             alertmanagers=[alertmanager.address])
         prometheus = up(processes.prometheus(workdir, config, port=prometheus_port))
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         up(Service(
             "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway.url,
                          "--step-time", f"{STEP_TIME}", "--input-bound", f"{phase:g}:{2 * phase:g}",
+                         "--data-delay", f"{DATA_DELAY}",
                          "--explode-at", str(explosion_step(phase)),
                          "--record-path", str(workdir / "training-record.jsonl"),
                          *([] if real_gpus else ["--gpu-uuid", simulated_uuid(0)])],
