@@ -146,13 +146,13 @@ def _option(argument: str) -> str:
     return argument.split("=")[0].replace("--no-", "--", 1)
 
 
-def open_nvml(args: argparse.Namespace) -> Nvml:
-    """Real NVML, or the simulated one when --simulate is given; raises UsageError, NvmlUnavailable."""
+def open_nvml(args: argparse.Namespace, fault_plan: tuple[dict, list]) -> Nvml:
+    """Real NVML, or the simulated one (with `fault_plan`) when --simulate is given; raises NvmlUnavailable."""
     if args.simulate is None:
         import pynvml
         lib = pynvml
     else:
-        devices, faults = load_fault_plan(args.simulate_faults) if args.simulate_faults else ({}, [])
+        devices, faults = fault_plan
         lib = SimulatedNVML(args.simulate, args.simulate_gpus, devices=devices, faults=faults,
                             call_cost=args.simulate_call_cost, phase_seconds=args.simulate_phase_seconds,
                             leak_minutes=args.simulate_leak_minutes)
@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         web_config = load_web_config(args.web_config_file) if args.web_config_file else None
         if args.simulate_faults and args.simulate is None:
             raise UsageError("--simulate.faults needs --simulate")
+        fault_plan = load_fault_plan(args.simulate_faults) if args.simulate_faults else ({}, [])
     except (UsageError, WebConfigError, FaultPlanError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -176,10 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        nvml = open_nvml(args)
-    except FaultPlanError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        nvml = open_nvml(args, fault_plan)
     except NvmlUnavailable as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
