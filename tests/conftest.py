@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 import pytest
 
 from stack.processes import Service, WebhookReceiver
+from tests.certs import Pki, make_pki
 
 
 @pytest.fixture
@@ -28,3 +29,9 @@ def webhook_receiver() -> Iterator[WebhookReceiver]:
     receiver = WebhookReceiver().start()
     yield receiver
     receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Pki:
+    """Throw-away test CA, server and client certificates (tests/certs.py), made once per session."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
