@@ -25,7 +25,6 @@ from exporter.web import HEADER_TIMEOUT, WebServer
 from stack import processes
 from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
-from tests.certs import Pki, make_pki
 
 pytestmark = pytest.mark.fault
 
@@ -44,11 +43,6 @@ def daemon(tmp_path_factory) -> Iterator[Service]:
     service.start()
     yield service
     service.stop()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def scrape(url: str, session: requests.Session | None = None, timeout: float = 5.0) -> float:

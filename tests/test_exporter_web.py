@@ -25,14 +25,9 @@ import requests
 from exporter.web import WebServer, add_web_arguments
 from exporter.webconfig import WebConfig, WebConfigError, load_web_config
 from stack import processes
-from tests.certs import Pki, bcrypt_hash, make_pki
+from tests.certs import Pki, bcrypt_hash
 
 PASSWORD = "s3cret pass:word"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,12 @@ import pytest
 import yaml
 
 from stack import processes
-from tests.certs import bcrypt_hash, make_pki
+from tests.certs import bcrypt_hash
 from tests.hook_support import http_gateway, wait_pushed
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
 USER, PASSWORD = "trainer", "s3cret-pw"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
