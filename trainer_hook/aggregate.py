@@ -179,25 +179,31 @@ def _raise_max(maxima: dict[str, float], name: str, value: float) -> None:
 
 
 def _read_tensors(entries: list[Entry], dropped: dict[str, int]) -> list[tuple[dict, dict]]:
-    """Per entry (values, {"samples", "tokens"}) with every tensor replaced by a float.
+    """Per entry (values, {"samples", "tokens", "batch_id"}) with every tensor replaced by a float.
 
-    One stack + copy per (device, dtype) for the whole batch of entries: a single sync per device.
+    One stack + copy per (device, dtype) for the whole batch of entries: one sync each.
     """
     rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id})
             for e in entries]
     if torch is None:
         return rows
-    groups: dict[tuple[Any, Any], list[tuple[dict, Any, Any]]] = {}
+    groups: dict[tuple[Any, Any] | None, list[tuple[dict, Any, Any]]] = {}
     for mappings in rows:
         for mapping in mappings:
             for key, value in mapping.items():
                 if isinstance(value, TENSOR_TYPES):
-                    groups.setdefault((value.device, value.dtype), []).append((mapping, key, value))
-    for group in groups.values():
+                    # A multi-element tensor (batch_id is not checked in log()) is unreadable; kept
+                    # out of the stack, it cannot push its whole group onto one read per tensor.
+                    where = (value.device, value.dtype) if value.numel() == 1 else None
+                    groups.setdefault(where, []).append((mapping, key, value))
+    for where, group in groups.items():
         try:
-            with torch.no_grad():
-                stacked = torch.stack([tensor.reshape(()) for _, _, tensor in group])
-                numbers = stacked.to(torch.float64).cpu().tolist()
+            if where is None:
+                numbers = [None] * len(group)
+            else:
+                with torch.no_grad():
+                    stacked = torch.stack([tensor.reshape(()) for _, _, tensor in group])
+                    numbers = stacked.cpu().to(torch.float64).tolist()  # cast on the host
         except Exception:  # noqa: BLE001 - an odd tensor must not cost the others their values
             numbers = [_item(tensor) for _, _, tensor in group]
         for (mapping, key, _), number in zip(group, numbers):
