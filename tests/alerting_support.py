@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,7 +12,7 @@ import requests
 
 from stack import processes
 from stack.processes import Service, WebhookReceiver
-from tests.hook_support import Trainer
+from tests.hook_support import Trainer, run_id
 from trainer_hook import TrainingMonitor
 
 # Prometheus resends firing alerts every evaluation (1 s) instead of every minute.
@@ -79,7 +78,7 @@ class NonFiniteRun:
 
     @classmethod
     def start(cls, pipeline: AlertPipeline, record_path: Path) -> "NonFiniteRun":
-        run = f"alert-{uuid.uuid4().hex[:8]}"
+        run = run_id("alert")
         monitor = TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url,
                                   push_interval=0.5, record_path=record_path)
         return cls(monitor, Trainer(), run)

@@ -5,6 +5,7 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,11 @@ class Trainer:
                         step=self.step, samples=64, batch_id=self.step if batch_id is None else batch_id)
         self.step += 1
         return time.perf_counter() - started
+
+
+def run_id(prefix: str) -> str:
+    """A run name unique to this test: `prefix` plus a random suffix."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def record_lines(path: Path) -> tuple[list[dict], list[dict]]:

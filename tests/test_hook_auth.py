@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import logging
-import uuid
 
 import pytest
 import yaml
 
 from stack import processes
 from tests.certs import bcrypt_hash
-from tests.hook_support import http_gateway, wait_pushed
+from tests.hook_support import http_gateway, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +29,7 @@ def secure_pgw(tmp_path, pki, start_service):
 
 
 def _push_once(tmp_path, url: str, **kwargs) -> TrainingMonitor:
-    run = f"auth-{uuid.uuid4().hex[:8]}"
+    run = run_id("auth")
     with TrainingMonitor(job="auth", run=run, pushgateway=url, push_interval=60, push_timeout=2,
                          record_path=tmp_path / f"{run}.jsonl", **kwargs) as monitor:
         monitor.log({"loss": 0.5}, step=1)

@@ -4,12 +4,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import uuid
 
 import pytest
 
 from stack import processes
-from tests.hook_support import Trainer, median, record_lines
+from tests.hook_support import Trainer, median, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +38,7 @@ def wait_value(prom, expr: str, predicate, timeout: float = 20.0) -> float:
 
 def test_values_reach_prometheus_with_job_run_rank_and_instance(stack, tmp_path):
     pgw, prom = stack
-    run = f"e2e-{uuid.uuid4().hex[:8]}"
+    run = run_id("e2e")
     trainer = Trainer()
     with TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=0.5,
                          config={"learning_rate": 0.01, "batch_size": 64, "note": 'say "hi"\nthere'},
@@ -63,7 +62,7 @@ def test_values_reach_prometheus_with_job_run_rank_and_instance(stack, tmp_path)
 def test_explosion_shows_in_the_window_max_and_nonfinite_step_with_a_long_push_interval(stack, tmp_path):
     """~100 steps per push: the one-step spike and the NaN step must both be visible anyway."""
     pgw, prom = stack
-    run = f"boom-{uuid.uuid4().hex[:8]}"
+    run = run_id("boom")
     trainer = Trainer()
     spike_step, nan_step = 150, 260
     with TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=1.0,
@@ -90,7 +89,7 @@ def test_explosion_shows_in_the_window_max_and_nonfinite_step_with_a_long_push_i
 
 def test_pushgateway_killed_and_restarted_empty_mid_run(stack, tmp_path, caplog):
     pgw, prom = stack
-    run = f"restart-{uuid.uuid4().hex[:8]}"
+    run = run_id("restart")
     trainer = Trainer()
     times: dict[str, list[float]] = {"alive": [], "down": [], "after": []}
     pacing = threading.Event()

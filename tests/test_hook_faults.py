@@ -15,13 +15,12 @@ import sys
 import threading
 import time
 import tracemalloc
-import uuid
 
 import pytest
 import torch
 
 from stack import processes
-from tests.hook_support import Trainer, http_gateway, median, pushed_value, record_lines, wait_pushed
+from tests.hook_support import Trainer, http_gateway, median, pushed_value, record_lines, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.fault
@@ -43,10 +42,6 @@ def bad_gateway(mode: str):
             yield url
     finally:
         release.set()
-
-
-def run_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
