@@ -201,8 +201,8 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     data = workdir / "prometheus-data"
     data.mkdir(parents=True, exist_ok=True)
     argv = [_binary("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle",
-            "--web.enable-admin-api", "--log.level=warn", *(extra_args or [])]
+            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn",
+            *(extra_args or [])]
     return Service("prometheus", argv, port, workdir / "prometheus.log")
 
 
