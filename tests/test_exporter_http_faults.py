@@ -154,8 +154,10 @@ def test_connections_over_the_cap_are_refused_until_slots_free_up():
     url = f"http://127.0.0.1:{server.server_address[1]}"
     holders = [socket.create_connection(server.server_address, timeout=5) for _ in range(8)]
     try:
-        time.sleep(0.2)  # let the accept thread hand all 8 to their threads (no probe sees the slots)
-        assert exchange(server.server_address[1], b"GET /metrics HTTP/1.1\r\n\r\n") == b""
+        # The 9th is closed unanswered once the accept thread has handed all 8 to their threads
+        # (well before their 1 s header timeout frees the slots again).
+        wait_until(lambda: exchange(server.server_address[1], b"GET /metrics HTTP/1.1\r\n\r\n") == b"",
+                   timeout=0.8, what="a connection over the cap closed unanswered")
         started = time.monotonic()
         wait_until(lambda: requests.get(url + "/metrics", timeout=2).status_code == 200, timeout=5,
                    what="a free connection slot")
