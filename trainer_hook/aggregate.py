@@ -6,6 +6,7 @@ background thread (or, rarely, on the training thread when the buffer is full), 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import threading
@@ -84,7 +85,7 @@ class Aggregator:
         self._max_hold = max_hold
         self._recent: deque[tuple[float, dict[str, float]]] = deque()  # (published at, window maxima)
         self._lock = threading.RLock()  # close() may run in a signal handler
-        self._state = Snapshot(dropped={})
+        self._state = Snapshot()
         self._counts = [0] * (len(STEP_BUCKETS) + 1)
         self._window: dict[str, float] = {}
         self._warned_nonfinite = False
@@ -134,13 +135,10 @@ class Aggregator:
                             entry.step, batch_id, shown)
         return line
 
-    def dropped(self) -> dict[str, int]:
-        """Values found unreadable while draining, by reason."""
-        with self._lock:
-            return dict(self._state.dropped)
-
-    def publish(self, **extra: Any) -> Snapshot:
+    def publish(self, dropped: dict[str, int], **extra: Any) -> Snapshot:
         """A copy of the state; starts a new window for the *_max series.
+
+        `dropped`: the caller's drop counts by reason, to which the drain's own are added.
 
         The published maxima cover the windows published in the last `max_hold` seconds, so a
         one-step spike stays visible long enough for a Prometheus scrape (15 s by default) however
@@ -154,17 +152,13 @@ class Aggregator:
                 self._window = {}
             while len(self._recent) > 1 and self._recent[0][0] < now - self._max_hold:
                 self._recent.popleft()
-            state.maxima = {}
+            maxima: dict[str, float] = {}
             for _, window in self._recent:
                 for name, value in window.items():
-                    _raise_max(state.maxima, name, value)
-            cumulative, total = [], 0
-            for count in self._counts:
-                total += count
-                cumulative.append(total)
-            return Snapshot(**{**state.__dict__, "gauges": dict(state.gauges),
-                               "maxima": dict(state.maxima), "dropped": dict(state.dropped),
-                               "bucket_counts": tuple(cumulative), **extra})
+                    _raise_max(maxima, name, value)
+            return Snapshot(**{**state.__dict__, "gauges": dict(state.gauges), "maxima": maxima,
+                               "dropped": {r: n + state.dropped.get(r, 0) for r, n in dropped.items()},
+                               "bucket_counts": tuple(itertools.accumulate(self._counts)), **extra})
 
 
 def merge_maxima(older: Snapshot, newer: Snapshot) -> None:

@@ -257,10 +257,9 @@ class TrainingMonitor:
                 self.record.write(self._aggregator.drain(entries))
 
     def _publish(self, state: str) -> Snapshot:
-        background = self._aggregator.dropped()
         return self._aggregator.publish(
-            state=state, start_time=self._start_time, data_wait_seconds=self._data_wait,
-            dropped={r: self._dropped[r] + background.get(r, 0) for r in DROP_REASONS},
+            self._dropped, state=state, start_time=self._start_time,
+            data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=self._pusher.failures if self._pusher else 0,
             gpus=self._gpus(), cuda=self._cuda_stats())
