@@ -36,23 +36,19 @@ class StepModel:
 
     def __init__(self, target: float = 0.010) -> None:
         torch.manual_seed(0)
+        self.x, self.y = torch.randn(64, 256), torch.randn(64, 1)
         self.width = 256
-        self.model = self._build(self.width)
-        while self._time_step() < target and self.width < 8192:  # grow until ~target
-            self.width = int(self.width * 1.4)
-            self.model = self._build(self.width)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.x, self.y = torch.randn(64, 256), torch.randn(64, 1)
+        self._build()
+        while median([self.step()[0] for _ in range(10)]) < target and self.width < 8192:
+            self.width = int(self.width * 1.4)  # grow until ~target
+            self._build()
 
-    @staticmethod
-    def _build(width: int) -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                   torch.nn.ReLU(), torch.nn.Linear(width, 1))
-
-    def _time_step(self) -> float:
+    def _build(self) -> None:
+        width = self.width
+        self.model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(),
+                                         torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                         torch.nn.Linear(width, 1))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.x, self.y = torch.randn(64, 256), torch.randn(64, 1)
-        return median([self.step()[0] for _ in range(10)])
 
     def step(self) -> tuple[float, torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
