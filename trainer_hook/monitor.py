@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from prometheus_client import start_http_server
 
 from . import lifecycle
-from ._torch import TENSOR_TYPES, cuda_ready, torch
+from ._torch import cuda_ready, torch
 from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
@@ -213,11 +213,9 @@ class TrainingMonitor:
     def _step(self, step: Any) -> int:
         if step is None:
             return self._last_step + 1
-        if isinstance(step, TENSOR_TYPES) and step.numel() == 1 and not step.is_floating_point():
-            return int(step.item())  # the caller's own step counter tensor: one cheap read
-        try:
+        try:  # a step tensor is read here (a sync on a GPU): the step numbers later steps
             return int(step)
-        except (TypeError, ValueError, OverflowError):
+        except (TypeError, ValueError, OverflowError, RuntimeError):  # RuntimeError: meta, complex
             self._drop("step", Dropped("not_numeric"))
             return self._last_step + 1
 
