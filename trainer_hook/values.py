@@ -33,6 +33,7 @@ RESERVED = frozenset({
 RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"})
 
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_]+")
+_UNDERSCORES = re.compile("_{2,}")
 _SECTION = re.compile(r"^(train|training)/", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
@@ -41,11 +42,14 @@ class Dropped(str):
     """A value that is not kept; the string is the reason (one of DROP_REASONS)."""
 
 
+def _sanitize(text: str) -> str:
+    """Letters, digits and single underscores: "a.b--c" -> "a_b_c"."""
+    return _UNDERSCORES.sub("_", _NOT_NAME.sub("_", text).strip("_"))
+
+
 def metric_suffix(key: object) -> str | Dropped:
     """The metric name after `training_` for a log key, e.g. "train/loss" -> "loss"."""
-    text = _SECTION.sub("", str(key).strip())
-    name = _NOT_NAME.sub("_", text).strip("_")
-    name = re.sub("_{2,}", "_", name)
+    name = _sanitize(_SECTION.sub("", str(key).strip()))
     name = ALIASES.get(name.lower(), name)
     if not name:
         return Dropped("invalid_key")
@@ -78,7 +82,7 @@ def scalar(value: Any) -> Any:
 
 def label_name(key: object) -> str:
     """A valid, non-reserved Prometheus label name for a config key."""
-    name = re.sub("_{2,}", "_", _NOT_NAME.sub("_", str(key)).strip("_")) or "key"
+    name = _sanitize(str(key)) or "key"
     if name[0].isdigit() or name in RESERVED_LABELS:
         name = "config_" + name
     return name
