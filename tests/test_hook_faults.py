@@ -49,14 +49,14 @@ def pgw(tmp_path, start_service):
     return start_service(processes.pushgateway(tmp_path))
 
 
-def _interleaved(healthy: TrainingMonitor, faulty: TrainingMonitor, rounds: int = 6, steps: int = 40):
-    """Step times of one real training loop, alternating which monitor it logs to."""
+def _interleaved(healthy: TrainingMonitor, faulty: TrainingMonitor, steps: int = 240):
+    """Step times of two real training loops, alternating step by step (so that a burst of load from
+    other processes hits both alike) between the one logging to `healthy` and the one to `faulty`."""
     times = {"healthy": [], "faulty": []}
     trainers = {"healthy": Trainer(), "faulty": Trainer()}
-    for _ in range(rounds):
+    for _ in range(steps):
         for name, mon in (("healthy", healthy), ("faulty", faulty)):
-            for _ in range(steps):
-                times[name].append(trainers[name].train_step(mon))
+            times[name].append(trainers[name].train_step(mon))
     return times
 
 
