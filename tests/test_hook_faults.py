@@ -274,6 +274,22 @@ def test_strict_mode_raises_on_each_bad_value(tmp_path, key, value):
             monitor.log({key: value}, step=1)
 
 
+@pytest.mark.parametrize("step", [torch.tensor(1 + 2j), torch.empty((), device="meta"), "seven"],
+                         ids=["complex", "meta", "string"])
+def test_hostile_step_never_raises_and_is_counted(tmp_path, step, caplog):
+    caplog.set_level(logging.WARNING, logger="trainer_hook")
+    with TrainingMonitor(job="faults", run="step", pushgateway=False, record_path=tmp_path / "r.jsonl") as monitor:
+        monitor.log({"loss": 1.0}, step=step)  # counted as the next step (0), its values kept
+        monitor.log({"loss": 2.0}, step=torch.tensor(5))
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert [(x["step"], x["values"]) for x in steps] == [(0, {"loss": 1.0}), (5, {"loss": 2.0})]
+    assert len([r for r in caplog.records if "not kept" in r.getMessage()]) == 1
+    with TrainingMonitor(job="faults", run="step", pushgateway=False, strict=True,
+                         record_path=tmp_path / "s.jsonl") as strict:
+        with pytest.raises(ValueError):
+            strict.log({"loss": 1.0}, step=step)
+
+
 def test_sigterm_in_a_forked_child_does_not_close_the_parents_run(pgw, tmp_path):
     """DataLoader workers are forks: their SIGTERM or exit must not push `failed` for the trainer."""
     run = run_id("fork")
