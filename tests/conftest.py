@@ -35,3 +35,25 @@ def webhook_receiver() -> Iterator[WebhookReceiver]:
 def pki(tmp_path_factory) -> Pki:
     """Throw-away test CA, server and client certificates (tests/certs.py), made once per session."""
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests run only where an NVIDIA driver answers (nvidia-smi -L lists a GPU)."""
+    if _gpu_present():
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _gpu_present() -> bool:
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout

@@ -1,0 +1,1 @@
+"""One-line integrations with training frameworks (each an optional extra)."""
