@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         nvml = open_nvml(args, fault_plan)
     except NvmlUnavailable as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc} (no GPU here? --simulate=demo serves simulated GPUs)", file=sys.stderr)
         return 1
     if args.simulate:
         log.warning("SIMULATED GPUs (scenario %s): these metrics do not come from real hardware", args.simulate)

@@ -11,7 +11,7 @@ in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_second
 
 Faults (a JSON file for the daemon, `--simulate.faults=FILE`), for example::
 
-    {"devices": {"1": {"fans": 2, "power": false, "mig": true}},
+    {"devices": {"1": {"fans": 2, "power": false, "mig": true, "scenario": "memory-leak"}},
      "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},
                 {"gpu": 0, "field": 186, "error": "Unknown"},
                 {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": 30, "at": 2, "times": 1},
@@ -57,6 +57,7 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
+    scenario: str | None = None  # this GPU's own scenario instead of the daemon's (a demo sweep)
 
 
 @dataclass
@@ -101,6 +102,8 @@ def load_fault_plan(path: str) -> tuple[dict[int, DeviceTraits], list[Fault]]:
             if unknown:
                 raise FaultPlanError(f"{path}: unknown device trait(s) {sorted(unknown)}")
             devices[int(index)] = DeviceTraits(**traits)
+            if devices[int(index)].scenario not in (None, *SCENARIOS):
+                raise FaultPlanError(f"{path}: device {index}: unknown scenario {traits['scenario']!r}")
         faults = [Fault(**rule) for rule in plan.get("faults", [])]
     except FaultPlanError:
         raise
@@ -222,15 +225,16 @@ class SimulatedNVML:
         return None
 
     # --- the simulated workload -------------------------------------------------------------------
-    def _phase(self, t: float) -> tuple[str, float]:
-        if self.scenario != "demo":
-            return self.scenario, t
+    def _phase(self, gpu: int, t: float) -> tuple[str, float]:
+        scenario = self.traits[gpu].scenario or self.scenario
+        if scenario != "demo":
+            return scenario, t
         phase = int(t // self.phase_seconds)
         return ("healthy", "input-bound", "memory-leak")[phase % 3], t - phase * self.phase_seconds
 
     def utilization(self, gpu: int, t: float) -> float:
         """GPU utilization (0..1) of the simulated workload at time t."""
-        scenario, local = self._phase(t)
+        scenario, local = self._phase(gpu, t)
         if scenario == "input-bound":
             return 1.0 if local % 4.0 < 2.0 else 0.0
         return 0.93 + 0.04 * math.sin(2 * math.pi * t / 60 + gpu)
@@ -248,7 +252,7 @@ class SimulatedNVML:
         return total + (t - done) * self.utilization(gpu, t)
 
     def memory_used(self, gpu: int, t: float) -> int:
-        scenario, local = self._phase(t)
+        scenario, local = self._phase(gpu, t)
         total = self.traits[gpu].memory_total
         if scenario != "memory-leak":
             return 61 * GIB + gpu * 256 * MIB
