@@ -1,25 +1,28 @@
-"""The no-Docker main command: run the whole dualtrack stack on this machine and stage the three diagnoses.
+"""The no-Docker main command: run the whole dualtrack stack on this machine with a small sweep.
 
-Starts the exporter (real NVML when a driver answers, simulated GPUs otherwise), Pushgateway,
+Starts the exporter (real NVML when a driver answers, four simulated GPUs otherwise), Pushgateway,
 Prometheus (the repo's prometheus.yml and rules, loopback targets), Alertmanager (the repo's config,
 its webhook pointed at a receiver in this process that prints each alert as it fires and resolves),
-Grafana when `grafana-server` is installed, and a demo training run (CUDA when present) with the hook. The run goes
-through a healthy phase, an input-bound phase, a gradient explosion, while the simulated GPUs go
-healthy → input-bound → memory leak. Ctrl-C stops everything.
+Grafana when `grafana-server` is installed, and a sweep of four concurrent training runs with
+different hyper-parameters, one per GPU: a healthy one, an input-bound one, one whose gradients
+explode, one whose GPU memory leaks. Ctrl-C (or SIGTERM, or closing the terminal) stops everything.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
+
+import requests
 
 from exporter.simulated import simulated_uuid
 from stack import processes
@@ -27,27 +30,83 @@ from stack.processes import REPO, Service, free_port
 
 DEFAULT_PORTS = {"prometheus": 9090, "pushgateway": 9091, "alertmanager": 9093, "exporter": 9942,
                  "grafana": 3000}
+JOB = "demo"
 STEP_TIME = 0.05  # seconds per demo training step
-DATA_DELAY = 0.2  # seconds the slow data loader waits per batch in the input-bound phase
+DATA_DELAY = 0.2  # seconds the input-bound run's loader waits per batch
+# The demo scrapes and evaluates every 5 s (production: 15 s) so that alerts with a history
+# condition (the explosion's baseline needs 5 samples older than 2 min) can fire within minutes.
+DEMO_INTERVAL = "5s"
+# GPUMemoryLeakSuspected by design: 30 min of growth before its "rose in the first half hour"
+# condition holds, then `for: 10m` and Alertmanager's 30 s group wait.
+LEAK_ALERT_AFTER = 41 * 60
+LEAK_MINUTES = 120  # the simulated leak fills the GPU in 2 h, so it still grows when the alert fires
+TRAINING_DASHBOARD = "dualtrack-training-run"
 
 
-def explosion_step(phase: float) -> int:
-    """The step reached half-way through the third phase: healthy and input-bound phases before it."""
-    return int(phase / STEP_TIME + phase / (STEP_TIME + DATA_DELAY) + phase / 2 / STEP_TIME)
+@dataclass(frozen=True)
+class SweepRun:
+    """One run of the demo sweep: its name, its GPU's simulated scenario, its arguments, its story."""
+
+    name: str
+    scenario: str
+    args: tuple[str, ...]
+    story: str
+
+
+def sweep(explode_after: float) -> list[SweepRun]:
+    """The four concurrent runs; run i trains on GPU i."""
+    return [
+        SweepRun("healthy-lr1e-2", "healthy", ("--learning-rate", "1e-2"), "trains normally: the baseline"),
+        SweepRun("inputbound-workers0", "input-bound",
+                 ("--learning-rate", "1e-2", "--data-workers", "0", "--input-bound", "0:1e12",
+                  "--data-delay", f"{DATA_DELAY}"), "waits for its data loader (GPU heartbeat)"),
+        SweepRun("explode-lr3e-2", "healthy", ("--learning-rate", "3e-2", "--explode-after", f"{explode_after:g}"),
+                 f"its gradients explode {explode_after:g} s after it starts"),
+        SweepRun("leak-bs128", "memory-leak", ("--learning-rate", "1e-2", "--batch-size", "128", "--leak"),
+                 "its GPU's memory climbs in steps towards OOM"),
+    ]
+
+
+class StopRequested(BaseException):
+    """Ctrl-C, SIGTERM or SIGHUP: leave whatever the main thread is doing and stop the stack."""
+
+
+def request_stop(signum: int, _frame: object) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def say(text: str = "") -> None:
+    """Print a line. Once stdout is gone (its pipe's reader died with Ctrl-C, the terminal closed),
+    later output goes to /dev/null instead of raising in the middle of the shutdown."""
+    try:
+        print(text, flush=True)
+    except OSError:  # BrokenPipeError, or EIO from a closed terminal
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the buffered rest is flushed there, silently
+        os.close(devnull)
 
 
 def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+    say(f"[{time.strftime('%H:%M:%S')}] {message}")
+
+
+def elapsed(seconds: float) -> str:
+    return f"+{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def port_for(name: str) -> int:
-    """The component's usual port when it is free, else any free port."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", DEFAULT_PORTS[name]))
-            return DEFAULT_PORTS[name]
-        except OSError:
-            return free_port()
+    """The component's documented port, or (said loudly) a free one when something listens there."""
+    port = DEFAULT_PORTS[name]
+    if processes.port_available(port):
+        return port
+    moved = free_port()
+    log(f"PORT MOVED: {name} uses {moved}, not its usual {port}: something else listens on {port} "
+        f"(another dualtrack still running? see `ss -ltnp 'sport = :{port}'`). "
+        f"Use the URLs printed below, not :{port}.")
+    return moved
 
 
 def nvml_available() -> bool:
@@ -61,22 +120,55 @@ def nvml_available() -> bool:
         return False
 
 
-def print_alerts(payload: dict) -> None:
-    """Alertmanager webhook payload → one line per alert as it fires or resolves."""
-    for alert in payload.get("alerts", []):
-        labels, annotations = alert.get("labels", {}), alert.get("annotations", {})
-        state = "FIRING  " if alert.get("status") == "firing" else "RESOLVED"
-        log(f"{state} {labels.get('alertname')} [{labels.get('severity', '')}] {annotations.get('summary', '')}")
+def alerts_page(prometheus_url: str) -> str:
+    """The alerts page of the Prometheus actually started: /alerts, or /classic/alerts on builds
+    without the new UI (Debian's 2.42 answers 404 on /alerts)."""
+    for path in ("/alerts", "/classic/alerts"):
+        try:
+            if requests.get(prometheus_url + path, timeout=5).status_code == 200:
+                return prometheus_url + path
+        except requests.RequestException:
+            pass
+    return prometheus_url
 
 
-def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str) -> Path:
-    """Copy grafana/provisioning with the datasource URLs and dashboard path pointed at this machine."""
+class AlertPrinter:
+    """Alertmanager webhook payload → one line per alert as it fires or resolves, naming the run
+    (GPU alerts: the run on that GPU) and the dashboard to open."""
+
+    def __init__(self, started: float, run_of_uuid: dict[str, str], grafana_url: str | None) -> None:
+        self.started = started
+        self.run_of_uuid = run_of_uuid
+        self.grafana_url = grafana_url
+
+    def dashboard(self, run: str | None) -> str:
+        if run is None:
+            return 'dashboard "GPU fleet"' + (f" {self.grafana_url}/d/dualtrack-gpu-fleet" if self.grafana_url else "")
+        if self.grafana_url:
+            return f"dashboard {self.grafana_url}/d/{TRAINING_DASHBOARD}?var-job={JOB}&var-run={quote(run)}"
+        return f'dashboard "Training run" with run={run}'
+
+    def __call__(self, payload: dict) -> None:
+        for alert in payload.get("alerts", []):
+            labels, annotations = alert.get("labels", {}), alert.get("annotations", {})
+            run = labels.get("run") or self.run_of_uuid.get(labels.get("uuid", ""))
+            state = "FIRING  " if alert.get("status") == "firing" else "RESOLVED"
+            log(f"{state} {labels.get('alertname')} [{labels.get('severity', '')}] "
+                f"run {run or '-'} ({elapsed(time.monotonic() - self.started)}): {annotations.get('summary', '')}\n"
+                f"           open the {self.dashboard(run)}")
+
+
+def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str,
+                                scrape_interval: str) -> Path:
+    """Copy grafana/provisioning with the datasource URLs, scrape interval and dashboard path
+    pointed at this machine."""
     target = workdir / "grafana-provisioning"
     shutil.copytree(REPO / "grafana" / "provisioning", target)
     for path in target.rglob("*.yml"):
         text = path.read_text()
         text = text.replace("http://prometheus:9090", prometheus_url)
         text = text.replace("http://alertmanager:9093", alertmanager_url)
+        text = text.replace("timeInterval: 15s", f"timeInterval: {scrape_interval}")
         text = text.replace("/var/lib/grafana/dashboards", str(REPO / "dashboards"))
         path.write_text(text)
     return target
@@ -96,12 +188,28 @@ def grafana(workdir: Path, provisioning: Path, port: int, password: str) -> Serv
     return Service("grafana", argv, port, workdir / "grafana.log", ready_path="/api/health", env=env)
 
 
+def simulated_gpus_plan(workdir: Path, runs: list[SweepRun]) -> Path:
+    """A fault plan giving simulated GPU i the scenario of run i (exporter --simulate.faults)."""
+    path = workdir / "simulated-gpus.json"
+    path.write_text(json.dumps({"devices": {str(i): {"scenario": run.scenario} for i, run in enumerate(runs)}}))
+    return path
+
+
+def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None) -> Service:
+    argv = [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway_url, "--job", JOB,
+            "--run", run.name, "--step-time", f"{STEP_TIME}", *run.args,
+            "--record-path", str(workdir / f"record-{run.name}.jsonl"),
+            *(["--gpu-uuid", gpu_uuid] if gpu_uuid else [])]
+    return Service(f"training {run.name}", argv, 0, workdir / f"training-{run.name}.log", ready_path=None,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("--phase-seconds", type=float, default=480.0,
-                        help="length of each demo phase: healthy, input-bound, then the memory leak with "
-                             "the gradient explosion half-way (default 480: long enough for the "
-                             "data-loader alert's 5 min window and 4 min `for`)")
+    parser.add_argument("--explode-after", type=float, default=150.0, metavar="SECONDS",
+                        help="when the exploding run's learning rate jumps, in seconds after it starts "
+                             "(default 150: TrainingGradientExplosion compares with the run's own "
+                             "history older than 2 min; earlier, only TrainingLossNonFinite fires)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data and logs go (default: a temporary directory)")
     parser.add_argument("--duration", type=float, default=0.0,
@@ -109,75 +217,115 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def print_summary(services: dict[str, Service], prometheus_alerts: str, password: str | None,
+                  workdir: Path, runs: list[SweepRun], real_gpus: bool) -> None:
+    say()
+    log("dualtrack is up:")
+    say(f"    Prometheus   {services['prometheus'].url}  (alerts: {prometheus_alerts})")
+    say(f"    Alertmanager {services['alertmanager'].url}")
+    say(f"    Pushgateway  {services['pushgateway'].url}")
+    say(f"    Exporter     {services['exporter'].url}/metrics")
+    if "grafana" in services:
+        shown = "$GRAFANA_ADMIN_PASSWORD" if os.environ.get("GRAFANA_ADMIN_PASSWORD") else password
+        say(f"    Grafana      {services['grafana'].url}  (admin / {shown})")
+    else:
+        say("    Grafana      not installed here: the dashboards are dashboards/*.json "
+            "(docker compose runs Grafana with them)")
+    say(f"    Logs and data in {workdir}")
+    say()
+    log(f"the sweep (job {JOB}), one run per {'GPU' if real_gpus else 'simulated GPU'}:")
+    for gpu, run in enumerate(runs):
+        say(f"    gpu {gpu}  {run.name:20} {run.story}")
+    say()
+
+
+def print_expectations(started: float, args: argparse.Namespace) -> None:
+    explode = "explode-lr3e-2"
+    if args.explode_after >= 140:
+        log(f"expect TrainingLossNonFinite and TrainingGradientExplosion (run {explode}) about "
+            f"{elapsed(args.explode_after + 40)} after start, TrainingDataLoaderBottleneck (run "
+            "inputbound-workers0) about +5m30s. Alerts print here as they fire and resolve.")
+    else:
+        log(f"expect TrainingLossNonFinite (run {explode}) about {elapsed(args.explode_after + 40)} after "
+            "start (too early for TrainingGradientExplosion: it needs 2 min of the run's history), "
+            "TrainingDataLoaderBottleneck (run inputbound-workers0) about +5m30s.")
+    leak_at = time.strftime("%H:%M", time.localtime(time.time() + LEAK_ALERT_AFTER - (time.monotonic() - started)))
+    if args.duration and args.duration < LEAK_ALERT_AFTER:
+        when = f"this demo stops after {args.duration:g} s, before that"
+    else:
+        when = f"about {LEAK_ALERT_AFTER // 60} min after start (around {leak_at}) if you leave it running"
+    log("GPUMemoryLeakSuspected (run leak-bs128) needs 30 min of rising memory by design (a staircase, "
+        f"not a start-up allocation) plus 10 min of `for`: {when}. Until then the leak shows on the "
+        "Training run dashboard's memory panels. Ctrl-C stops everything.")
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    for signum in STOP_SIGNALS:  # also restores a SIGINT inherited as ignored (nohup, `&` in a script)
+        signal.signal(signum, request_stop)
     args = parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dualtrack-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    services: list[Service] = []
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    started_services: list[Service] = []
+    webhook = None
 
     def up(service: Service) -> Service:
-        services.append(service)
+        started_services.append(service)
         log(f"starting {service.name}" + (f" on {service.url}" if service.port else ""))
         return service.start(timeout=60)
 
     try:
-        webhook = processes.WebhookReceiver(on_payload=print_alerts).start()
         real_gpus = nvml_available()
-        phase = args.phase_seconds
-        exporter_args = [] if real_gpus else ["--simulate=demo", f"--simulate.phase-seconds={phase:g}"]
-        exporter = up(processes.exporter(workdir, exporter_args, port=port_for("exporter")))
+        runs = sweep(args.explode_after)
+        uuids = [None] * len(runs) if real_gpus else [simulated_uuid(i) for i in range(len(runs))]
+        grafana_port = port_for("grafana")
+        printer = AlertPrinter(started, {u: r.name for u, r in zip(uuids, runs) if u}, None)
+        webhook = processes.WebhookReceiver(on_payload=printer).start()
+        exporter_args = [] if real_gpus else [
+            "--simulate=healthy", f"--simulate.gpus={len(runs)}", f"--simulate.leak-minutes={LEAK_MINUTES}",
+            f"--simulate.faults={simulated_gpus_plan(workdir, runs)}"]
+        services = {"exporter": up(processes.exporter(workdir, exporter_args, port=port_for("exporter")))}
         log("exporter reads " + ("real GPUs through NVML" if real_gpus else
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
-        pushgateway = up(processes.pushgateway(workdir, port=port_for("pushgateway")))
+        services["pushgateway"] = up(processes.pushgateway(workdir, port=port_for("pushgateway")))
         alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url})
-        alertmanager = up(processes.alertmanager(workdir, alertmanager_config, port=port_for("alertmanager")))
+        services["alertmanager"] = up(processes.alertmanager(workdir, alertmanager_config,
+                                                             port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")
         config = processes.render_prometheus_config(
-            workdir, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pushgateway.address],
+            workdir, {processes.EXPORTER_JOB: [services["exporter"].address],
+                      processes.PUSHGATEWAY_JOB: [services["pushgateway"].address],
                       "prometheus": [f"127.0.0.1:{prometheus_port}"]},
-            alertmanagers=[alertmanager.address])
-        prometheus = up(processes.prometheus(workdir, config, port=prometheus_port))
+            scrape_interval=DEMO_INTERVAL, evaluation_interval=DEMO_INTERVAL,
+            alertmanagers=[services["alertmanager"].address])
+        services["prometheus"] = up(processes.prometheus(workdir, config, port=prometheus_port))
         password = os.environ.get("GRAFANA_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
-        provisioning = render_grafana_provisioning(workdir, prometheus.url, alertmanager.url)
-        grafana_service = grafana(workdir, provisioning, port_for("grafana"), password)
+        provisioning = render_grafana_provisioning(workdir, services["prometheus"].url,
+                                                   services["alertmanager"].url, DEMO_INTERVAL)
+        grafana_service = grafana(workdir, provisioning, grafana_port, password)
         if grafana_service:
-            up(grafana_service)
-
-        up(Service(
-            "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway.url,
-                         "--step-time", f"{STEP_TIME}", "--input-bound", f"{phase:g}:{2 * phase:g}",
-                         "--data-delay", f"{DATA_DELAY}",
-                         "--explode-at", str(explosion_step(phase)),
-                         "--record-path", str(workdir / "training-record.jsonl"),
-                         *([] if real_gpus else ["--gpu-uuid", simulated_uuid(0)])],
-            0, workdir / "training.log", ready_path=None, env={**os.environ, "PYTHONPATH": str(REPO)}))
-        print(flush=True)
-        log("dualtrack is up:")
-        print(f"    Prometheus   {prometheus.url}  (alerts: {prometheus.url}/alerts)")
-        print(f"    Alertmanager {alertmanager.url}")
-        print(f"    Pushgateway  {pushgateway.url}")
-        print(f"    Exporter     {exporter.url}/metrics")
-        if grafana_service:
-            print(f"    Grafana      {grafana_service.url}  (admin / {'$GRAFANA_ADMIN_PASSWORD' if os.environ.get('GRAFANA_ADMIN_PASSWORD') else password})")
-        else:
-            print("    Grafana      not installed here: dashboards are in dashboards/ (docker compose runs Grafana)")
-        print(f"    Logs and data in {workdir}")
-        print(flush=True)
-        log(f"timeline: healthy until {phase:g}s, input-bound until {2 * phase:g}s, then the simulated GPUs "
-            f"leak memory and the run's gradients explode at step {explosion_step(phase)} "
-            f"(about {2.5 * phase:g}s). Alerts print here as they fire and resolve. Ctrl-C stops.")
-        started = time.monotonic()
-        while not stop.wait(1.0):
-            if args.duration and time.monotonic() - started > args.duration:
-                break
-    except KeyboardInterrupt:
-        pass
+            services["grafana"] = up(grafana_service)
+            printer.grafana_url = grafana_service.url
+        for run, uuid in zip(runs, uuids):
+            up(training_service(workdir, run, services["pushgateway"].url, uuid))
+        print_summary(services, alerts_page(services["prometheus"].url), password, workdir, runs, real_gpus)
+        print_expectations(started, args)
+        while not args.duration or time.monotonic() - started < args.duration:
+            time.sleep(1.0)
+            for service in started_services:
+                if not service.running() and service.port:
+                    log(f"{service.name} exited unexpectedly; its log:\n{service.log_tail()}")
+                    return 1
+    except StopRequested as stop:
+        log(f"{stop} received")
     finally:
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(signum, signal.SIG_IGN)
         log("stopping")
-        for service in reversed(services):  # the training run first
+        for service in reversed(started_services):  # the training runs first
             service.stop()
+        if webhook:
+            webhook.stop()
     return 0
 
 

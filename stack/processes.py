@@ -6,6 +6,7 @@ config and data flags on a free loopback port and awaited through its readiness 
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -40,6 +41,43 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_available(port: int) -> bool:
+    """True when a daemon could listen on 127.0.0.1:`port` now.
+
+    The probe sets SO_REUSEADDR as the daemons do (Go and Python servers both set it), so a port
+    whose last connections sit in TIME_WAIT after a quick restart counts as available; only a
+    listening socket makes it busy.
+    """
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn: the child gets SIGTERM when `parent` dies, however it dies (even SIGKILL).
+
+    Linux only (elsewhere None: the caller's own shutdown path is all there is). The flag survives
+    exec; a parent that died between fork and prctl is caught by the getppid check. Linux signals
+    when the *thread* that started the child ends: start daemons from a thread that lives as long.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
 
 
 def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.05,
@@ -83,9 +121,11 @@ class Service:
     def start(self, timeout: float = 30.0) -> "Service":
         """Start the process and wait until its readiness endpoint answers 200."""
         log = open(self.log_path, "ab")
+        # A session of its own (a terminal's Ctrl-C or hang-up reaches the owner, which stops the
+        # daemons in order), yet it dies with the owner if the owner is killed outright.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         log.close()
         if self.ready_path is None:
             return self
