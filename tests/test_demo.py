@@ -1,5 +1,7 @@
-"""The README's main command (`python -m stack`): the whole stack comes up, the demo run's values reach
-Prometheus, and Ctrl-C stops every process it started."""
+"""The README's main command (`python -m stack`): the whole stack comes up with its sweep, the first
+alert prints with the run and the dashboard to open, and however the command ends (Ctrl-C through a
+pipe whose reader died, SIGHUP, SIGTERM, SIGINT inherited as ignored, the owner killed outright) no
+process it started is left behind."""
 from __future__ import annotations
 
 import os
@@ -7,17 +9,22 @@ import re
 import signal
 import subprocess
 import sys
-import threading
+import textwrap
+import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
+import requests
 
 from stack.processes import REPO, query, wait_for_series, wait_until
 
 pytestmark = pytest.mark.e2e
 
+FIRST_ALERT = re.compile(r"FIRING\s+(\w+) \[\w+\] run (\S+) \(\+(\d+)m(\d+)s\).*\n\s+open the dashboard (.+)")
 
-def _children(pid: int) -> set[int]:
+
+def children(pid: int) -> set[int]:
     """PIDs whose parent is `pid` (the demo's daemons run in sessions of their own)."""
     found = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -30,32 +37,133 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def test_main_command_runs_the_stack_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    demo = subprocess.Popen([sys.executable, "-m", "stack", "--phase-seconds", "30", "--workdir", str(tmp_path)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(demo.stdout), daemon=True)
-    reader.start()
-    try:
-        wait_until(lambda: any("dualtrack is up" in line for line in output), 90, what="the stack to come up")
-        text = "".join(output)
-        assert "SIMULATED GPUs" in text, text
-        prometheus = re.search(r"Prometheus\s+(http://127\.0\.0\.1:\d+)", text).group(1)
-        for name in ("Alertmanager", "Pushgateway", "Exporter"):
-            assert re.search(rf"{name}\s+http://127\.0\.0\.1:\d+", text), f"{name} URL not printed:\n{text}"
-        daemons = _children(demo.pid)
-        assert len(daemons) >= 5, "exporter, pushgateway, alertmanager, prometheus and the training run"
+def alive(pids: set[int]) -> set[int]:
+    """The PIDs in `pids` that still run (zombies count as gone)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
 
-        # Both tracks reach Prometheus: the simulated GPUs and the demo run's steps.
-        wait_for_series(prometheus, 'nvml_gpu_info{simulated="true"}', timeout=60)
-        steps = wait_for_series(prometheus, 'training_step{job="demo"} > 0', timeout=60)
-        assert steps[0]["metric"]["run"] == "mlp-lr1e-2"
-        assert query(prometheus, 'up{job="dualtrack-exporter"} == 1')
-    finally:
-        demo.send_signal(signal.SIGINT)
-        returncode = demo.wait(30)
-        reader.join(5)
-    assert returncode == 0, "".join(output)
-    assert "stopping" in "".join(output)
-    assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()], "a daemon outlived the main command"
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Popen that never outlives the test: whatever is still running at teardown (a test that
+    timed out or failed) is killed, and with it (PR_SET_PDEATHSIG) every daemon it started."""
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
+        started.append(proc)
+        return proc
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def demo_argv(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "stack", "--workdir", str(workdir), *args]
+
+
+def wait_for_output(log: Path, pattern: str, timeout: float) -> re.Match:
+    return wait_until(lambda: re.search(pattern, log.read_text(errors="replace")), timeout,
+                      interval=0.5, what=f"{pattern!r} in the demo's output")
+
+
+def test_a_daemon_dies_with_its_owner_even_when_the_owner_is_killed(spawn, tmp_path: Path) -> None:
+    owner = spawn([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from stack import processes
+        daemon = processes.pushgateway(Path({str(tmp_path)!r})).start()
+        print(daemon.proc.pid, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    daemon = int(owner.stdout.readline())
+    assert alive({daemon})
+    owner.send_signal(signal.SIGKILL)  # no handler, no finally: only the kernel can stop the daemon
+    owner.wait(10)
+    wait_until(lambda: not alive({daemon}), 15, what="the pushgateway to die with its owner")
+
+
+def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everything(spawn, tmp_path: Path) -> None:
+    """`python -m stack | tee log`, then Ctrl-C: tee dies first, the demo's shutdown output hits a
+    broken pipe, and still every daemon stops. Shortened: the run explodes 15 s after its start."""
+    log = tmp_path / "demo.log"
+    started = time.monotonic()
+    demo = spawn(demo_argv(tmp_path / "work", "--explode-after", "15"), stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT)
+    tee = spawn(["tee", str(log)], stdin=demo.stdout, stdout=subprocess.DEVNULL)
+    demo.stdout.close()  # tee is the pipe's only reader
+    wait_for_output(log, "dualtrack is up", 90)
+    text = log.read_text()
+    assert "SIMULATED GPUs" in text, text
+    prometheus = re.search(r"Prometheus\s+(http://127\.0\.0\.1:\d+)", text).group(1)
+    alerts_url = re.search(r"\(alerts: (http://\S+)\)", text).group(1)
+    assert requests.get(alerts_url, timeout=5).status_code == 200, f"printed alerts URL {alerts_url} is broken"
+    for name in ("Alertmanager", "Pushgateway", "Exporter"):
+        assert re.search(rf"{name}\s+http://127\.0\.0\.1:\d+", text), f"{name} URL not printed:\n{text}"
+    assert "GPUMemoryLeakSuspected" in text, "the demo says when (or that) the leak alert cannot fire"
+    daemons = children(demo.pid)
+    assert len(daemons) >= 8, "exporter, pushgateway, alertmanager, prometheus and four training runs"
+
+    # Both tracks reach Prometheus: the four simulated GPUs and the four runs of the sweep.
+    wait_for_series(prometheus, 'count(nvml_gpu_info{simulated="true"}) == 4', timeout=60)
+    runs = wait_for_series(prometheus, 'training_step{job="demo"} > 0', timeout=90,
+                           predicate=lambda result: len(result) == 4)
+    assert {r["metric"]["run"] for r in runs} == {"healthy-lr1e-2", "inputbound-workers0", "explode-lr3e-2",
+                                                  "leak-bs128"}
+    assert query(prometheus, 'up{job="dualtrack-exporter"} == 1')
+
+    first = wait_for_output(log, FIRST_ALERT.pattern, 150)
+    seconds = time.monotonic() - started
+    print(f"first alert printed {seconds:.0f} s after the command started: {first.group(0)!r}")
+    assert first.group(1) == "TrainingLossNonFinite" and first.group(2) == "explode-lr3e-2", first.group(0)
+    assert first.group(5) == '"Training run" with run=explode-lr3e-2'
+
+    tee.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole pipeline: tee goes first
+    tee.wait(10)
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(60) == 0
+    wait_until(lambda: not alive(daemons), 15, what=f"the demo's processes {alive(daemons)} to stop")
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGINT inherited as ignored",
+                                 pytest.param("SIGTERM", marks=pytest.mark.slow)])
+def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path, how: str) -> None:
+    log = tmp_path / "demo.log"
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "ignored" in how else None
+    with log.open("wb") as out:
+        demo = spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT,
+                     preexec_fn=ignore_sigint)
+    wait_for_output(log, "dualtrack is up", 90)
+    daemons = children(demo.pid)
+    assert len(daemons) >= 8
+    demo.send_signal(getattr(signal, how.split()[0]))
+    assert demo.wait(60) == 0, log.read_text()
+    assert "stopping" in log.read_text()
+    wait_until(lambda: not alive(daemons), 15, what=f"the demo's processes {alive(daemons)} to stop")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> None:
+    """The promise on a 2-core machine: the first alert within 5 min of the command's start, the
+    data-loader alert within about 10."""
+    log = tmp_path / "demo.log"
+    started = time.monotonic()
+    with log.open("wb") as out:
+        spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT)
+    first = wait_for_output(log, FIRST_ALERT.pattern, 300)
+    first_at = time.monotonic() - started
+    loader = wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0", 600)
+    loader_at = time.monotonic() - started
+    print(f"first alert after {first_at:.0f} s ({first.group(1)}), data-loader alert after {loader_at:.0f} s")
+    assert first_at < 300 and loader_at < 600
+    assert re.search(r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2", log.read_text())
