@@ -52,13 +52,26 @@ HOOK_METRICS = {
     "training_cuda_memory_allocated_bytes", "training_cuda_memory_reserved_bytes",
     "training_cuda_alloc_retries_total", "training_cuda_ooms_total", "training_run_info",
     "training_gpu_info", "training_dropped_values_total", "training_push_failures_total",
-    "training_last_update_timestamp_seconds", "training_run_state",
+    "training_last_update_timestamp_seconds", "training_run_state", "training_start_timestamp_seconds",
+    # Shared names of the run-level work (the contract); pushed once that work is merged.
+    "training_logged_value_sum", "training_logged_value_count", "training_first_nonfinite_step",
+    "training_grad_norm_max_step", "training_loss_scale", "training_skipped_steps_total",
+    "training_process_info", "training_world_size",
 }
-PROMETHEUS_METRICS = {"up", "ALERTS"}  # from Prometheus itself (scrape health, alert state)
+# The recording rules of the contract, added to rules/ by the rules work.
+CONTRACT_RECORDING_RULES = {"job_run:training_steps:rate5m_min", "job_run:training_steps:rate5m_median",
+                            "job_run:training_steps:rate5m_max", "job_run_rank:training_logged_value:mean5m"}
+# From Prometheus itself (scrape health, alert state) and the Pushgateway (time of each group's last push).
+PROMETHEUS_METRICS = {"up", "ALERTS", "push_time_seconds"}
 
 DATASOURCE_UID = "dualtrack-prometheus"
-# How the Training run's Infra panels select the run's GPUs: the hook's training_gpu_info, on uuid.
-RUN_GPUS = 'training_gpu_info{job=~"$job", run=~"$run", instance=~"$instance", uuid=~"$gpu"}'
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # every query's: the datasource variable
+# How the Training run's Infra panels select the run's GPUs: the hook's training_gpu_info, on uuid, only
+# while the run is live on them (state running and a push in the last 2 min).
+RUN_GPUS = ('max by (uuid, run, rank) ('
+            'training_gpu_info{job=~"$job", run=~"$run", instance=~"$instance", uuid=~"$gpu"} '
+            '* on (job, run, rank, instance) group_left () (training_run_state{state="running"} == 1) '
+            'and on (job, run, rank, instance) (time() - push_time_seconds < 120))')
 # Grafana unit ids the dashboards may use (all in Grafana's unit registry), plus custom suffixes.
 UNITS = {"percentunit", "bytes", "watt", "celsius", "hertz", "s", "binBps", "none", "short", "joule"}
 GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s",
@@ -105,11 +118,17 @@ def substitute(expr: str, values: dict[str, str]) -> str:
                   lambda m: merged[m.group(1) or m.group(2)], expr)
 
 
-def label_values_args(query: str) -> tuple[str, str]:
-    """(series selector, label) of a `label_values(selector, label)` variable query."""
-    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
-    assert match, f"variable query {query!r} is not label_values(selector, label)"
-    return match.group(1), match.group(2)
+def label_values_args(query: str) -> tuple[str, str | None]:
+    """(series selector, label) of a `label_values(selector, label)` variable query; (selector, None)
+    for `label_names(selector)` (the variable lists label names)."""
+    match = re.fullmatch(r"label_values\((.+),\s*(\$?\w+)\)", query) or re.fullmatch(r"label_names\((.+)\)()", query)
+    assert match, f"variable query {query!r} is not label_values(selector, label) or label_names(selector)"
+    return match.group(1), match.group(2) or None
+
+
+def query_variables(dashboard: dict) -> list[dict]:
+    """The template variables that query Prometheus (not the datasource picker)."""
+    return [v for v in dashboard["templating"]["list"] if v["type"] == "query"]
 
 
 def metric_names(expr: str) -> set[str]:
@@ -184,8 +203,14 @@ def test_dashboard_uids_and_titles_are_unique_and_stable():
 
 def test_shared_crosshair_and_alert_annotations(dashboard):
     assert dashboard["graphTooltip"] == 1
-    exprs = [a.get("expr", "") for a in dashboard["annotations"]["list"]]
-    assert any(re.search(r'ALERTS\{alertstate="firing"', e) for e in exprs)
+    alerts = [a for a in dashboard["annotations"]["list"] if "ALERTS" in a.get("expr", "")]
+    assert alerts and all(re.search(r'ALERTS\{alertstate="firing"', a["expr"]) for a in alerts)
+    for annotation in alerts:  # ALERTS carries labels only: {{summary}} would always be empty
+        used = set(re.findall(r"\{\{(\w+)\}\}", annotation["titleFormat"] + annotation["textFormat"]))
+        assert used and used <= {"alertname", "severity", "job", "run", "rank", "instance", "gpu", "uuid"}, used
+    # The annotations' text points at the alert list, which shows summary, description and runbook link.
+    lists = [p for p in panels(dashboard) if p["type"] == "alertlist"]
+    assert lists and all(p["title"] in a["textFormat"] for a in alerts for p in lists[:1])
 
 
 # What each dashboard must show (issue 4), by the metrics its queries use.
@@ -198,14 +223,24 @@ REQUIRED_METRICS = {
         "nvml_gpu_idle_seconds_total", "nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts",
         "nvml_gpu_memory_used_bytes", "nvml_gpu_memory_total_bytes",
         "instance_gpu:nvml_gpu_memory_used_bytes:predict_linear1h_4h", "nvml_gpu_temperature_celsius",
-        "nvml_gpu_throttle_seconds_total", "ALERTS"},
+        "nvml_gpu_throttle_seconds_total", "ALERTS",
+        # compare runs, the memory-leak view, the heartbeat, step time, scaler, custom keys, many ranks
+        "training_start_timestamp_seconds", "training_logged_value_sum", "training_logged_value_count",
+        "training_cuda_memory_allocated_bytes", "training_cuda_memory_reserved_bytes",
+        "training_cuda_alloc_retries_total", "training_cuda_ooms_total", "nvml_gpu_sm_active_ratio",
+        "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "training_step_duration_seconds_bucket",
+        "training_tokens_total", "training_loss_scale", "training_skipped_steps_total",
+        "job_run:training_steps:rate5m_min", "job_run:training_steps:rate5m_median",
+        "job_run:training_steps:rate5m_max", "training_process_info", "nvml_gpu_process_memory_used_bytes",
+        "training_first_nonfinite_step", "training_grad_norm_max_step", "push_time_seconds"},
     "gpu-fleet": {
         "nvml_gpu_utilization_ratio", "nvml_gpu_memory_used_bytes", "nvml_gpu_power_usage_watts",
         "nvml_gpu_temperature_celsius", "nvml_gpu_clock_hertz", "nvml_gpu_throttle_active",
         "nvml_gpu_pcie_throughput_bytes_per_second", "nvml_gpu_nvlink_data_bytes_total",
         "nvml_gpu_ecc_errors_total", "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes",
         "nvml_up", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_errors_total", "nvml_gpu_lost",
-        "ALERTS"},
+        "nvml_gpu_busy_seconds_total", "nvml_gpu_idle_seconds_total", "nvml_gpu_sm_active_ratio",
+        "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "ALERTS"},
 }
 
 
@@ -231,7 +266,8 @@ def test_training_run_shows_the_tracks_side_by_side():
     tracks = {panel["title"].split(" · ")[0] for panel in panels(dashboard) if " · " in panel["title"]}
     assert tracks == {"Model", "Infra"}
     infra = [t["expr"] for p in panels(dashboard) if p["title"].startswith("Infra · ") for t in p["targets"]]
-    assert all(expr.endswith(f"and on(uuid) {RUN_GPUS}") for expr in infra), "Infra panels follow the run's GPUs"
+    follows = [e for e in infra if e.endswith(f"* on (uuid) group_left (run, rank) {RUN_GPUS}")]
+    assert len(follows) >= len(infra) - 1, "Infra panels follow the run's GPUs while the run is live on them"
 
 
 def test_panel_ids_unique_and_grid_positions_do_not_overlap(dashboard):
@@ -261,14 +297,21 @@ def test_every_datasource_is_the_provisioned_prometheus(dashboard):
     refs += [a["datasource"] for a in dashboard["annotations"]["list"] if not a.get("builtIn")]
     assert refs
     for ref in refs:
-        assert ref == {"type": "prometheus", "uid": DATASOURCE_UID}, ref
-    assert DATASOURCE_UID in uids
-    assert "${DS_" not in json.dumps(dashboard)
+        assert ref == DATASOURCE, ref
+    # The variable lists the Prometheus datasources and defaults to Grafana's default one: the
+    # provisioned `dualtrack-prometheus` (isDefault) here, whatever a foreign Grafana has elsewhere.
+    variable = dashboard["templating"]["list"][0]
+    assert (variable["name"], variable["type"], variable["query"]) == ("datasource", "datasource", "prometheus")
+    assert "current" not in variable and DATASOURCE_UID in uids
+    assert "${DS_" not in json.dumps(dashboard) and DATASOURCE_UID not in json.dumps(dashboard)
 
 
 def test_every_panel_has_a_unit_and_a_description(dashboard):
     for panel in panels(dashboard):
         if panel["type"] == "row":
+            continue
+        assert panel.get("description"), panel["title"]
+        if not panel.get("targets"):  # the alert list: no query, no unit
             continue
         unit = panel["fieldConfig"]["defaults"].get("unit")
         assert unit in UNITS or (unit or "").startswith("suffix:"), f"{panel['title']}: unit {unit!r}"
@@ -281,7 +324,9 @@ UNIT_BY_SUFFIX = {"_ratio": "percentunit", "_bytes": "bytes", "_watts": "watt", 
 
 def expected_unit(expr: str) -> str | None:
     """The unit a query's result has, where its metric names tell (None: they do not)."""
-    if " / " in expr:  # the dashboards only divide like quantities
+    if "_count" in expr:  # a mean from a sum and a count: the unit of what was summed
+        return None
+    if " / " in expr:  # otherwise the dashboards only divide like quantities
         return "percentunit"
     suffixes = {s for name in metric_names(expr) for s in UNIT_BY_SUFFIX if name.endswith(s)}
     if len(suffixes) == 1 and not re.search(r"\bcount\(", expr):
@@ -303,12 +348,12 @@ def test_units_match_what_the_query_measures(dashboard):
 
 
 def test_every_metric_is_exported_by_the_exporter_or_the_hook(dashboard):
-    known = EXPORTER_METRICS | HOOK_METRICS | PROMETHEUS_METRICS | recording_rule_names()
+    known = EXPORTER_METRICS | HOOK_METRICS | PROMETHEUS_METRICS | recording_rule_names() | CONTRACT_RECORDING_RULES
     for where, expr, _ in queries(dashboard):
         names = metric_names(expr)
         assert names, f"{where}: no metric found in {expr!r}"
         assert names <= known, f"{where}: unknown metrics {sorted(names - known)}"
-    for variable in dashboard["templating"]["list"]:
+    for variable in query_variables(dashboard):
         selector, _ = label_values_args(variable["query"])
         assert metric_names(selector) <= known, variable["name"]
 
@@ -326,7 +371,7 @@ def test_every_query_is_valid_promql(tmp_path):
     rules = []
     for path in DASHBOARDS:
         dashboard = load(path)
-        values = {v["name"]: ".*" for v in dashboard["templating"]["list"]}
+        values = {v["name"]: ".*" for v in dashboard["templating"]["list"]} | {"hparam": "learning_rate"}
         for where, expr, _ in queries(dashboard):
             rules.append({"record": f"dashboard:query{len(rules)}:check", "expr": substitute(expr, values),
                           "labels": {"where": f"{path.stem}: {where}"}})
@@ -358,3 +403,62 @@ def test_provisioning_matches_the_compose_mounts():
     for provider in providers:
         assert provider["type"] == "file"
         assert mounts[provider["options"]["path"]] == "./dashboards"
+
+
+def training_run() -> dict:
+    return load(REPO / "dashboards" / "training-run.json")
+
+
+def test_runs_compare_against_the_step_and_the_time_since_their_start():
+    """XY charts, one line per run: loss, grad norm, learning rate, throughput against the step, and the
+    loss against the seconds since each run's start."""
+    charts = {p["title"]: p for p in panels(training_run()) if p["type"] == "xychart"}
+    against = {title: p["options"]["dims"]["x"] for title, p in charts.items()}
+    assert [t for t, x in against.items() if x == "step"] == [
+        "Loss vs step", "Gradient norm vs step", "Learning rate vs step", "Throughput vs step"]
+    assert against["Loss vs time since start"] == "seconds since start"
+    for chart in charts.values():
+        x_query = chart["targets"][0]["expr"]
+        assert {"training_step", "training_start_timestamp_seconds"} & metric_names(x_query), x_query
+        assert all(t["format"] == "table" and t["legendFormat"] == "{{run}}" for t in chart["targets"])
+        assert chart["transformations"][-1] == {"id": "partitionByValues",
+                                                "options": {"fields": ["run"], "keepFields": False}}
+
+
+def test_run_table_covers_each_runs_own_life_whatever_the_range():
+    table = next(p for p in panels(training_run()) if p["type"] == "table")
+    exprs = [t["expr"] for t in table["targets"]]
+    assert not any("$__range" in e or "$__rate_interval" in e for e in exprs)
+    assert {w for e in exprs for w in re.findall(r"\[(\w+)\]", e)} == {"30d"}
+    assert all("training_run_info" in e and t["instant"] for e, t in zip(exprs, table["targets"]))
+    renamed = table["transformations"][1]["options"]["renameByName"].values()
+    assert {"duration (h)", "steps", "final loss", "best loss", "samples/s"} <= set(renamed)
+
+
+def test_runs_filter_by_any_hyper_parameter():
+    """Hyper-parameter (any label of training_run_info) → its values → the runs that have them."""
+    variables = {v["name"]: v for v in training_run()["templating"]["list"]}
+    assert variables["hparam"]["query"] == 'label_names(training_run_info{job=~"$job"})'
+    assert re.fullmatch(variables["hparam"]["regex"].strip("/"), "learning_rate")
+    assert not any(re.fullmatch(variables["hparam"]["regex"].strip("/"), label)
+                   for label in ("job", "run", "rank", "instance", "__name__"))
+    assert variables["hvalue"]["query"] == 'label_values(training_run_info{job=~"$job"}, $hparam)'
+    assert '$hparam=~"$hvalue"' in variables["run"]["query"] and variables["run"]["multi"]
+
+
+def test_one_repeated_panel_per_custom_key():
+    variables = {v["name"]: v for v in training_run()["templating"]["list"]}
+    standard = re.compile(variables["key"]["regex"].strip("/"))
+    assert standard.fullmatch("r2") and not standard.fullmatch("loss") and not standard.fullmatch("grad_norm")
+    repeated = [p for p in panels(training_run()) if p.get("repeat")]
+    assert [(p["repeat"], p["title"]) for p in repeated] == [("key", "$key")]
+
+
+def test_legends_name_run_rank_host_and_gpu():
+    for panel in panels(training_run()):
+        for target in panel.get("targets", []):
+            legend = target.get("legendFormat", "")
+            if panel["title"].startswith("Model · "):
+                assert {"{{run}}", "{{rank}}", "{{instance}}"} <= set(re.findall(r"\{\{\w+\}\}", legend)), legend
+            if panel["title"].startswith("Infra · "):
+                assert {"{{run}}", "{{instance}}", "{{gpu}}"} <= set(re.findall(r"\{\{\w+\}\}", legend)), legend
