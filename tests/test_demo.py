@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,33 @@ def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> N
     print(f"first alert after {first_at:.0f} s ({first.group(1)}), data-loader alert after {loader_at:.0f} s")
     assert first_at < 300 and loader_at < 600
     assert re.search(r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2", log.read_text())
+
+
+def test_a_port_in_time_wait_is_kept_and_a_taken_one_moves_loudly(capsys) -> None:
+    """After a quick restart the documented ports sit in TIME_WAIT: the daemons (SO_REUSEADDR) can
+    listen there, so the demo keeps them; a port something listens on moves, and the demo says so."""
+    from stack.demo import DEFAULT_PORTS, port_for
+    from stack.processes import port_available
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what a plain bind() probe saw: "in use"
+    assert port_available(port)
+
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", DEFAULT_PORTS["pushgateway"]))
+        except OSError:
+            pytest.skip("something else listens on the Pushgateway's port on this machine")
+        squatter.listen()
+        moved = port_for("pushgateway")
+    assert moved != DEFAULT_PORTS["pushgateway"]
+    assert f"PORT MOVED: pushgateway uses {moved}, not its usual 9091" in capsys.readouterr().out
