@@ -451,7 +451,15 @@ def test_one_repeated_panel_per_custom_key():
     standard = re.compile(variables["key"]["regex"].strip("/"))
     assert standard.fullmatch("r2") and not standard.fullmatch("loss") and not standard.fullmatch("grad_norm")
     repeated = [p for p in panels(training_run()) if p.get("repeat")]
-    assert [(p["repeat"], p["title"]) for p in repeated] == [("key", "$key")]
+    assert [(p["repeat"], p["title"]) for p in repeated] == [("key", "$key"), ("run", "Run $run")]
+
+
+def test_one_collapsed_row_per_selected_run_with_the_three_questions():
+    row = next(p for p in panels(training_run()) if p.get("repeat") == "run")
+    assert row["type"] == "row" and row["collapsed"]
+    used = {name for panel in row["panels"] for t in panel["targets"] for name in metric_names(t["expr"])}
+    assert {"training_data_wait_seconds_total", "nvml_gpu_idle_seconds_total", "training_grad_norm_max",
+            "nvml_gpu_memory_used_bytes"} <= used
 
 
 def test_legends_name_run_rank_host_and_gpu():
