@@ -244,11 +244,11 @@ def print_expectations(started: float, args: argparse.Namespace) -> None:
     if args.explode_after >= 140:
         log(f"expect TrainingLossNonFinite and TrainingGradientExplosion (run {explode}) about "
             f"{elapsed(args.explode_after + 40)} after start, TrainingDataLoaderBottleneck (run "
-            "inputbound-workers0) about +5m30s. Alerts print here as they fire and resolve.")
+            "inputbound-workers0) about +6m. Alerts print here as they fire and resolve.")
     else:
         log(f"expect TrainingLossNonFinite (run {explode}) about {elapsed(args.explode_after + 40)} after "
             "start (too early for TrainingGradientExplosion: it needs 2 min of the run's history), "
-            "TrainingDataLoaderBottleneck (run inputbound-workers0) about +5m30s.")
+            "TrainingDataLoaderBottleneck (run inputbound-workers0) about +6m.")
     leak_at = time.strftime("%H:%M", time.localtime(time.time() + LEAK_ALERT_AFTER - (time.monotonic() - started)))
     if args.duration and args.duration < LEAK_ALERT_AFTER:
         when = f"this demo stops after {args.duration:g} s, before that"
@@ -310,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             up(training_service(workdir, run, services["pushgateway"].url, uuid))
         print_summary(services, alerts_page(services["prometheus"].url), password, workdir, runs, real_gpus)
         print_expectations(started, args)
+        ended: set[str] = set()
         while not args.duration or time.monotonic() - started < args.duration:
             time.sleep(1.0)
             for service in started_services:
-                if not service.running() and service.port:
-                    log(f"{service.name} exited unexpectedly; its log:\n{service.log_tail()}")
+                if service.running() or service.name in ended:
+                    continue
+                ended.add(service.name)
+                log(f"{service.name} exited unexpectedly (code {service.proc.returncode}); its log:\n"
+                    f"{service.log_tail()}")
+                if service.port:  # a daemon: the stack is broken; a training run: the others go on
                     return 1
     except StopRequested as stop:
         log(f"{stop} received")
