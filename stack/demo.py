@@ -109,15 +109,17 @@ def port_for(name: str) -> int:
     return moved
 
 
-def nvml_available() -> bool:
-    """True when a real NVIDIA driver answers (then the exporter reads real GPUs)."""
+def real_gpu_count() -> int:
+    """How many GPUs a real NVIDIA driver reports (then the exporter reads them); 0: simulate."""
     try:
         import pynvml
         pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-        return True
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no library, no driver, no GPU: all mean "simulate"
-        return False
+        return 0
 
 
 def alerts_page(prometheus_url: str) -> str:
@@ -195,13 +197,18 @@ def simulated_gpus_plan(workdir: Path, runs: list[SweepRun]) -> Path:
     return path
 
 
-def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None) -> Service:
+def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None,
+                     cuda_device: int | None) -> Service:
+    """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if cuda_device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(cuda_device)
     argv = [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway_url, "--job", JOB,
             "--run", run.name, "--step-time", f"{STEP_TIME}", *run.args,
             "--record-path", str(workdir / f"record-{run.name}.jsonl"),
             *(["--gpu-uuid", gpu_uuid] if gpu_uuid else [])]
     return Service(f"training {run.name}", argv, 0, workdir / f"training-{run.name}.log", ready_path=None,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+                   env=env)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -275,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return service.start(timeout=60)
 
     try:
-        real_gpus = nvml_available()
+        gpus = real_gpu_count()
+        real_gpus = gpus > 0
         runs = sweep(args.explode_after)
         uuids = [None] * len(runs) if real_gpus else [simulated_uuid(i) for i in range(len(runs))]
         grafana_port = port_for("grafana")
@@ -306,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         if grafana_service:
             services["grafana"] = up(grafana_service)
             printer.grafana_url = grafana_service.url
-        for run, uuid in zip(runs, uuids):
-            up(training_service(workdir, run, services["pushgateway"].url, uuid))
+        for index, (run, uuid) in enumerate(zip(runs, uuids)):
+            up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None))
         print_summary(services, alerts_page(services["prometheus"].url), password, workdir, runs, real_gpus)
         print_expectations(started, args)
         ended: set[str] = set()
