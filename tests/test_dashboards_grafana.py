@@ -3,17 +3,16 @@ installed; skipped otherwise: Debian has no grafana package, the compose stack r
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import requests
 
 from stack import processes
-from stack.demo import grafana, render_grafana_provisioning
+from stack.demo import grafana, grafana_binary, render_grafana_provisioning
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    not (shutil.which("grafana-server") or shutil.which("grafana")), reason="grafana-server not installed")]
+    grafana_binary() is None, reason="grafana-server not installed")]
 
 PASSWORD = "dashboards-test-password"
 
@@ -21,7 +20,7 @@ PASSWORD = "dashboards-test-password"
 def test_grafana_provisions_both_dashboards_without_errors(tmp_path: Path) -> None:
     prometheus = processes.prometheus(tmp_path, processes.render_prometheus_config(tmp_path, {})).start()
     provisioning = render_grafana_provisioning(tmp_path, prometheus.url, "http://127.0.0.1:9", "15s")
-    service = grafana(tmp_path, provisioning, processes.free_port(), PASSWORD)
+    service = grafana(grafana_binary(), tmp_path, provisioning, processes.free_port(), PASSWORD)
     try:
         service.start(timeout=120)
         auth = ("admin", PASSWORD)
