@@ -41,15 +41,16 @@ AWAITED_QUERIES = {
     "Step rate across ranks: min, median, max A": "job_run:training_steps:rate5m_min",
     "Step rate across ranks: min, median, max B": "job_run:training_steps:rate5m_median",
     "Step rate across ranks: min, median, max C": "job_run:training_steps:rate5m_max",
-    "Infra · GPU memory of the run's processes A": "training_process_info",
     "Model · Non-finite and skipped steps B": "training_skipped_steps_total",
     # Also needs a run that watches a GradScaler (the e2e run below must then pass one).
     "Model · Loss scale A": "training_loss_scale",
     "$key A": "training_logged_value_sum / training_logged_value_count (custom keys)",
 }
 AWAITED_VARIABLES = {"key": "training_logged_value_count"}
-# Queries that need a CUDA run: the hook reads the caching allocator only where CUDA is initialised.
-NEEDS_CUDA = {
+# Queries that need a real GPU: the hook reads the CUDA caching allocator only where CUDA is
+# initialised, and a simulated GPU lists the exporter's own pid as its process, never the run's.
+NEEDS_REAL_GPU = {
+    "Infra · GPU memory of the run's processes A": "training_process_info joined on the run's pid",
     "Model · CUDA memory allocated vs reserved A": "training_cuda_memory_allocated_bytes",
     "Model · CUDA memory allocated vs reserved B": "training_cuda_memory_reserved_bytes",
     "Model · Allocator retries and OOMs A": "training_cuda_alloc_retries_total",
@@ -161,7 +162,7 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     that wait for merged names or need CUDA."""
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
-            and f"{where} {target['refId']}" not in AWAITED_QUERIES | NEEDS_CUDA
+            and f"{where} {target['refId']}" not in AWAITED_QUERIES | NEEDS_REAL_GPU
             and not processes.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
@@ -186,9 +187,9 @@ def test_every_panel_query_returns_data(stack):
         assert empty_panel_queries(stack.prom.url, dashboard, values) == [], path.name
         # The exceptions stay honest: a query listed as waiting that returns data must leave the list.
         answered = [f"{where} {target['refId']}" for where, expr, target in queries(dashboard)
-                    if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_CUDA
+                    if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_REAL_GPU
                     and processes.query(stack.prom.url, substitute(expr, {**BUILTINS, **values}))]
-        assert answered == [], "these queries return data now: remove them from AWAITED_QUERIES / NEEDS_CUDA"
+        assert answered == [], "these queries return data now: remove them from AWAITED_QUERIES / NEEDS_REAL_GPU"
 
 
 def test_run_panels_show_the_run_on_its_gpu_only(stack):
@@ -234,7 +235,7 @@ def test_dashboards_use_only_metrics_the_exporter_and_hook_expose(stack):
     used = {name for path in DASHBOARDS for _, expr, _ in queries(load(path)) for name in metric_names(expr)}
     used -= PROMETHEUS_METRICS | recording_rule_names() | CONTRACT_RECORDING_RULES
     awaited = {name for path in DASHBOARDS for where, expr, target in queries(load(path))
-               if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_CUDA for name in metric_names(expr)}
+               if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_REAL_GPU for name in metric_names(expr)}
     assert used - exposed - awaited == set(NOT_ON_H100)
     # The contract list in test_dashboards stays honest: the hook really pushes what it names.
     assert {"training_loss_max", "training_grad_norm_max", "training_gpu_info", "training_run_info"} <= exposed
