@@ -135,8 +135,7 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     wait_until(lambda: not alive(daemons), 15, what=f"the demo's processes {alive(daemons)} to stop")
 
 
-@pytest.mark.parametrize("how", ["SIGHUP", "SIGINT inherited as ignored",
-                                 pytest.param("SIGTERM", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM", "SIGINT inherited as ignored"])
 def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path, how: str) -> None:
     log = tmp_path / "demo.log"
     ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "ignored" in how else None
