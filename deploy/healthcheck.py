@@ -17,6 +17,7 @@ import ssl
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import yaml
 
@@ -25,10 +26,10 @@ def main() -> int:
     environ = os.environ
     port = environ.get("DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS", ":9942").rsplit(":", 1)[1]
     config_file = environ.get("DUALTRACK_EXPORTER_WEB_CONFIG_FILE")
+    password_file = environ.get("DUALTRACK_HEALTHCHECK_PASSWORD_FILE")
     try:
-        config = yaml.safe_load(open(config_file).read()) or {} if config_file else {}
-        password_file = environ.get("DUALTRACK_HEALTHCHECK_PASSWORD_FILE")
-        password = open(password_file).read().strip() if password_file else None
+        config = (yaml.safe_load(Path(config_file).read_text()) or {}) if config_file else {}
+        password = Path(password_file).read_text().strip() if password_file else None
     except (OSError, yaml.YAMLError) as exc:
         print(f"healthcheck: {exc}", file=sys.stderr)
         return 1

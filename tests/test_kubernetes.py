@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -189,3 +190,18 @@ def test_kustomization_lists_every_manifest_once():
     listed = kustomization()["resources"]
     assert len(listed) == len(set(listed))
     assert set(listed) == {p.name for p in KUBE.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_the_scaling_guide_configs_pass_promtool(tmp_path):
+    """Every YAML example in docs/scaling.md: remote_write blocks as a Prometheus config, rule groups as rules."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "scaling.md").read_text(), re.DOTALL)
+    checked = set()
+    for i, block in enumerate(blocks):
+        document = yaml.safe_load(block)
+        kind = "config" if "remote_write" in document else "rules"
+        path = tmp_path / f"{i}.yml"
+        path.write_text(block)
+        result = subprocess.run(["promtool", "check", kind, str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, block + result.stdout + result.stderr
+        checked.add(kind)
+    assert checked == {"config", "rules"} and len(blocks) >= 4

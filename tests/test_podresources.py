@@ -6,6 +6,7 @@ import logging
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Iterator
@@ -51,9 +52,10 @@ def listing(*pods: tuple[str, str, dict[str, list[str]]]) -> bytes:
 class FakeKubelet:
     """v1.PodResourcesLister on a unix socket; List answers `response` (serialized bytes) and counts calls."""
 
-    def __init__(self, socket_path: Path, response: bytes = b"") -> None:
+    def __init__(self, socket_path: Path, response: bytes = b"", delay: float = 0.0) -> None:
         self.socket_path = socket_path
         self.response = response
+        self.delay = delay
         self.calls = 0
         request = podresources.messages()["ListPodResourcesRequest"]
         handler = grpc.unary_unary_rpc_method_handler(self._list, request_deserializer=request.FromString,
@@ -65,6 +67,7 @@ class FakeKubelet:
 
     def _list(self, request, context) -> bytes:
         self.calls += 1
+        time.sleep(self.delay)
         return self.response
 
     def start(self) -> "FakeKubelet":
@@ -200,6 +203,26 @@ def scrape_with(service: processes.Service, text: str) -> str | None:
     """The exporter's exposition if it contains `text`, else None."""
     body = requests.get(service.url + "/metrics", timeout=2).text
     return body if text in body else None
+
+
+@pytest.mark.parametrize("response, delay, error", [
+    (b"\x0a\xff\xff\xff\xff", 0.0, "internal"),  # not a ListPodResourcesResponse
+    (b"", 2.0, "deadline_exceeded"),  # a kubelet that does not answer in time
+], ids=["garbage", "hanging"])
+def test_a_broken_kubelet_costs_one_bounded_call_and_a_counted_error(socket_dir, monkeypatch, response, delay, error):
+    fake = FakeKubelet(socket_dir / "kubelet.sock", response, delay).start()
+    try:
+        monkeypatch.setattr(podresources, "_kubelet",
+                            podresources.Kubelet(str(fake.socket_path), refresh=5.0, timeout=0.3))
+        rig = Rig(gpus=2, collectors=["utilization", "podresources"])
+        started = time.monotonic()
+        rig.step()
+        assert time.monotonic() - started < 1.5
+        assert rig.value("nvml_exporter_errors_total", collector="podresources", error=error) == 1
+        assert rig.value("nvml_exporter_collector_success", collector="podresources") == 0
+        assert rig.series("nvml_gpu_pod_info") == [] and rig.value("nvml_up") == 1
+    finally:
+        fake.stop()
 
 
 def test_daemon_serves_pod_info_from_the_kubelet_socket_flag(tmp_path, socket_dir, start_service):
