@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed
+from exporter.nvml import Absent, CallFailed, Device
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class PodResourcesCollector(Collector):
     help = ("pod, namespace and container holding each GPU or MIG device, from the kubelet pod-resources API "
             "(needs the kubernetes extra; see --collector.podresources.socket)")
 
-    def __init__(self, device, **options: Any) -> None:
+    def __init__(self, device: Device, **options: Any) -> None:
         super().__init__(device, **options)
         self._generation = -1
         self._ids: list[tuple[str, str, str]] = []  # (device id, gpu_instance, mig_uuid)
