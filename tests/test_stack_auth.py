@@ -189,3 +189,36 @@ def test_make_secrets_refuses_to_overwrite_and_leaves_no_password_in_web_configs
     for name in ("DNS:pushgateway", "DNS:prometheus", "DNS:alertmanager", "DNS:exporter", "IP Address:127.0.0.1",
                  "DNS:gpu-box.example.org"):
         assert name in san
+
+
+def test_compose_prometheus_and_grafana_use_only_files_and_users_make_secrets_provides(secrets_dir):
+    """Every secrets path the stack's files name is one make_secrets writes, mounted where it is read."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    sources = {"docker-compose.yml": (REPO / "docker-compose.yml").read_text(),
+               "prometheus.yml": (REPO / "prometheus.yml").read_text(),
+               "datasources": (REPO / "grafana/provisioning/datasources/dualtrack.yml").read_text()}
+    for name, text in sources.items():
+        for file in re.findall(re.escape(SECRETS_MOUNT) + r"/([\w.-]+)", text):
+            assert (secrets_dir / file).is_file(), f"{name} reads {file}, which make_secrets does not write"
+    readers = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana"}
+    for service in readers:
+        assert f"./deploy/compose/secrets:{SECRETS_MOUNT}:ro" in compose[service]["volumes"], service
+    for service in readers - {"grafana"}:
+        assert f"{SECRETS_MOUNT}/{service}-web.yml" in str(compose[service]), service
+
+    config = yaml.safe_load(sources["prometheus.yml"])
+    targets = {job["job_name"]: job for job in config["scrape_configs"]}
+    services = {"dualtrack-exporter": "exporter", "pushgateway": "pushgateway", "prometheus": "prometheus"}
+    endpoints = [(services[name], job) for name, job in targets.items()]
+    endpoints += [("alertmanager", am) for am in config["alerting"]["alertmanagers"]]
+    for service, endpoint in endpoints:
+        assert endpoint["scheme"] == "https" and endpoint["tls_config"]["ca_file"].endswith("/ca.crt")
+        user = endpoint["basic_auth"]["username"]
+        assert user in make_secrets.USERS[service], (service, user)
+        assert endpoint["basic_auth"]["password_file"].endswith(f"/{user}.password")
+    datasources = yaml.safe_load(sources["datasources"])["datasources"]
+    for datasource in datasources:
+        assert datasource["url"].startswith("https://") and datasource["basicAuth"] is True
+        service = datasource["url"].split("//")[1].split(":")[0]
+        assert datasource["basicAuthUser"] in make_secrets.USERS[service]
+        assert datasource["secureJsonData"]["basicAuthPassword"].endswith(f"/{datasource['basicAuthUser']}.password}}")
