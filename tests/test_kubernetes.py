@@ -156,8 +156,6 @@ def test_components_add_the_runtime_class_host_pid_and_pod_attribution():
     mount, = container["volumeMounts"]
     volume, = spec["volumes"]
     assert mount["readOnly"] and mount["mountPath"] == volume["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
-    from exporter.collectors.podresources import DEFAULT_SOCKET
-    assert DEFAULT_SOCKET.startswith(mount["mountPath"] + "/")
     assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["capabilities"]
 
 
@@ -205,3 +203,13 @@ def test_the_scaling_guide_configs_pass_promtool(tmp_path):
         assert result.returncode == 0, block + result.stdout + result.stderr
         checked.add(kind)
     assert checked == {"config", "rules"} and len(blocks) >= 4
+
+
+def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_matches_the_mount():
+    from exporter.cli import parse_args
+    container = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["command"] == ["dualtrack-exporter"]
+    args = parse_args(container["args"], environ={e["name"]: e["value"] for e in container["env"]})
+    assert args.collector_podresources and args.web_listen_address == ":9942"
+    assert Path(args.collector_podresources_socket).parent == Path(container["volumeMounts"][0]["mountPath"])
