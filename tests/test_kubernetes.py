@@ -42,20 +42,22 @@ def find(kind: str, name: str, documents: list[dict] | None = None) -> dict:
 
 
 def with_components(*names: str) -> list[dict]:
-    """The base with the components' JSON6902 patches applied (only `add`, which is all they use)."""
+    """The base with the components' JSON6902 patches applied (`add` and `replace`, all they use)."""
     documents = copy.deepcopy(objects())
     for name in names:
         for patch in kustomization(KUBE / "components" / name)["patches"]:
             target = find(patch["target"]["kind"], patch["target"]["name"], documents)
             for operation in yaml.safe_load(patch["patch"]):
-                assert operation["op"] == "add", operation
-                *parents, last = [int(p) if p.isdigit() else p for p in operation["path"].strip("/").split("/")]
+                assert operation["op"] in ("add", "replace"), operation
+                *parents, last = [int(p) if p.isdigit() else p.replace("~1", "/").replace("~0", "~")
+                                  for p in operation["path"].strip("/").split("/")]
                 node = target
                 for part in parents:
                     node = node[part]
                 if last == "-":
                     node.append(operation["value"])
                 else:
+                    assert operation["op"] == "add" or last in node, operation  # replace needs the key
                     node[last] = operation["value"]
     return documents
 
@@ -149,6 +151,11 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
 
 
 def test_components_add_the_runtime_class_host_pid_and_pod_attribution():
+    enforce = "pod-security.kubernetes.io/enforce"
+    assert find("Namespace", "dualtrack")["metadata"]["labels"][enforce] == "baseline"
+    for component in ("host-pid", "pod-attribution"):  # hostPID and hostPath are not "baseline"
+        assert find("Namespace", "dualtrack", with_components(component))["metadata"]["labels"][enforce] == \
+            "privileged"
     spec = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
     container, = spec["containers"]
