@@ -9,7 +9,7 @@ adds `gpu_instance` and `mig_uuid`), so the GPU's own series keep their labels w
 and PromQL joins on `uuid`.
 
 One kubelet call serves every GPU: the first GPU sampler that finds the listing older than
-`refresh` seconds asks the kubelet (with a timeout), the others reuse the listing. While the kubelet
+`refresh` seconds asks the kubelet (with a timeout), the others reuse the listing and never wait. While the kubelet
 cannot be asked, no pod series are served, the collector reports failure and the error is counted
 once per failed call; the warning is logged once per outage.
 
@@ -128,8 +128,13 @@ class Kubelet:
         self._failing = False
 
     def current(self, now: float) -> tuple[Listing, str | None]:
-        """The latest listing, refreshed first when due; plus the error of the call made here, if one failed."""
-        with self._lock:
+        """The latest listing, refreshed first when due; plus the error of the call made here, if one failed.
+
+        While one GPU's sampler asks the kubelet, the others take the previous listing instead of waiting.
+        """
+        if not self._lock.acquire(blocking=False):
+            return self.listing, None
+        try:
             if self._asked_at is not None and now - self._asked_at < self.refresh:
                 return self.listing, None
             self._asked_at = now
@@ -148,6 +153,8 @@ class Kubelet:
             self._failing = error is not None
             self.listing = listing
             return listing, error
+        finally:
+            self._lock.release()
 
     def ask(self) -> dict[str, tuple[Holder, ...]]:
         """One List call over a fresh channel (a kubelet restart then costs no reconnect backoff)."""
