@@ -1,12 +1,15 @@
-# dualtrack-exporter: NVML metrics for Prometheus on :9942.
+# dualtrack: the NVML exporter (entrypoint) and the `dualtrack` command (e.g. `dualtrack janitor`).
 #
-#   docker build -t dualtrack-exporter .
-#   docker run --rm --gpus all --pid host -p 127.0.0.1:9942:9942 dualtrack-exporter
+#   docker build -t dualtrack .
+#   docker run --rm --gpus all --pid host -p 127.0.0.1:9942:9942 dualtrack
 #
 # libnvidia-ml.so.1 is not in the image: the NVIDIA container runtime mounts the host driver's copy
 # (NVIDIA_DRIVER_CAPABILITIES=utility is the minimum NVML needs; no compute, no root, no
 # CAP_SYS_ADMIN). `--pid host` lets per-process metrics resolve names and pods; without it they keep
-# only PIDs (or turn them off with --no-collector.processes).
+# only PIDs (or turn them off with --no-collector.processes). The `kubernetes` extra (grpcio) is
+# installed for --collector.podresources.
+# The health check follows the exporter's TLS and basic auth: set DUALTRACK_EXPORTER_WEB_CONFIG_FILE
+# (not the flag) and DUALTRACK_HEALTHCHECK_PASSWORD_FILE (see deploy/healthcheck.py).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -20,11 +23,12 @@ WORKDIR /opt/dualtrack
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
 COPY trainer_hook ./trainer_hook
-RUN pip install . && rm -rf /opt/dualtrack/build \
+COPY dualtrack ./dualtrack
+COPY deploy/healthcheck.py ./healthcheck.py
+RUN pip install ".[kubernetes]" && rm -rf /opt/dualtrack/build \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin dualtrack
 
 USER 10001:10001
 EXPOSE 9942
-HEALTHCHECK --interval=30s --timeout=5s --start-period=20s \
-    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9942/-/ready', timeout=3)"
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s CMD ["python", "/opt/dualtrack/healthcheck.py", "/-/ready"]
 ENTRYPOINT ["dualtrack-exporter"]

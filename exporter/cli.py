@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, Sequence
 from prometheus_client import PlatformCollector, ProcessCollector, disable_created_metrics
 
 from exporter import __version__
-from exporter.collectors import ALL
+from exporter.collectors import ALL, podresources
 from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
 from exporter.sampler import Sampler
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         collectors.add_argument(f"--collector.{collector.name}", dest=f"collector_{collector.name}",
                                 action=argparse.BooleanOptionalAction, default=collector.default_enabled,
                                 help=f"{collector.help} (default: %(default)s)")
+    collectors.add_argument("--collector.podresources.socket", dest="collector_podresources_socket",
+                            default=podresources.DEFAULT_SOCKET, metavar="PATH",
+                            help="kubelet pod-resources socket read by --collector.podresources (default %(default)s)")
     simulate = parser.add_argument_group("simulated GPUs", "for machines without GPUs (demos, previews); "
                                          "never on unless --simulate is given")
     simulate.add_argument("--simulate", choices=SCENARIOS, default=None, metavar="SCENARIO",
@@ -168,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.simulate_faults and args.simulate is None:
             raise UsageError("--simulate.faults needs --simulate")
         fault_plan = load_fault_plan(args.simulate_faults) if args.simulate_faults else ({}, [])
-    except (UsageError, WebConfigError, FaultPlanError) as exc:
+        if args.collector_podresources:
+            podresources.configure(args.collector_podresources_socket)
+    except (UsageError, WebConfigError, FaultPlanError, podresources.NotInstalled) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.replace("warn", "warning").upper(), stream=sys.stderr,

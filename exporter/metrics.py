@@ -67,6 +67,9 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_sm_active_ratio", "Fraction of SMs busy over the last GPM window (Hopper+)."),
     _g("nvml_gpu_tensor_active_ratio", "Fraction of time tensor cores were active over the last GPM window (Hopper+)."),
     _g("nvml_gpu_dram_active_ratio", "Fraction of DRAM bandwidth used over the last GPM window (Hopper+)."),
+    _g("nvml_gpu_pod_info", "Kubernetes pod, namespace and container holding the GPU (or its MIG device "
+       "gpu_instance, mig_uuid), from the kubelet pod-resources API, value 1.",
+       "pod", "namespace", "container", "gpu_instance", "mig_uuid"),
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in GPU_METRICS}

@@ -30,6 +30,7 @@ ALERTMANAGER_YML = REPO / "alertmanager" / "alertmanager.yml"
 ALERTMANAGER_RENDER = REPO / "alertmanager" / "render-config.sh"
 EXPORTER_JOB = "dualtrack-exporter"
 PUSHGATEWAY_JOB = "pushgateway"
+_CLIENT_KEYS = ("scheme", "tls_config", "basic_auth")  # how Prometheus reaches a target or an Alertmanager
 
 
 class ServiceError(RuntimeError):
@@ -182,11 +183,13 @@ def _binary(name: str) -> str:
 def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
                              scrape_interval: str | None = None,
                              evaluation_interval: str | None = None,
-                             alertmanagers: list[str] | None = None) -> Path:
+                             alertmanagers: list[str] | None = None, client: dict | None = None) -> Path:
     """Write the repo's prometheus.yml with loopback targets into `workdir`.
 
     Everything else (jobs, honor_labels, rules, alerting) stays as in the repo file; rule file paths
     are pointed at the repo's `rules/` directory. `targets` maps a scrape job name to its targets.
+    `client` (scheme, tls_config, basic_auth) replaces the repo's TLS and auth settings of every job
+    and Alertmanager; without it they are removed (plain HTTP on loopback).
     """
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     if scrape_interval:
@@ -200,6 +203,10 @@ def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
             job.pop("file_sd_configs", None)
     if alertmanagers is not None:
         config.setdefault("alerting", {})["alertmanagers"] = [{"static_configs": [{"targets": alertmanagers}]}]
+    for endpoint in config.get("scrape_configs", []) + config.get("alerting", {}).get("alertmanagers", []):
+        for key in _CLIENT_KEYS:
+            endpoint.pop(key, None)
+        endpoint.update(client or {})
     path = workdir / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -231,11 +238,22 @@ def render_alertmanager_config(workdir: Path, env: dict[str, str] | None = None,
     return path
 
 
+def with_web_config(service: Service, web_config: Path | None, auth: tuple[str, str] | None = None) -> Service:
+    """`service` reading an exporter-toolkit web-config (TLS, basic auth); its probes use https and `auth`."""
+    if web_config is not None:
+        service.argv.append(f"--web.config.file={web_config}")
+        tls = "tls_server_config" in (yaml.safe_load(web_config.read_text()) or {})
+        service.scheme, service.auth = ("https" if tls else "http"), auth
+    return service
+
+
 def prometheus(workdir: Path, config_path: Path, port: int | None = None,
-               extra_args: list[str] | None = None) -> Service:
+               extra_args: list[str] | None = None, web_config: Path | None = None,
+               auth: tuple[str, str] | None = None) -> Service:
     """A Prometheus (not yet started) with its TSDB under `workdir`; lifecycle API enabled.
 
     `extra_args` are appended to the command line (e.g. --rules.alert.resend-delay=1s in tests).
+    With `web_config` it serves TLS and basic auth (see with_web_config).
     """
     port = port or free_port()
     data = workdir / "prometheus-data"
@@ -243,10 +261,11 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     argv = [_binary("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={data}",
             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn",
             *(extra_args or [])]
-    return Service("prometheus", argv, port, workdir / "prometheus.log")
+    return with_web_config(Service("prometheus", argv, port, workdir / "prometheus.log"), web_config, auth)
 
 
-def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False) -> Service:
+def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
+                web_config: Path | None = None, auth: tuple[str, str] | None = None) -> Service:
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""
     port = port or free_port()
     argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
@@ -254,11 +273,12 @@ def pushgateway(workdir: Path, port: int | None = None, persistence: bool = Fals
     # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data, which every
     # Pushgateway started here would share (and load stale groups from): always say which file.
     argv.append(f"--persistence.file={workdir / 'pushgateway.store' if persistence else ''}")
-    return Service("pushgateway", argv, port, workdir / "pushgateway.log")
+    return with_web_config(Service("pushgateway", argv, port, workdir / "pushgateway.log"), web_config, auth)
 
 
 def alertmanager(workdir: Path, config_path: Path = ALERTMANAGER_YML, port: int | None = None,
-                 env: dict[str, str] | None = None) -> Service:
+                 env: dict[str, str] | None = None, web_config: Path | None = None,
+                 auth: tuple[str, str] | None = None) -> Service:
     """An Alertmanager (not yet started), clustering off, data under `workdir`."""
     port = port or free_port()
     data = workdir / "alertmanager-data"
@@ -266,8 +286,8 @@ def alertmanager(workdir: Path, config_path: Path = ALERTMANAGER_YML, port: int 
     argv = [_binary("prometheus-alertmanager"), f"--config.file={config_path}",
             f"--storage.path={data}", f"--web.listen-address=127.0.0.1:{port}",
             "--cluster.listen-address=", "--log.level=warn"]
-    return Service("alertmanager", argv, port, workdir / "alertmanager.log",
-                   env={**os.environ, **(env or {})})
+    return with_web_config(Service("alertmanager", argv, port, workdir / "alertmanager.log",
+                                   env={**os.environ, **(env or {})}), web_config, auth)
 
 
 def exporter(workdir: Path, args: list[str], port: int | None = None,

@@ -387,8 +387,8 @@ def test_datasources_provisioning():
     assert len(uids) == len(set(uids))
     by_type = {ds["type"]: ds for ds in datasources}
     assert by_type["prometheus"]["uid"] == DATASOURCE_UID
-    assert by_type["prometheus"]["url"] == "http://prometheus:9090"
-    assert by_type["alertmanager"]["url"] == "http://alertmanager:9093"
+    assert by_type["prometheus"]["url"] == "https://prometheus:9090"
+    assert by_type["alertmanager"]["url"] == "https://alertmanager:9093"
     assert by_type["alertmanager"]["jsonData"]["implementation"] == "prometheus"
     assert sum(bool(ds.get("isDefault")) for ds in datasources) == 1
     scrape = yaml.safe_load((REPO / "prometheus.yml").read_text())["global"]["scrape_interval"]

@@ -8,6 +8,7 @@ from exporter.collectors.gpm import GpmCollector
 from exporter.collectors.memory import MemoryCollector
 from exporter.collectors.nvlink import NvlinkCollector
 from exporter.collectors.pcie import PcieCollector
+from exporter.collectors.podresources import PodResourcesCollector
 from exporter.collectors.power import PerformanceStateCollector, PowerCollector
 from exporter.collectors.processes import ProcessesCollector
 from exporter.collectors.thermal import FanCollector, ThermalCollector
@@ -19,6 +20,7 @@ ALL: tuple[type[Collector], ...] = (
     UtilizationCollector, MemoryCollector, ThermalCollector, PowerCollector, ThrottleCollector,
     PcieCollector, NvlinkCollector, EccCollector, XidCollector,
     ClocksCollector, PerformanceStateCollector, FanCollector, ProcessesCollector, GpmCollector,
+    PodResourcesCollector,
 )
 BY_NAME: dict[str, type[Collector]] = {collector.name: collector for collector in ALL}
 

@@ -1,0 +1,240 @@
+"""Which pod holds each GPU: the kubelet's pod-resources API, served as `nvml_gpu_pod_info`.
+
+The kubelet answers gRPC `v1.PodResourcesLister/List` on a unix socket
+(/var/lib/kubelet/pod-resources/kubelet.sock): every pod on the node, its containers and the device
+ids each container holds. The NVIDIA device plugin names devices by UUID: `GPU-...` for a whole GPU,
+`MIG-...` for a MIG device, `GPU-...::<n>` for a time-sliced replica. Each GPU's collector emits one
+`nvml_gpu_pod_info{gpu,uuid,pod,namespace,container} 1` per container holding the GPU (a MIG device
+adds `gpu_instance` and `mig_uuid`), so the GPU's own series keep their labels when the pod changes
+and PromQL joins on `uuid`.
+
+One kubelet call serves every GPU: the first GPU sampler that finds the listing older than
+`refresh` seconds asks the kubelet (with a timeout), the others reuse the listing and never wait. While the kubelet
+cannot be asked, no pod series are served, the collector reports failure and the error is counted
+once per failed call; the warning is logged once per outage.
+
+Off by default (`--collector.podresources`); it needs the `kubernetes` extra (grpcio, protobuf).
+The few messages List uses are declared below from the v1 API (k8s.io/kubelet
+pkg/apis/podresources/v1/api.proto): fields the kubelet adds are skipped when parsing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import Absent, CallFailed, Device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+REFRESH_SECONDS = 10.0
+TIMEOUT_SECONDS = 1.0  # well under the sampler's hang watchdog (2 s at least)
+LIST_METHOD = "/v1.PodResourcesLister/List"
+_MAX_RESPONSE_BYTES = 64 * 2**20
+
+# message -> (field name, number, type, repeated, message type) of the v1 API, List's part only
+_STRING, _MESSAGE = 9, 11  # FieldDescriptorProto.TYPE_*
+_SCHEMA: dict[str, tuple[tuple[str, int, int, bool, str], ...]] = {
+    "ListPodResourcesRequest": (),
+    "ListPodResourcesResponse": (("pod_resources", 1, _MESSAGE, True, "PodResources"),),
+    "PodResources": (("name", 1, _STRING, False, ""), ("namespace", 2, _STRING, False, ""),
+                     ("containers", 3, _MESSAGE, True, "ContainerResources")),
+    "ContainerResources": (("name", 1, _STRING, False, ""), ("devices", 2, _MESSAGE, True, "ContainerDevices")),
+    "ContainerDevices": (("resource_name", 1, _STRING, False, ""), ("device_ids", 2, _STRING, True, "")),
+}
+
+
+class NotInstalled(Exception):
+    """grpcio or protobuf is missing: the collector cannot run."""
+
+
+def messages() -> dict[str, type]:
+    """The v1 message classes by name, built once from `_SCHEMA`; raises NotInstalled."""
+    if not _messages:
+        try:
+            from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+        except ImportError as exc:
+            raise NotInstalled("--collector.podresources needs protobuf and grpcio: "
+                               "pip install 'dualtrack[kubernetes]'") from exc
+        proto = descriptor_pb2.FileDescriptorProto(name="dualtrack/kubelet/podresources/v1/api.proto",
+                                                   package="v1", syntax="proto3")
+        for name, fields in _SCHEMA.items():
+            message = proto.message_type.add(name=name)
+            for field_name, number, kind, repeated, type_name in fields:
+                spec = message.field.add(name=field_name, number=number, type=kind, label=3 if repeated else 1)
+                if type_name:
+                    spec.type_name = f".v1.{type_name}"
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(proto)
+        _messages.update({name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"v1.{name}"))
+                          for name in _SCHEMA})
+    return _messages
+
+
+_messages: dict[str, type] = {}
+
+
+def grpc_module() -> Any:
+    """The grpc package; raises NotInstalled."""
+    try:
+        import grpc
+    except ImportError as exc:
+        raise NotInstalled("--collector.podresources needs grpcio: pip install 'dualtrack[kubernetes]'") from exc
+    return grpc
+
+
+@dataclass(frozen=True)
+class Holder:
+    pod: str
+    namespace: str
+    container: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The kubelet's answer: holders by device id (replica suffixes removed); `ok` False when it failed."""
+
+    ok: bool = False
+    holders: dict[str, tuple[Holder, ...]] = field(default_factory=dict)
+    generation: int = 0
+
+
+def device_holders(response: Any) -> dict[str, tuple[Holder, ...]]:
+    """Holders by device id from a ListPodResourcesResponse; `GPU-x::3` (a time-sliced replica) counts as `GPU-x`."""
+    holders: dict[str, dict[Holder, None]] = {}
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            holder = Holder(pod.name, pod.namespace, container.name)
+            for devices in container.devices:
+                for device_id in devices.device_ids:
+                    holders.setdefault(device_id.split("::", 1)[0], {})[holder] = None
+    return {device_id: tuple(found) for device_id, found in holders.items()}
+
+
+class Kubelet:
+    """The node's pod-resources listing, asked for at most every `refresh` seconds by whichever GPU needs it."""
+
+    def __init__(self, socket_path: str = DEFAULT_SOCKET, *, refresh: float = REFRESH_SECONDS,
+                 timeout: float = TIMEOUT_SECONDS) -> None:
+        self.socket_path = socket_path
+        self.refresh = refresh
+        self.timeout = timeout
+        self.listing = Listing()
+        self._asked_at: float | None = None
+        self._lock = threading.Lock()
+        self._failing = False
+
+    def current(self, now: float) -> tuple[Listing, str | None]:
+        """The latest listing, refreshed first when due; plus the error of the call made here, if one failed.
+
+        While one GPU's sampler asks the kubelet, the others take the previous listing instead of waiting.
+        """
+        if not self._lock.acquire(blocking=False):
+            return self.listing, None
+        try:
+            if self._asked_at is not None and now - self._asked_at < self.refresh:
+                return self.listing, None
+            self._asked_at = now
+            error = None
+            try:
+                listing = Listing(True, self.ask(), self.listing.generation + 1)
+            except Exception as exc:  # noqa: BLE001 - whatever the kubelet does, the sampler goes on
+                error = _error_name(exc)
+                listing = Listing(False, {}, self.listing.generation + 1)
+                if not self._failing:
+                    log.warning("kubelet pod-resources at %s cannot be read (%s): no nvml_gpu_pod_info until it "
+                                "answers", self.socket_path, _describe(exc))
+            else:
+                if self._failing:
+                    log.info("kubelet pod-resources at %s answers again", self.socket_path)
+            self._failing = error is not None
+            self.listing = listing
+            return listing, error
+        finally:
+            self._lock.release()
+
+    def ask(self) -> dict[str, tuple[Holder, ...]]:
+        """One List call over a fresh channel (a kubelet restart then costs no reconnect backoff)."""
+        grpc, classes = grpc_module(), messages()
+        options = [("grpc.max_receive_message_length", _MAX_RESPONSE_BYTES)]
+        with grpc.insecure_channel(f"unix://{self.socket_path}", options=options) as channel:
+            call = channel.unary_unary(LIST_METHOD,
+                                       request_serializer=classes["ListPodResourcesRequest"].SerializeToString,
+                                       response_deserializer=classes["ListPodResourcesResponse"].FromString)
+            return device_holders(call(classes["ListPodResourcesRequest"](), timeout=self.timeout))
+
+
+def _error_name(exc: BaseException) -> str:
+    """unavailable, deadline_exceeded, unimplemented... for gRPC errors; the exception type otherwise."""
+    code = getattr(exc, "code", None)
+    status = code() if callable(code) else None
+    return getattr(status, "name", "").lower() or type(exc).__name__.lower()
+
+
+def _describe(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else str(exc)
+    return f"{_error_name(exc)}: {text}" if text else _error_name(exc)
+
+
+_kubelet = Kubelet()
+
+
+def configure(socket_path: str, *, refresh: float = REFRESH_SECONDS, timeout: float = TIMEOUT_SECONDS) -> None:
+    """Point the collector at the kubelet socket (one kubelet per node, so one per process); raises NotInstalled."""
+    global _kubelet
+    grpc_module()
+    messages()
+    _kubelet = Kubelet(socket_path, refresh=refresh, timeout=timeout)
+
+
+class PodResourcesCollector(Collector):
+    """nvml_gpu_pod_info for the GPU and its MIG devices, from the shared kubelet listing."""
+
+    name = "podresources"
+    default_enabled = False
+    help = ("pod, namespace and container holding each GPU or MIG device, from the kubelet pod-resources API "
+            "(needs the kubernetes extra; see --collector.podresources.socket)")
+
+    def __init__(self, device: Device, **options: Any) -> None:
+        super().__init__(device, **options)
+        self._generation = -1
+        self._ids: list[tuple[str, str, str]] = []  # (device id, gpu_instance, mig_uuid)
+
+    def collect(self, ctx: SampleContext) -> None:
+        listing, error = _kubelet.current(ctx.now)
+        if error:
+            ctx.errors.append(error)
+        if not listing.ok:
+            return
+        if listing.generation != self._generation:  # MIG devices are re-read with each new listing
+            self._generation = listing.generation
+            self._ids = [(self.device.uuid, "", "")] + self._mig_devices(ctx)
+        for device_id, gpu_instance, mig_uuid in self._ids:
+            for holder in listing.holders.get(device_id, ()):
+                ctx.emit("nvml_gpu_pod_info", 1, holder.pod, holder.namespace, holder.container, gpu_instance,
+                         mig_uuid)
+
+    def _mig_devices(self, ctx: SampleContext) -> list[tuple[str, str, str]]:
+        if self.device.mig_mode != "enabled":
+            return []
+        found = []
+        nvml = self.device.nvml
+        for slot in range(ctx.call("nvmlDeviceGetMaxMigDeviceCount") or 0):
+            try:
+                handle = self.device.call("nvmlDeviceGetMigDeviceHandleByIndex", slot)
+            except Absent:
+                break
+            except CallFailed as exc:  # not_found: an empty slot
+                if exc.error != "not_found":
+                    ctx.errors.append(exc.error)
+                continue
+            mig_uuid = ctx.guarded(lambda: nvml.call("nvmlDeviceGetUUID", handle))
+            instance = ctx.guarded(lambda: nvml.call("nvmlDeviceGetGpuInstanceId", handle))
+            if mig_uuid is not None:
+                text = mig_uuid.decode() if isinstance(mig_uuid, bytes) else str(mig_uuid)
+                found.append((text, "" if instance is None else str(instance), text))
+        return found

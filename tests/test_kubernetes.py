@@ -1,0 +1,222 @@
+"""The Kubernetes manifests (deploy/kubernetes), checked offline: schemas, selectors, generated files, rules."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+KUBE = REPO / "deploy" / "kubernetes"
+sys.path.insert(0, str(KUBE))
+import generate  # noqa: E402
+
+BUILT_IN = {"Namespace", "DaemonSet", "Service", "PersistentVolumeClaim", "Deployment", "CronJob", "ConfigMap"}
+COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml"))
+
+
+def kustomization(path: Path = KUBE) -> dict:
+    return yaml.safe_load((path / "kustomization.yaml").read_text())
+
+
+def objects() -> list[dict]:
+    """Every object of the base, in kustomization order, with the kustomization's namespace applied."""
+    out = []
+    for resource in kustomization()["resources"]:
+        for document in yaml.safe_load_all((KUBE / resource).read_text()):
+            if document:
+                if document["kind"] != "Namespace":
+                    document["metadata"].setdefault("namespace", kustomization()["namespace"])
+                out.append(document)
+    return out
+
+
+def find(kind: str, name: str, documents: list[dict] | None = None) -> dict:
+    return next(d for d in documents or objects() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def with_components(*names: str) -> list[dict]:
+    """The base with the components' JSON6902 patches applied (`add` and `replace`, all they use)."""
+    documents = copy.deepcopy(objects())
+    for name in names:
+        for patch in kustomization(KUBE / "components" / name)["patches"]:
+            target = find(patch["target"]["kind"], patch["target"]["name"], documents)
+            for operation in yaml.safe_load(patch["patch"]):
+                assert operation["op"] in ("add", "replace"), operation
+                *parents, last = [int(p) if p.isdigit() else p.replace("~1", "/").replace("~0", "~")
+                                  for p in operation["path"].strip("/").split("/")]
+                node = target
+                for part in parents:
+                    node = node[part]
+                if last == "-":
+                    node.append(operation["value"])
+                else:
+                    assert operation["op"] == "add" or last in node, operation  # replace needs the key
+                    node[last] = operation["value"]
+    return documents
+
+
+def test_generated_prometheus_rule_and_dashboards_match_their_sources():
+    """rules/*.yml and dashboards/*.json are the only sources: the committed objects must be what the script makes."""
+    result = subprocess.run([sys.executable, str(KUBE / "generate.py"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (KUBE / "prometheusrule.yaml").read_text() == generate.prometheus_rule()
+    assert (KUBE / "grafana-dashboards.yaml").read_text() == generate.dashboard_configmaps()
+
+
+def test_check_mode_fails_when_a_rule_changes_without_regenerating(tmp_path, monkeypatch):
+    rules = tmp_path / "rules"
+    shutil.copytree(REPO / "rules", rules)
+    (rules / "zz-new.yml").write_text("groups:\n  - name: new\n    rules:\n      - record: job:up:sum\n"
+                                      "        expr: sum by (job) (up)\n")
+    monkeypatch.setattr(generate, "RULES", rules)
+    assert generate.main(["--check"]) == 1
+
+
+def test_prometheus_rule_groups_pass_promtool(tmp_path):
+    spec = find("PrometheusRule", "dualtrack")["spec"]
+    assert {g["name"] for g in spec["groups"]} == {g["name"] for path in (REPO / "rules").glob("*.yml")
+                                                   for g in yaml.safe_load(path.read_text())["groups"]}
+    extracted = tmp_path / "rules.yml"
+    extracted.write_text(yaml.safe_dump(spec))
+    result = subprocess.run(["promtool", "check", "rules", str(extracted)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_configmaps_carry_each_dashboard_for_the_sidecar():
+    maps = [d for d in objects() if d["kind"] == "ConfigMap"]
+    assert len(maps) == len(list((REPO / "dashboards").glob("*.json")))
+    for configmap in maps:
+        assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+        (name, text), = configmap["data"].items()
+        dashboard, source = json.loads(text), json.loads((REPO / "dashboards" / name).read_text())
+        assert dashboard["uid"] == source["uid"] and len(dashboard["panels"]) == len(source["panels"])
+        assert generate.PROVISIONED_DATASOURCE_UID not in text and f'"uid": "{generate.DATASOURCE_UID}"' in text
+
+
+@pytest.mark.parametrize("components", [(), tuple(COMPONENTS)], ids=["base", "all-components"])
+def test_built_in_kinds_pass_the_kubernetes_schemas_strictly(tmp_path, components):
+    documents = [d for d in with_components(*components) if d["kind"] in BUILT_IN]
+    assert {d["kind"] for d in documents} == BUILT_IN
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(yaml.safe_dump_all(documents))
+    result = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "--strict", "--quiet",
+                             "-k", "1.29", str(manifest)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_service_monitor_selects_a_service_and_its_port():
+    documents = objects()
+    services = [d for d in documents if d["kind"] == "Service"]
+    monitors = [d for d in documents if d["kind"] == "ServiceMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"dualtrack-exporter", "pushgateway"}
+    for monitor in monitors:
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        matched = [s for s in services if wanted.items() <= s["metadata"]["labels"].items()
+                   and s["metadata"]["namespace"] == monitor["metadata"]["namespace"]]
+        assert len(matched) == 1, monitor["metadata"]["name"]
+        service = matched[0]
+        ports = {p["name"] for p in service["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+        pods = [d for d in documents if d["kind"] in ("DaemonSet", "Deployment")
+                and service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(pods) == 1, service["metadata"]["name"]
+        container_ports = {p["name"] for c in pods[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= container_ports
+
+
+def test_the_exporter_job_name_is_the_one_the_alerts_select():
+    assert 'up{job="dualtrack-exporter"}' in (REPO / "rules" / "alerts.yml").read_text()
+    assert find("Service", "dualtrack-exporter")["metadata"]["name"] == "dualtrack-exporter"
+    assert "jobLabel" not in find("ServiceMonitor", "dualtrack-exporter")["spec"]
+
+
+def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resources():
+    spec = find("DaemonSet", "dualtrack-exporter")["spec"]["template"]["spec"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+    assert "hostPID" not in spec and "runtimeClassName" not in spec and "volumes" not in spec
+    container, = spec["containers"]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])  # takes no GPU from workloads
+    assert set(container["resources"]) == {"requests", "limits"}
+
+
+def test_components_add_the_runtime_class_host_pid_and_pod_attribution():
+    enforce = "pod-security.kubernetes.io/enforce"
+    assert find("Namespace", "dualtrack")["metadata"]["labels"][enforce] == "baseline"
+    for component in ("host-pid", "pod-attribution"):  # hostPID and hostPath are not "baseline"
+        assert find("Namespace", "dualtrack", with_components(component))["metadata"]["labels"][enforce] == \
+            "privileged"
+    spec = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
+    container, = spec["containers"]
+    assert "--collector.podresources" in container["args"]
+    mount, = container["volumeMounts"]
+    volume, = spec["volumes"]
+    assert mount["readOnly"] and mount["mountPath"] == volume["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["capabilities"]
+
+
+def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_environment():
+    deployment = find("Deployment", "pushgateway")["spec"]["template"]["spec"]
+    args = deployment["containers"][0]["args"]
+    data = next(m for m in deployment["containers"][0]["volumeMounts"] if m["name"] == "data")
+    assert f"--persistence.file={data['mountPath']}/pushgateway.store" in args
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "pushgateway-data"
+               for v in deployment["volumes"])
+    web = next(m for m in deployment["containers"][0]["volumeMounts"] if m["name"] == "web")
+    assert f"--web.config.file={web['mountPath']}/web-config.yml" in args
+    monitor = find("ServiceMonitor", "pushgateway")["spec"]["endpoints"][0]
+    assert monitor["honorLabels"] is True and monitor["scheme"] == "https" and "basicAuth" in monitor
+
+    janitor = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert janitor["command"] == ["dualtrack", "janitor"]
+    env = {e["name"] for e in janitor["env"]}
+    hook_names = "".join(p.read_text() for p in (REPO / "trainer_hook").glob("*.py"))
+    assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_PASSWORD",
+                   "DUALTRACK_PUSHGATEWAY_CA_FILE"}
+    assert all(f'"{name}"' in hook_names for name in env)  # the names the hook reads
+    service = find("Service", "pushgateway")
+    url = next(e["value"] for e in janitor["env"] if e["name"] == "DUALTRACK_PUSHGATEWAY")
+    assert url == f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:" \
+                  f"{service['spec']['ports'][0]['port']}"
+
+
+def test_kustomization_lists_every_manifest_once():
+    listed = kustomization()["resources"]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {p.name for p in KUBE.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_the_scaling_guide_configs_pass_promtool(tmp_path):
+    """Every YAML example in docs/scaling.md: remote_write blocks as a Prometheus config, rule groups as rules."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "scaling.md").read_text(), re.DOTALL)
+    checked = set()
+    for i, block in enumerate(blocks):
+        document = yaml.safe_load(block)
+        kind = "config" if "remote_write" in document else "rules"
+        path = tmp_path / f"{i}.yml"
+        path.write_text(block)
+        result = subprocess.run(["promtool", "check", kind, str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, block + result.stdout + result.stderr
+        checked.add(kind)
+    assert checked == {"config", "rules"} and len(blocks) >= 4
+
+
+def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_matches_the_mount():
+    from exporter.cli import parse_args
+    container = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["command"] == ["dualtrack-exporter"]
+    args = parse_args(container["args"], environ={e["name"]: e["value"] for e in container["env"]})
+    assert args.collector_podresources and args.web_listen_address == ":9942"
+    assert Path(args.collector_podresources_socket).parent == Path(container["volumeMounts"][0]["mountPath"])
