@@ -5,8 +5,15 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 
 * NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
   driver lacks the reading. It is remembered per device so it is never asked again.
-* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost`: the whole device is unreachable.
+* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same device
+  (nvmlDeviceGetMemoryInfo) fails the same way too; otherwise one sensor is broken, not the GPU, and
+  the error is a `CallFailed` like any other (one bad sensor must not drop every series of its GPU).
+* an AttributeError raised inside the binding is a bug (of the binding or of ours): logged with its
+  traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
+
+Constants newer than the oldest supported binding are read through `constant()`, which falls back
+to their nvml.h value (NEWER_CONSTANTS): an old nvidia-ml-py then still starts.
 """
 from __future__ import annotations
 
@@ -20,6 +27,24 @@ log = logging.getLogger(__name__)
 
 _ABSENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
+PROBE = "nvmlDeviceGetMemoryInfo"  # answered by every GPU and driver, costs one driver round trip
+
+#: NVML constants the exporter uses that the oldest supported nvidia-ml-py (12.535.108) lacks, with
+#: their values from nvml.h (and the binding release that added them).
+NEWER_CONSTANTS: dict[str, int] = {
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197,  # 12.555
+    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,  # 12.555
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,  # 12.560
+    "NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_MIN": 4,
+    "NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR": 5,
+    "NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_MAX": 6,
+}
+
+
+def constant(lib: ModuleType, name: str) -> int:
+    """An NVML constant from the binding, or its nvml.h value where the binding predates it."""
+    value = getattr(lib, name, None)
+    return NEWER_CONSTANTS[name] if value is None else value
 
 
 class NvmlUnavailable(RuntimeError):
@@ -72,6 +97,7 @@ class Nvml:
         self.calls = 0  # system-level calls; devices count their own
         self.union_members = union_members(lib)
         self.success = lib.NVML_SUCCESS
+        self._binding_bugs: set[str] = set()
 
     def init(self) -> None:
         """nvmlInit, turning a missing driver or library into `NvmlUnavailable`."""
@@ -94,21 +120,39 @@ class Nvml:
         return self._names.get(value, type(exc).__name__.lower())
 
     def classify(self, exc: BaseException) -> Exception:
-        """The exporter exception for an NVML exception (see the module docstring)."""
+        """The exporter exception for an NVML exception (see the module docstring), before any probe."""
         value = getattr(exc, "value", None)
-        if value in self._absent or isinstance(exc, AttributeError):
+        if value in self._absent:
             return Absent(self.error_name(exc))
         if value in self._lost:
             return GpuLost(self.error_name(exc))
         return CallFailed(self.error_name(exc))
 
+    def function(self, name: str) -> Any:
+        """The binding's function `name`; `Absent` when this nvidia-ml-py does not have it."""
+        function = getattr(self.lib, name, None)
+        if function is None:
+            raise Absent("not_in_binding")
+        return function
+
+    def invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call binding function `name`, mapping its errors (lost-class errors unprobed)."""
+        function = self.function(name)
+        try:
+            return function(*args, **kwargs)
+        except self.lib.NVMLError as exc:
+            raise self.classify(exc) from exc
+        except AttributeError as exc:  # raised inside the binding: a bug, not an absent reading
+            if name not in self._binding_bugs:
+                self._binding_bugs.add(name)
+                log.error("bug: %s raised AttributeError inside the NVML binding; counted as "
+                          "error=\"binding_error\"", name, exc_info=True)
+            raise CallFailed("binding_error") from exc
+
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a system-level NVML function with the error policy applied."""
         self.calls += 1
-        try:
-            return getattr(self.lib, function)(*args, **kwargs)
-        except (self.lib.NVMLError, AttributeError) as exc:
-            raise self.classify(exc) from exc
+        return self.invoke(function, *args, **kwargs)
 
     def driver_info(self) -> tuple[str, str]:
         """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
@@ -165,27 +209,40 @@ class Device:
         """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
         # pynvml passes this argument straight to ctypes.c_char_p: it must be bytes.
         self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid.encode())
-        self.call("nvmlDeviceGetMemoryInfo")
+        self.call(PROBE)
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a per-device NVML function; raises Absent, GpuLost or CallFailed.
 
         A function found absent (NOT_SUPPORTED, FUNCTION_NOT_FOUND) is not called again. Absence is
         remembered per function and first argument, so one fan or clock can be absent alone.
+        A lost-class error (GPU_IS_LOST, UNKNOWN, RESET_REQUIRED) is `GpuLost` only if the probe fails too.
         """
         key = _absent_key(function, args)
         if key in self.absent:
             raise Absent("remembered")
         self.calls += 1
         try:
-            return getattr(self.nvml.lib, function)(self.handle, *args, **kwargs)
-        except (self.nvml.lib.NVMLError, AttributeError) as exc:
-            mapped = self.nvml.classify(exc)
-            if isinstance(mapped, Absent):
-                log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function,
-                          args[:1], mapped)
-                self.absent.add(key)
-            raise mapped from exc
+            return self.nvml.invoke(function, self.handle, *args, **kwargs)
+        except Absent as exc:
+            log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function, args[:1], exc)
+            self.absent.add(key)
+            raise
+        except GpuLost as exc:
+            if function != PROBE and self.answers_probe():
+                raise CallFailed(exc.error) from exc
+            raise
+
+    def answers_probe(self) -> bool:
+        """True if the device still answers the cheap probe call."""
+        self.calls += 1
+        try:
+            self.nvml.invoke(PROBE, self.handle)
+        except GpuLost:
+            return False
+        except (Absent, CallFailed):
+            return True  # it answered, with an error of its own
+        return True
 
     def call_first(self, functions: Sequence[str], *args: Any) -> Any:
         """Call the first of several equivalent functions (newest name first) that exists."""
@@ -245,7 +302,7 @@ _UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "u
 
 def union_members(lib: ModuleType) -> dict[int, str]:
     """NVML_VALUE_TYPE_* tag -> the c_nvmlValue_t member holding that type."""
-    return {getattr(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
 
 
 def union_number(members: dict[int, str], kind: int, union: Any) -> float:

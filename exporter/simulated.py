@@ -45,6 +45,38 @@ TICK = 0.1  # seconds between entries of the simulated driver utilization buffer
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
+#: The NVML constants the simulator speaks, with their values from nvml.h: fixed here, so that the
+#: simulated driver does not change with the installed nvidia-ml-py (whose NVML_NVLINK_MAX_LINKS, for
+#: one, went from 18 to 36). Installed on the simulated module over the binding's own values.
+NVML_H: dict[str, int] = {
+    "NVML_SUCCESS": 0, "NVML_ERROR_INVALID_ARGUMENT": 2, "NVML_ERROR_NOT_SUPPORTED": 3,
+    "NVML_ERROR_NOT_FOUND": 6, "NVML_ERROR_GPU_IS_LOST": 15, "NVML_ERROR_UNKNOWN": 999,
+    "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_VALUE_TYPE_DOUBLE": 0, "NVML_VALUE_TYPE_UNSIGNED_INT": 1, "NVML_VALUE_TYPE_UNSIGNED_LONG": 2,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 3, "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 4,
+    "NVML_VALUE_TYPE_SIGNED_INT": 5, "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
+    "NVML_CLOCK_GRAPHICS": 0, "NVML_CLOCK_SM": 1, "NVML_CLOCK_MEM": 2, "NVML_CLOCK_VIDEO": 3,
+    "NVML_TEMPERATURE_GPU": 0,
+    "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN": 0, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN": 1,
+    "NVML_TEMPERATURE_THRESHOLD_MEM_MAX": 2, "NVML_TEMPERATURE_THRESHOLD_GPU_MAX": 3,
+    "NVML_GPU_UTILIZATION_SAMPLES": 1, "NVML_PCIE_UTIL_TX_BYTES": 0, "NVML_PCIE_UTIL_RX_BYTES": 1,
+    "NVML_NVLINK_MAX_LINKS": 18,
+    "NVML_FI_DEV_ECC_SBE_VOL_TOTAL": 3, "NVML_FI_DEV_ECC_DBE_VOL_TOTAL": 4,
+    "NVML_FI_DEV_RETIRED_SBE": 29, "NVML_FI_DEV_RETIRED_DBE": 30, "NVML_FI_DEV_RETIRED_PENDING": 31,
+    "NVML_FI_DEV_MEMORY_TEMP": 82, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83,
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 94,
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 138, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 139,
+    "NVML_FI_DEV_REMAPPED_COR": 142, "NVML_FI_DEV_REMAPPED_UNC": 143, "NVML_FI_DEV_REMAPPED_PENDING": 144,
+    "NVML_FI_DEV_REMAPPED_FAILURE": 145,
+    "NVML_FI_DEV_POWER_AVERAGE": 185, "NVML_FI_DEV_POWER_INSTANT": 186, "NVML_FI_DEV_POWER_CURRENT_LIMIT": 190,
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,
+    "NVML_GPM_METRIC_SM_UTIL": 2, "NVML_GPM_METRIC_ANY_TENSOR_UTIL": 5, "NVML_GPM_METRIC_DRAM_BW_UTIL": 10,
+    "NVML_GPM_SUPPORT_VERSION": 1, "NVML_GPM_METRICS_GET_VERSION": 1,
+    "nvmlEventTypeXidCriticalError": 0x8, "nvmlClocksEventReasonGpuIdle": 0x1,
+}
+H = types.SimpleNamespace(**NVML_H)
+NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
+
 
 @dataclass
 class DeviceTraits:
@@ -148,7 +180,8 @@ class SimulatedNVML:
 
     def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
                  faults: list[Fault] | None = None, call_cost: float = 0.0, clock: Callable[[], float] = time.time,
-                 phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None) -> None:
+                 phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
+                 binding_lacks: tuple[str, ...] = ()) -> None:
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
         self.scenario = scenario
@@ -175,16 +208,25 @@ class SimulatedNVML:
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
+        self.__dict__.update(NVML_H)
+        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all
+        self.binding_lacks = frozenset(binding_lacks)
+        for name in self.binding_lacks:
+            self.__dict__.pop(name, None)
+            if callable(getattr(type(self), name, None)):
+                self.__dict__[name] = None  # shadows the method: getattr(lib, name, None) is None
 
     # --- module emulation -------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("binding_lacks", ()):
+            raise AttributeError(f"this nvidia-ml-py has no {name}")
         value = getattr(pynvml, name)
         if _is_function(name, value):
             raise AttributeError(f"simulated NVML has no {name}")
         return value
 
     def __dir__(self) -> list[str]:
-        return sorted(set(dir(pynvml)) | set(super().__dir__()))
+        return sorted((set(dir(pynvml)) | set(super().__dir__())) - self.binding_lacks)
 
     def _gpu_of(self, handle: Any) -> int | None:
         if isinstance(handle, bytes):  # a UUID, as nvmlDeviceGetHandleByUUID takes it
@@ -334,7 +376,7 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetSamples(self, handle: Any, sampling_type: int, timestamp: int) -> tuple[int, list]:
         gpu = self._gpu_of(handle)
-        if self.traits[gpu].mig or sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+        if self.traits[gpu].mig or sampling_type != H.NVML_GPU_UTILIZATION_SAMPLES:
             raise pynvml.NVMLError_NotSupported()
         now_tick = math.floor(self._t() / TICK)
         first = max(now_tick - BUFFER + 1, 1)
@@ -347,7 +389,7 @@ class SimulatedNVML:
                 samples.append(sample)
         if not samples:
             raise pynvml.NVMLError_NotFound()
-        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+        return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
@@ -405,17 +447,17 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int:
         busy = self.utilization(self._gpu_of(handle), self._t()) >= 0.05
-        return {pynvml.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, pynvml.NVML_CLOCK_SM: 1980 if busy else 345,
-                pynvml.NVML_CLOCK_MEM: 2619, pynvml.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
+        return {H.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, H.NVML_CLOCK_SM: 1980 if busy else 345,
+                H.NVML_CLOCK_MEM: 2619, H.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
 
     @_api()
     def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock: int) -> int:
-        return {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
-                pynvml.NVML_CLOCK_VIDEO: 1965}[clock]
+        return {H.NVML_CLOCK_GRAPHICS: 1980, H.NVML_CLOCK_SM: 1980, H.NVML_CLOCK_MEM: 2619,
+                H.NVML_CLOCK_VIDEO: 1965}[clock]
 
     def _reasons(self, handle: Any) -> int:
         idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
-        return pynvml.nvmlClocksEventReasonGpuIdle if idle else 0
+        return H.nvmlClocksEventReasonGpuIdle if idle else 0
 
     @_api()
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
@@ -428,7 +470,7 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
         busy = self.utilization(self._gpu_of(handle), self._t())
-        return int((0.5e9 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
+        return int((0.5e9 if counter == H.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
 
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
@@ -452,34 +494,34 @@ class SimulatedNVML:
             if error:
                 entry.nvmlReturn = error
             elif reading is None:
-                entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                entry.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
             else:
-                entry.nvmlReturn = pynvml.NVML_SUCCESS
-                entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                entry.nvmlReturn = H.NVML_SUCCESS
+                entry.valueType = H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
                 entry.value.ullVal = int(reading)
         return values
 
     def _field(self, gpu: int, field_id: int, scope: int, t: float, busy: float) -> float | None:
         traits = self.traits[gpu]
-        if field_id in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
+        if field_id in (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
             return 20e9 * busy / traits.nvlinks / 1024 if scope < traits.nvlinks else None
-        if field_id in (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT,
-                        pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
+        if field_id in (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT,
+                        H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
             return None
         return {
-            pynvml.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
-            pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
-            pynvml.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
-            pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
-            pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
-            pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
-            pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
-            pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: 0.5e9 * t,
-            pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: 1.5e9 * t + 4e9 * busy,
+            H.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
+            H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
+            H.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
+            H.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
+            H.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
+            H.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
+            H.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
+            H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: 0.5e9 * t,
+            H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: 1.5e9 * t + 4e9 * busy,
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------
@@ -507,7 +549,7 @@ class SimulatedNVML:
             if self._xid_queue:
                 gpu, xid = self._xid_queue.pop(0)
                 return pynvml.c_nvmlEventData_t(device=self._handles[gpu],
-                                                eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=xid)
+                                                eventType=H.nvmlEventTypeXidCriticalError, eventData=xid)
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError_Timeout()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -516,7 +558,7 @@ class SimulatedNVML:
     @_api()
     def nvmlGpmQueryDeviceSupport(self, handle: Any) -> Any:
         support = pynvml.c_nvmlGpmSupport_t()
-        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.version = H.NVML_GPM_SUPPORT_VERSION
         support.isSupportedDevice = int(self.traits[self._gpu_of(handle)].gpm)
         return support
 
@@ -540,12 +582,12 @@ class SimulatedNVML:
         if second[1] <= first[1]:
             raise pynvml.NVMLError_InvalidArgument()
         busy = (second[2] - first[2]) / (second[1] - first[1])
-        scale = {pynvml.NVML_GPM_METRIC_SM_UTIL: 85.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
-                 pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
+        scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
+                 H.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
         for slot in range(request.numMetrics):
             metric = request.metrics[slot]
             if metric.metricId in scale:
-                metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, pynvml.NVML_SUCCESS
+                metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, H.NVML_SUCCESS
             else:
-                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                metric.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
         return request

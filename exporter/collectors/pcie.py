@@ -7,6 +7,7 @@ counters fall back to nvmlDeviceGetPcieThroughput (a 20 ms driver-side window, i
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import constant
 
 
 class PcieCollector(Collector):
@@ -16,8 +17,8 @@ class PcieCollector(Collector):
     def __init__(self, device, **kwargs) -> None:
         super().__init__(device, **kwargs)
         lib = device.nvml.lib
-        self.counters = {"tx": (lib.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, lib.NVML_PCIE_UTIL_TX_BYTES),
-                         "rx": (lib.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, lib.NVML_PCIE_UTIL_RX_BYTES)}
+        self.counters = {"tx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES"), lib.NVML_PCIE_UTIL_TX_BYTES),
+                         "rx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"), lib.NVML_PCIE_UTIL_RX_BYTES)}
         self.previous: dict[str, tuple[float, float]] = {}
 
     def fields(self):
