@@ -93,6 +93,9 @@ class Nvml:
         self.lib = lib
         self._names = error_names(lib)
         self._absent = {getattr(lib, n) for n in _ABSENT_ERRORS}
+        # In a field batch, INVALID_ARGUMENT means the driver does not know the field id (older
+        # drivers) or the scope (a link the GPU does not have): absent for that field, as NOT_SUPPORTED.
+        self._absent_field = self._absent | {lib.NVML_ERROR_INVALID_ARGUMENT}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
         self.union_members = union_members(lib)
@@ -272,7 +275,8 @@ class Device:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 
         `fields` are (field_id, scope_id) pairs. Returns {pair: number or CallFailed}; fields the GPU
-        does not support are left out of the result and never requested again.
+        does not support (NOT_SUPPORTED, or INVALID_ARGUMENT for an id or scope the driver does not
+        know) are left out of the result and never requested again.
         """
         wanted = [f for f in dict.fromkeys(fields) if ("field", f) not in self.absent]
         if not wanted:
@@ -283,7 +287,7 @@ class Device:
         for pair, value in zip(wanted, values):
             if value.nvmlReturn == nvml.success:
                 result[pair] = union_number(nvml.union_members, value.valueType, value.value)
-            elif value.nvmlReturn in nvml._absent:
+            elif value.nvmlReturn in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
                 result[pair] = CallFailed(nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))

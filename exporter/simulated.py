@@ -76,6 +76,9 @@ NVML_H: dict[str, int] = {
 }
 H = types.SimpleNamespace(**NVML_H)
 NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
+# The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
+# counter eventually does.
+PCIE_COUNTER_START = 2**64 - 6 * 10**9
 
 
 @dataclass
@@ -520,8 +523,8 @@ class SimulatedNVML:
             H.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
             H.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
             H.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
-            H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: 0.5e9 * t,
-            H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: 1.5e9 * t + 4e9 * busy,
+            H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: (PCIE_COUNTER_START + int(0.5e9 * t)) % 2**64,
+            H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: (PCIE_COUNTER_START + int(1.5e9 * t + 4e9 * busy)) % 2**64,
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 """Collectors and sampler against simulated NVML at the pynvml boundary (no daemon, fake clock)."""
 from __future__ import annotations
 
-import pynvml
 import pytest
 
 from exporter.nvml import Absent, Device, GpuLost, Nvml
-from exporter.simulated import DeviceTraits, Fault, SimulatedNVML
+from exporter.simulated import H, DeviceTraits, Fault, SimulatedNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
 
 CORE_METRICS = [
@@ -136,7 +135,7 @@ def test_gpu_lost_mid_run_drops_only_its_series_and_comes_back():
 
 
 def test_error_on_one_field_is_counted_and_breaks_nothing_else():
-    faults = [Fault(gpu=0, field=pynvml.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
+    faults = [Fault(gpu=0, field=H.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
               Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Timeout")]
     rig = Rig(gpus=2, faults=faults)
     rig.step()
@@ -150,6 +149,40 @@ def test_error_on_one_field_is_counted_and_breaks_nothing_else():
     assert rig.value("nvml_exporter_collector_success", collector="power") == 0
     assert rig.value("nvml_exporter_collector_success", collector="memory") == 1
     assert rig.value("nvml_gpu_lost", gpu="0", uuid=rig.sampler.devices[0].uuid) == 0
+
+
+def test_unknown_error_from_one_sensor_is_a_failed_field_not_a_lost_gpu():
+    rig = Rig(gpus=2, faults=[Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Unknown")])
+    for _ in range(10):
+        rig.step()
+        assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}  # never dropped, never flapping
+    uuid = rig.sampler.devices[0].uuid
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"1"}
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="unknown") == 10
+
+
+def test_pcie_byte_counters_unknown_to_the_driver_fall_back_to_the_throughput_call():
+    faults = [Fault(field=H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, error="InvalidArgument"),
+              Fault(field=H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, error="InvalidArgument")]
+    rig = Rig(gpus=1, faults=faults, collectors=["pcie"])
+    for _ in range(3):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    assert rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx") > 0
+    assert rig.lib.calls["nvmlDeviceGetPcieThroughput"] == 6
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_pcie_throughput_is_followed_across_a_counter_wrap():
+    rig = Rig(gpus=1, collectors=["pcie"])
+    uuid = rig.sampler.devices[0].uuid
+    rates = []
+    for _ in range(20):  # the simulated 64-bit TX counter wraps after 12 s
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
 
 
 def test_mig_enabled_gpu_breaks_nothing():
@@ -229,7 +262,7 @@ def test_boundary_remembers_unsupported_and_maps_errors():
         device.call("nvmlDeviceGetBAR1MemoryInfo")
     lib.faults.append(Fault(function="*", gpu=0, error="GpuIsLost"))
     with pytest.raises(GpuLost):
-        device.call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU)
+        device.call("nvmlDeviceGetTemperature", H.NVML_TEMPERATURE_GPU)
 
 
 def test_gpu_that_cannot_be_opened_at_start_is_skipped_not_fatal():
