@@ -386,9 +386,10 @@ class SimulatedNVML:
         samples = []
         for tick in range(first, now_tick + 1):
             stamp = int((self.start + tick * TICK) * 1e6)
-            if stamp > timestamp:
+            busy = self.utilization(gpu, (tick - 0.5) * TICK)
+            if stamp > timestamp and busy > 0:  # like the driver: no samples while the GPU idles
                 sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
-                sample.sampleValue.uiVal = round(100 * self.utilization(gpu, (tick - 0.5) * TICK))
+                sample.sampleValue.uiVal = round(100 * busy)
                 samples.append(sample)
         if not samples:
             raise pynvml.NVMLError_NotFound()
