@@ -76,6 +76,7 @@ NVML_H: dict[str, int] = {
 }
 H = types.SimpleNamespace(**NVML_H)
 NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
+_NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
 PCIE_COUNTER_START = 2**64 - 6 * 10**9
@@ -493,7 +494,7 @@ class SimulatedNVML:
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             entry = values[slot]
             entry.fieldId, entry.scopeId, entry.timestamp = field_id, scope, int(self.clock() * 1e6)
-            error = self._field_error(gpu, field_id, t)
+            error = self._field_error(gpu, field_id, t) or self._scope_error(gpu, field_id, scope)
             reading = None if error else self._field(gpu, field_id, scope, t, busy)
             if error:
                 entry.nvmlReturn = error
@@ -505,10 +506,18 @@ class SimulatedNVML:
                 entry.value.ullVal = int(reading)
         return values
 
+    def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:
+        """INVALID_ARGUMENT for a link id past NVML_NVLINK_MAX_LINKS (other than "all links")."""
+        if field_id in _NVLINK_FIELDS and scope != NVLINK_SCOPE_ALL and scope >= H.NVML_NVLINK_MAX_LINKS:
+            return H.NVML_ERROR_INVALID_ARGUMENT
+        return None
+
     def _field(self, gpu: int, field_id: int, scope: int, t: float, busy: float) -> float | None:
         traits = self.traits[gpu]
-        if field_id in (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
-            return 20e9 * busy / traits.nvlinks / 1024 if scope < traits.nvlinks else None
+        if field_id in _NVLINK_FIELDS:  # KiB: each link carries an equal share of 20 GB per busy second
+            if not traits.nvlinks or (scope != NVLINK_SCOPE_ALL and scope >= traits.nvlinks):
+                return None
+            return 20e9 * busy / 1024 / (1 if scope == NVLINK_SCOPE_ALL else traits.nvlinks)
         if field_id in (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT,
                         H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
             return None

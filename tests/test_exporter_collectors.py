@@ -300,3 +300,19 @@ def test_driver_without_field_batches_still_samples_with_fallbacks():
     assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"0"}  # nvmlDeviceGetPowerUsage
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0"}
     assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
+    rig = Rig(gpus=1, collectors=["nvlink"])
+    requested: list = []
+    batch = rig.lib.nvmlDeviceGetFieldValues
+    rig.lib.nvmlDeviceGetFieldValues = lambda handle, fields: requested.extend(fields) or batch(handle, fields)
+    for _ in range(3):
+        rig.step()
+    nvlink = {H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+    assert {pair for pair in requested if pair[0] in nvlink} == {(field, 0xFFFFFFFF) for field in nvlink}
+    assert len(requested) == 6  # two fields per sample, not two per possible link
+    uuid = rig.sampler.devices[0].uuid
+    busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
+    assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=uuid, direction="tx") == \
+        pytest.approx(20e9 * busy, rel=1e-6)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from exporter.simulated import GIB, FaultPlanError, SimulatedNVML, load_fault_plan
+from exporter.simulated import GIB, H, DeviceTraits, FaultPlanError, SimulatedNVML, load_fault_plan
 from tests.exporter_support import FakeClock
 
 
@@ -74,3 +74,12 @@ def test_every_simulated_function_has_pynvmls_signature():
         assert len(ours) == len(real), (name, ours, real)
     with pytest.raises(TypeError):  # pynvml hands this argument to ctypes.c_char_p: str is refused
         lib.nvmlDeviceGetHandleByUUID(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetHandleByIndex(0)))
+
+
+def test_out_of_range_nvlink_ids_answer_invalid_argument_and_missing_links_not_supported():
+    lib = SimulatedNVML("healthy", 1, devices={0: DeviceTraits(nvlinks=12)})
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    tx = H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+    answers = [v.nvmlReturn for v in lib.nvmlDeviceGetFieldValues(handle, [(tx, 11), (tx, 12), (tx, 18),
+                                                                           (tx, 0xFFFFFFFF)])]
+    assert answers == [H.NVML_SUCCESS, H.NVML_ERROR_NOT_SUPPORTED, H.NVML_ERROR_INVALID_ARGUMENT, H.NVML_SUCCESS]
