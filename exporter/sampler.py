@@ -98,7 +98,8 @@ class GpuSampler:
     """Samples one GPU every interval with the enabled collectors."""
 
     def __init__(self, device: Device, collectors: list[Collector], store: SnapshotStore, stats: Stats, *,
-                 interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic,
+                 on_return: Callable[[Device], None] = lambda device: None) -> None:
         self.device = device
         self.collectors = collectors
         self.store = store
@@ -106,6 +107,7 @@ class GpuSampler:
         self.interval = interval
         self.simulated = simulated
         self.clock = clock
+        self.on_return = on_return  # called when a lost GPU answers again (the XID watcher re-registers it)
         self.retry_interval = max(interval, 1.0)
         self.samples_taken = 0
         self.lost = False
@@ -191,6 +193,7 @@ class GpuSampler:
             return False
         log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)
         self.lost = False
+        self.on_return(self.device)
         return True
 
     def check_hang(self, hang_after: float) -> None:
@@ -236,9 +239,10 @@ class Sampler:
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
         options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
+        on_return = self.xid.register if self.xid else (lambda device: None)
         self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
                                 self.store, self.stats, interval=self.interval, simulated=self.simulated,
-                                clock=self.clock)
+                                clock=self.clock, on_return=on_return)
                      for device in self.devices]
         self.hang_after = max(3 * self.interval, 2.0)
         self._stop = threading.Event()
@@ -264,14 +268,23 @@ class Sampler:
             gpu.check_hang(self.hang_after)
 
     def stop(self, timeout: float = 2.0) -> bool:
-        """Stop the threads; False if one is stuck in an NVML call (it is a daemon thread)."""
+        """Stop and join every thread (samplers, XID events) and free what NVML allocated for them.
+
+        False if a thread is stuck in an NVML call (it is a daemon thread): NVML must not be shut
+        down then.
+        """
         self._stop.set()
-        if self.xid:
-            self.xid.stop()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        stopped = not any(thread.is_alive() for thread in self._threads)
+        if self.xid and not self.xid.stop(max(0.0, deadline - time.monotonic())):
+            stopped = False
+        if stopped:
+            for gpu in self.gpus:
+                for collector in gpu.collectors:
+                    collector.close()
+        return stopped
 
     def nvml_calls(self) -> int:
         return self.nvml.calls + sum(device.calls for device in self.devices)

@@ -209,6 +209,11 @@ class SimulatedNVML:
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
         self._xid_queue: list[tuple[int, int]] = []
+        # Like the driver: nothing answers before nvmlInit or after nvmlShutdown, and shutdown frees
+        # every event set (with its registrations) and GPM sample.
+        self.initialized = False
+        self._event_sets: dict[int, set[int]] = {}  # event set address -> GPUs registered on it
+        self._gpm_buffers: set[int] = set()
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
@@ -249,6 +254,8 @@ class SimulatedNVML:
             self.calls[function] += 1
             if gpu is not None:
                 self.calls_by_gpu[gpu] += 1
+        if not self.initialized and function != "nvmlInit":
+            raise pynvml.NVMLError_Uninitialized()
         if self.call_cost:
             time.sleep(self.call_cost)
         t = self._t()
@@ -257,6 +264,8 @@ class SimulatedNVML:
                 fault.fired += 1
                 if fault.hang:
                     time.sleep(fault.hang)
+                if fault.error == "GpuIsLost" and fault.function == "*":
+                    self._forget_registrations(gpu)  # a GPU that falls off the bus loses them
                 if fault.error:
                     raise getattr(pynvml, f"NVMLError_{fault.error}")()
 
@@ -313,11 +322,16 @@ class SimulatedNVML:
     # --- system ----------------------------------------------------------------------------------
     @_api(device=False)
     def nvmlInit(self) -> None:
-        return None
+        self.initialized = True
 
     @_api(device=False)
     def nvmlShutdown(self) -> None:
-        return None
+        self.initialized = False
+        with self._lock:
+            self._event_sets.clear()
+            self._gpm_buffers.clear()
+            self._gpm_samples.clear()
+            self._keep.clear()
 
     @_api(device=False)
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -538,20 +552,41 @@ class SimulatedNVML:
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------
+    def _forget_registrations(self, gpu: int | None) -> None:
+        with self._lock:
+            for registered in self._event_sets.values():
+                registered.discard(gpu)
+
+    def _registered(self, event_set: Any) -> set[int]:
+        """The GPUs registered on a live event set; INVALID_ARGUMENT for a freed or unknown one."""
+        registered = self._event_sets.get(ctypes.cast(event_set, ctypes.c_void_p).value)
+        if registered is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        return registered
+
     @_api(device=False)
     def nvmlEventSetCreate(self) -> Any:
         buffer = (ctypes.c_char * 8)()
         self._keep.append(buffer)
+        self._event_sets[ctypes.addressof(buffer)] = set()
         return _handle(buffer, pynvml.c_nvmlEventSet_t)
+
+    @_api(device=False)
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        self._registered(event_set)
+        del self._event_sets[ctypes.cast(event_set, ctypes.c_void_p).value]
 
     @_api()
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
-        return None
+        self._registered(event_set).add(self._gpu_of(handle))
 
     @_api(device=False)
     def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
+            if not self.initialized:  # shut down while waiting
+                raise pynvml.NVMLError_Uninitialized()
+            registered = self._registered(event_set)
             t = self._t()
             # Draw new events only once the pending ones are delivered: a rule without `times` fires
             # on every wait, and several such rules must not queue faster than the waits consume.
@@ -559,6 +594,8 @@ class SimulatedNVML:
                 if fault.xid is not None and fault.active(t):
                     fault.fired += 1
                     self._xid_queue.append((fault.gpu or 0, fault.xid))
+            while self._xid_queue and self._xid_queue[0][0] not in registered:
+                self._xid_queue.pop(0)  # happened on a GPU not registered on this set: never delivered
             if self._xid_queue:
                 gpu, xid = self._xid_queue.pop(0)
                 return pynvml.c_nvmlEventData_t(device=self._handles[gpu],
@@ -579,10 +616,22 @@ class SimulatedNVML:
     def nvmlGpmSampleAlloc(self) -> Any:
         buffer = (ctypes.c_char * 8)()
         self._keep.append(buffer)
+        self._gpm_buffers.add(ctypes.addressof(buffer))
         return _handle(buffer, pynvml.c_nvmlGpmSample_t)
+
+    def _gpm_buffer(self, sample: Any) -> int:
+        address = ctypes.cast(sample, ctypes.c_void_p).value
+        if address not in self._gpm_buffers:
+            raise pynvml.NVMLError_InvalidArgument()
+        return address
+
+    @_api(device=False)
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._gpm_buffers.discard(self._gpm_buffer(sample))
 
     @_api()
     def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> Any:
+        self._gpm_buffer(sample)
         gpu = self._gpu_of(handle)
         t = self._t()
         self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))

@@ -252,6 +252,7 @@ def test_every_xid_is_counted_including_repeats():
 def test_boundary_remembers_unsupported_and_maps_errors():
     lib = SimulatedNVML("healthy", 1)
     nvml = Nvml(lib)
+    nvml.init()
     device = Device.open(nvml, 0)
     with pytest.raises(Absent):
         device.call("nvmlDeviceGetNumFans")

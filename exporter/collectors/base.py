@@ -38,6 +38,9 @@ class Collector:
     def collect(self, ctx: "SampleContext") -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Free what NVML allocated for this collector; called once its GPU's thread has stopped."""
+
 
 class SampleContext:
     """Reads for one collector during one sample; failures become counted errors, absences nothing."""

@@ -7,6 +7,7 @@ nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, D
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import Absent, CallFailed, GpuLost
 
 
 class GpmCollector(Collector):
@@ -56,3 +57,13 @@ class GpmCollector(Collector):
             result = request.metrics[slot]
             if result.nvmlReturn == lib.NVML_SUCCESS:
                 ctx.emit(metric, result.value / 100)
+
+    def close(self) -> None:
+        for sample in self.samples:
+            if sample is not None:
+                try:
+                    self.device.nvml.call("nvmlGpmSampleFree", sample)
+                except (Absent, CallFailed, GpuLost):
+                    pass
+        self.samples = []
+        self.supported = None
