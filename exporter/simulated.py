@@ -14,7 +14,7 @@ Faults (a JSON file for the daemon, `--simulate.faults=FILE`), for example::
     {"devices": {"1": {"fans": 2, "power": false, "mig": true}},
      "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},
                 {"gpu": 0, "field": 186, "error": "Unknown"},
-                {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": 30, "at": 2, "times": 1},
+                {"gpu": 0, "function": "nvmlDeviceGetTemperatureV", "hang": 30, "at": 2, "times": 1},
                 {"function": "nvmlDeviceGetSamples", "error": "FunctionNotFound"},
                 {"gpu": 0, "xid": 79, "at": 1, "times": 3}]}
 
@@ -76,6 +76,9 @@ NVML_H: dict[str, int] = {
 }
 H = types.SimpleNamespace(**NVML_H)
 NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
+# nvidia-smi -q -d TEMPERATURE of an H100 SXM: shutdown, slowdown, GPU and memory max operating
+_H100_THRESHOLDS = {H.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92, H.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
+                    H.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87, H.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95}
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
@@ -419,10 +422,26 @@ class SimulatedNVML:
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
                                         free=total - used - reserved)
 
-    @_api()
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+    def _temperature(self, handle: Any, sensor: int) -> int:
+        if sensor != H.NVML_TEMPERATURE_GPU:
+            raise pynvml.NVMLError_InvalidArgument()
         gpu = self._gpu_of(handle)
         return round(34 + 36 * self.utilization(gpu, self._t())) + gpu
+
+    @_api()
+    def nvmlDeviceGetTemperatureV(self, handle: Any, sensor: int, version: int = 0x100000C) -> int:
+        return self._temperature(handle, sensor)
+
+    @_api()
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:  # deprecated for removal in CUDA 14
+        return self._temperature(handle, sensor)
+
+    @_api()
+    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
+        celsius = _H100_THRESHOLDS.get(threshold)
+        if celsius is None:  # the acoustic limits: boards with fans only
+            raise pynvml.NVMLError_NotSupported()
+        return celsius
 
     @_api()
     def nvmlDeviceGetNumFans(self, handle: Any) -> int:

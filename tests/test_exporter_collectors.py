@@ -136,7 +136,7 @@ def test_gpu_lost_mid_run_drops_only_its_series_and_comes_back():
 
 def test_error_on_one_field_is_counted_and_breaks_nothing_else():
     faults = [Fault(gpu=0, field=H.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
-              Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Timeout")]
+              Fault(gpu=0, function="nvmlDeviceGetTemperatureV", error="Timeout")]
     rig = Rig(gpus=2, faults=faults)
     rig.step()
     rig.step()
@@ -152,7 +152,7 @@ def test_error_on_one_field_is_counted_and_breaks_nothing_else():
 
 
 def test_unknown_error_from_one_sensor_is_a_failed_field_not_a_lost_gpu():
-    rig = Rig(gpus=2, faults=[Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Unknown")])
+    rig = Rig(gpus=2, faults=[Fault(gpu=0, function="nvmlDeviceGetTemperatureV", error="Unknown")])
     for _ in range(10):
         rig.step()
         assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}  # never dropped, never flapping
@@ -317,3 +317,31 @@ def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
     busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
     assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=uuid, direction="tx") == \
         pytest.approx(20e9 * busy, rel=1e-6)
+
+
+@pytest.mark.parametrize("binding_lacks, faults, call", [
+    ((), [], "nvmlDeviceGetTemperatureV"),
+    (("nvmlDeviceGetTemperatureV",), [], "nvmlDeviceGetTemperature"),  # nvidia-ml-py before 12.5xx
+    ((), [Fault(function="nvmlDeviceGetTemperatureV", error="FunctionNotFound")], "nvmlDeviceGetTemperature"),
+])
+def test_temperature_comes_from_nvmlDeviceGetTemperatureV_where_present(binding_lacks, faults, call):
+    rig = Rig(gpus=1, collectors=["thermal"], binding_lacks=binding_lacks, faults=faults)
+    for _ in range(3):
+        rig.step()
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0"}
+    assert rig.lib.calls[call] == 3
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_temperature_thresholds_and_memory_temperature_are_exported_thresholds_read_once():
+    rig = Rig(gpus=1, collectors=["thermal"])
+    for _ in range(5):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    thresholds = {s["threshold"]: rig.value("nvml_gpu_temperature_threshold_celsius", gpu="0", uuid=uuid, **s)
+                  for s in [{"threshold": t} for t in ("slowdown", "shutdown", "gpu_max", "memory_max")]}
+    assert thresholds == {"slowdown": 89, "shutdown": 92, "gpu_max": 87, "memory_max": 95}
+    assert {s["threshold"] for s in rig.series("nvml_gpu_temperature_threshold_celsius")} == set(thresholds)
+    assert 40 <= rig.value("nvml_gpu_memory_temperature_celsius", gpu="0", uuid=uuid) <= 60
+    assert rig.lib.calls["nvmlDeviceGetTemperatureThreshold"] == 7  # 4 answered + 3 acoustic NOT_SUPPORTED, once
+    assert rig.series("nvml_exporter_errors_total") == []

@@ -31,12 +31,12 @@ def test_function_missing_from_the_binding_is_absent_and_the_older_one_is_used()
 def test_attribute_error_inside_the_binding_is_a_logged_bug_not_an_absent_reading(caplog):
     rig = Rig("healthy", gpus=1, collectors=["thermal"])
 
-    def broken(handle, sensor):
+    def broken(handle, sensor, version=0x100000C):
         raise AttributeError("module 'pynvml' has no attribute 'NVML_SOMETHING_NEW'")
-    rig.lib.nvmlDeviceGetTemperature = broken
+    rig.lib.nvmlDeviceGetTemperatureV = broken
     with caplog.at_level(logging.ERROR):
         for _ in range(3):
             rig.step()
     assert rig.value("nvml_exporter_errors_total", collector="thermal", error="binding_error") == 3
     assert len([r for r in caplog.records if "bug" in r.getMessage()]) == 1  # once, with its traceback
-    assert not rig.sampler.devices[0].lacks("nvmlDeviceGetTemperature", rig.lib.NVML_TEMPERATURE_GPU)
+    assert not rig.sampler.devices[0].lacks("nvmlDeviceGetTemperatureV", rig.lib.NVML_TEMPERATURE_GPU)

@@ -80,7 +80,7 @@ def test_gpu_lost_mid_run_and_back(tmp_path, start_service):
 def test_hanging_call_and_failing_field(tmp_path, start_service):
     hang = 30
     scrape = start(tmp_path, start_service, 3, {"faults": [
-        {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": hang, "at": 2, "times": 1},
+        {"gpu": 0, "function": "nvmlDeviceGetTemperatureV", "hang": hang, "at": 2, "times": 1},
         {"gpu": 2, "field": pynvml.NVML_FI_DEV_POWER_INSTANT, "error": "Unknown"}]})
     # While GPU 0 hangs: the hang is reported, its stale series go, the others stay fresh.
     metrics = processes.wait_until(

@@ -70,6 +70,8 @@ def test_every_simulated_function_has_pynvmls_signature():
     simulated = [name for name in dir(type(lib)) if getattr(getattr(type(lib), name), "simulated_api", False)]
     assert len(simulated) > 30
     for name in simulated:
+        if not hasattr(pynvml, name):  # newer than the installed nvidia-ml-py
+            continue
         real = [p.name for p in inspect.signature(getattr(pynvml, name)).parameters.values()]
         ours = [p.name for p in inspect.signature(getattr(lib, name)).parameters.values()]
         assert len(ours) == len(real), (name, ours, real)
