@@ -72,6 +72,17 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_sm_active_ratio", "Fraction of SMs busy over the last GPM window (Hopper+)."),
     _g("nvml_gpu_tensor_active_ratio", "Fraction of time tensor cores were active over the last GPM window (Hopper+)."),
     _g("nvml_gpu_dram_active_ratio", "Fraction of DRAM bandwidth used over the last GPM window (Hopper+)."),
+    _g("nvml_gpu_mig_info", "MIG GPU instance identity, value 1.", "gpu_instance", "mig_uuid"),
+    _g("nvml_gpu_mig_memory_used_bytes", "Device memory used in a MIG GPU instance, in bytes.", "gpu_instance"),
+    _g("nvml_gpu_mig_memory_total_bytes", "Device memory of a MIG GPU instance, in bytes.", "gpu_instance"),
+    _g("nvml_gpu_mig_utilization_ratio", "Fraction of the last sample period a kernel ran in a MIG GPU instance.",
+       "gpu_instance"),
+    _g("nvml_gpu_mig_sm_active_ratio", "Fraction of a MIG GPU instance's SMs busy over the last GPM window.",
+       "gpu_instance"),
+    _g("nvml_gpu_mig_tensor_active_ratio",
+       "Fraction of time a MIG GPU instance's tensor cores were active over the last GPM window.", "gpu_instance"),
+    _g("nvml_gpu_mig_dram_active_ratio",
+       "Fraction of DRAM bandwidth a MIG GPU instance used over the last GPM window.", "gpu_instance"),
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in GPU_METRICS}

@@ -218,12 +218,18 @@ class Device:
         remembered per function and first argument, so one fan or clock can be absent alone.
         A lost-class error (GPU_IS_LOST, UNKNOWN, RESET_REQUIRED) is `GpuLost` only if the probe fails too.
         """
+        return self.call_on(self.handle, function, *args, **kwargs)
+
+    def call_on(self, handle: Any, function: str, *args: Any, **kwargs: Any) -> Any:
+        """`call` with another handle of this GPU: one of its MIG devices (absence remembered apart)."""
         key = _absent_key(function, args)
+        if handle is not self.handle:
+            key = ("mig", *key)
         if key in self.absent:
             raise Absent("remembered")
         self.calls += 1
         try:
-            return self.nvml.invoke(function, self.handle, *args, **kwargs)
+            return self.nvml.invoke(function, handle, *args, **kwargs)
         except Absent as exc:
             log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function, args[:1], exc)
             self.absent.add(key)

@@ -79,6 +79,8 @@ NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up acros
 # nvidia-smi -q -d TEMPERATURE of an H100 SXM: shutdown, slowdown, GPU and memory max operating
 _H100_THRESHOLDS = {H.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92, H.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
                     H.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87, H.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95}
+MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
+MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
@@ -207,6 +209,15 @@ class SimulatedNVML:
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
         self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
         self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
+        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait
+        self._mig_handles: dict[tuple[int, int], Any] = {}
+        self._mig_by_address: dict[int, tuple[int, int]] = {}
+        for gpu, traits in enumerate(self.traits):
+            for instance in range(1, MIG_INSTANCES + 1) if traits.mig else ():
+                buffer = (ctypes.c_char * 8)()
+                self._buffers.append(buffer)
+                self._mig_handles[(gpu, instance)] = _handle(buffer, pynvml.c_nvmlDevice_t)
+                self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance)
         self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
@@ -245,7 +256,16 @@ class SimulatedNVML:
             uuid = handle.decode()
             return self._uuids.index(uuid) if uuid in self._uuids else None
         try:
-            return self._by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
+            address = ctypes.cast(handle, ctypes.c_void_p).value
+        except (TypeError, ctypes.ArgumentError):
+            return None
+        gpu = self._by_address.get(address)
+        return self._mig_by_address[address][0] if gpu is None and address in self._mig_by_address else gpu
+
+    def _mig_of(self, handle: Any) -> tuple[int, int] | None:
+        """(parent GPU, GPU instance id) of a MIG device handle; None for a whole GPU."""
+        try:
+            return self._mig_by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
         except (TypeError, ctypes.ArgumentError):
             return None
 
@@ -368,7 +388,30 @@ class SimulatedNVML:
         return self.traits[self._gpu_of(handle)].name
 
     @_api()
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return MIG_SLOTS if self.traits[self._gpu_of(handle)].mig else 0
+
+    @_api()
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
+        gpu = self._gpu_of(handle)
+        if not self.traits[gpu].mig or not 0 <= index < MIG_SLOTS:
+            raise pynvml.NVMLError_InvalidArgument()
+        if index >= MIG_INSTANCES:
+            raise pynvml.NVMLError_NotFound()
+        return self._mig_handles[(gpu, index + 1)]
+
+    @_api()
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        mig = self._mig_of(handle)
+        if mig is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        return mig[1]
+
+    @_api()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        mig = self._mig_of(handle)
+        if mig is not None:
+            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{mig[0]}-gi{mig[1]}')}"
         return self._uuids[self._gpu_of(handle)]
 
     @_api()
@@ -417,6 +460,8 @@ class SimulatedNVML:
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu = self._gpu_of(handle)
         total, used, reserved = self.traits[gpu].memory_total, self.memory_used(gpu, self._t()), 512 * MIB
+        if self._mig_of(handle) is not None:  # an equal share of the GPU per GPU instance
+            total, used, reserved = total // MIG_INSTANCES, used // MIG_INSTANCES, reserved // MIG_INSTANCES
         if not version:
             return pynvml.c_nvmlMemory_t(total=total, used=used + reserved, free=total - used - reserved)
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
@@ -513,6 +558,8 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig:  # like an unprivileged container: MIG hides other instances' processes
+            raise pynvml.NVMLError_NoPermission()
         info = pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, self._t()) - 256 * MIB,
                                           gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
         return [pynvml.nvmlStructToFriendlyObject(info)]
@@ -649,9 +696,21 @@ class SimulatedNVML:
         self._gpm_buffers.discard(self._gpm_buffer(sample))
 
     @_api()
+    def nvmlGpmMigSampleGet(self, handle: Any, gpu_instance_id: int, sample: Any) -> Any:
+        self._gpm_buffer(sample)
+        gpu = self._gpu_of(handle)
+        if not self.traits[gpu].mig or (gpu, gpu_instance_id) not in self._mig_handles:
+            raise pynvml.NVMLError_InvalidArgument()
+        t = self._t()
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
+        return sample
+
+    @_api()
     def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> Any:
         self._gpm_buffer(sample)
         gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig:  # in MIG mode GPM answers per GPU instance only
+            raise pynvml.NVMLError_NotSupported()
         t = self._t()
         self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
         return sample

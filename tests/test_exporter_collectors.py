@@ -185,18 +185,32 @@ def test_pcie_throughput_is_followed_across_a_counter_wrap():
     assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
 
 
-def test_mig_enabled_gpu_breaks_nothing():
+def test_mig_gpu_exports_each_gpu_instance_and_hidden_processes_are_no_failure():
     rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)})
-    for _ in range(6):
+    for _ in range(11):  # GPM needs two samples of its 5-sample period
         rig.step()
     info = {s["gpu"]: s["mig_mode"] for s in rig.series("nvml_gpu_info")}
     assert info == {"0": "disabled", "1": "enabled"}
-    # MIG mode has no whole-GPU utilization (NOT_SUPPORTED): absent, not an error, not 0.
+    # MIG mode has no whole-GPU utilization or GPM (NOT_SUPPORTED): absent, not an error, not 0.
     assert gpus_with(rig, "nvml_gpu_utilization_ratio") == {"0"}
     assert gpus_with(rig, "nvml_gpu_busy_seconds_total") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0"}
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
-    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0", "1"}
+    # processes answer NO_PERMISSION under MIG: no series, no error, the collector succeeds
+    assert gpus_with(rig, "nvml_gpu_process_memory_used_bytes") == {"0"}
     assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+    uuid = rig.sampler.devices[1].uuid
+    mig = {s["gpu_instance"]: s["mig_uuid"] for s in rig.series("nvml_gpu_mig_info")}
+    assert sorted(mig) == ["1", "2"] and all(value.startswith("MIG-") for value in mig.values())
+    assert {s["gpu"] for s in rig.series("nvml_gpu_mig_info")} == {"1"}
+    for gi in ("1", "2"):
+        used = rig.value("nvml_gpu_mig_memory_used_bytes", gpu="1", uuid=uuid, gpu_instance=gi)
+        total = rig.value("nvml_gpu_mig_memory_total_bytes", gpu="1", uuid=uuid, gpu_instance=gi)
+        assert 0 < used < total <= rig.lib.traits[1].memory_total / 2
+        assert 0.5 < rig.value("nvml_gpu_mig_sm_active_ratio", gpu="1", uuid=uuid, gpu_instance=gi) <= 1
+        assert rig.value("nvml_gpu_mig_tensor_active_ratio", gpu="1", uuid=uuid, gpu_instance=gi) > 0
+    assert rig.series("nvml_gpu_mig_utilization_ratio") == []  # NOT_SUPPORTED for MIG devices
 
 
 def test_vanished_process_series_vanish(tmp_path):
