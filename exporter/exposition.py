@@ -146,7 +146,9 @@ class SnapshotCollector:
         for device in self.sampler.devices:
             lost.add_metric([str(device.index), device.uuid], 1.0 if device.index in view.snapshot.lost else 0.0)
         up = family(UP)
-        up.add_metric([], 1.0 if view.fresh or not self.sampler.devices else 0.0)
+        # 1 on a host where NVML answers and reports no GPU at all; 0 where GPUs exist but none answers
+        # (including GPUs that could not even be opened at start)
+        up.add_metric([], 1.0 if view.fresh or self.sampler.nvml.device_count == 0 else 0.0)
         driver = family(DRIVER_INFO)
         driver.add_metric([self.sampler.driver_version, self.sampler.cuda_driver_version], 1.0)
         build = family(BUILD_INFO)

@@ -88,7 +88,8 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in GPU_METRICS}
 
 # Families emitted by the scrape collector itself (not per-GPU samples).
-UP = MetricSpec("nvml_up", GAUGE, "1 if NVML answered for at least one GPU in the latest snapshot, else 0.")
+UP = MetricSpec("nvml_up", GAUGE, "1 if NVML answered for at least one GPU in the latest snapshot, or reports "
+                "no GPU at all, else 0.")
 DRIVER_INFO = MetricSpec("nvml_driver_info", GAUGE, "NVIDIA driver identity, value 1.",
                          ("driver_version", "cuda_driver_version"))
 BUILD_INFO = MetricSpec("nvml_exporter_build_info", GAUGE, "Exporter build, value 1.",

@@ -95,6 +95,7 @@ class Nvml:
         self._absent_field = self._absent | {lib.NVML_ERROR_INVALID_ARGUMENT}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
+        self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.union_members = union_members(lib)
         self.success = lib.NVML_SUCCESS
         self._binding_bugs: set[str] = set()
@@ -170,7 +171,8 @@ class Nvml:
     def devices(self) -> list["Device"]:
         """Open every GPU and read its static identity (once)."""
         devices = []
-        for index in range(self.call("nvmlDeviceGetCount")):
+        self.device_count = self.call("nvmlDeviceGetCount")
+        for index in range(self.device_count):
             try:
                 devices.append(Device.open(self, index))
             except (Absent, CallFailed, GpuLost) as exc:  # without a UUID it cannot be labelled

@@ -359,3 +359,14 @@ def test_temperature_thresholds_and_memory_temperature_are_exported_thresholds_r
     assert 40 <= rig.value("nvml_gpu_memory_temperature_celsius", gpu="0", uuid=uuid) <= 60
     assert rig.lib.calls["nvmlDeviceGetTemperatureThreshold"] == 7  # 4 answered + 3 acoustic NOT_SUPPORTED, once
     assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_nvml_up_on_a_host_with_zero_gpus_is_1_and_with_no_gpu_opened_is_0():
+    empty = Rig(gpus=0)
+    empty.step()
+    assert empty.value("nvml_up") == 1
+    assert empty.series("nvml_gpu_info") == []
+    unopened = Rig(gpus=2, faults=[Fault(function="nvmlDeviceGetUUID", error="GpuIsLost")])
+    unopened.step()
+    assert unopened.sampler.devices == []
+    assert unopened.value("nvml_up") == 0
