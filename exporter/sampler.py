@@ -16,8 +16,9 @@ from typing import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
 from exporter.collectors.base import Values
-from exporter.exposition import sample_lines
+from exporter.collectors.identity import IdentityCollector
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
+from exporter.textformat import sample_lines
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class GpuSample:
     taken_at: float
     values: Values
     runs: dict[str, CollectorRun]
-    lines: tuple[bytes, ...]  # exposition.sample_lines of `values`, rendered once here instead of on every scrape
+    lines: tuple[bytes, ...]  # textformat.sample_lines of `values`, rendered once here instead of on every scrape
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class GpuSampler:
             for metric, series in collector_values.items():
                 values.setdefault(metric, {}).update(series)
         runs = {name: run for name, (_, run) in self._latest.items()}
-        lines = sample_lines(self.device, values, self.simulated)
+        lines = sample_lines(self.device.index, self.device.uuid, values)
         self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 
     def _mark_lost(self, now: float, error: str) -> None:
@@ -240,7 +241,8 @@ class Sampler:
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
         options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
         on_return = self.xid.register if self.xid else (lambda device: None)
-        self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
+        self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
+                                [BY_NAME[name](device, **options) for name in self.collectors],
                                 self.store, self.stats, interval=self.interval, simulated=self.simulated,
                                 clock=self.clock, on_return=on_return)
                      for device in self.devices]

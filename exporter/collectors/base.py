@@ -5,9 +5,9 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from exporter.metrics import SPECS
 from exporter.nvml import Absent, CallFailed, Device
+from exporter.textformat import Values
 
 FieldKey = tuple[int, int]
-Values = dict[str, dict[tuple[str, ...], float]]
 
 
 class Collector:
