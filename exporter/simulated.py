@@ -32,7 +32,7 @@ import time
 import types
 import uuid as uuidlib
 from collections import Counter
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import dataclass, fields as dataclass_fields
 from functools import wraps
 from typing import Any, Callable
 

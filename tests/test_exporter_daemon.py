@@ -65,10 +65,6 @@ def test_bad_flag_or_config_exits_2_with_one_line(args, env):
     assert all(name in line for name in env)  # a bad environment variable is named
 
 
-def test_flag_wins_over_environment():
-    assert parse_args(["--sample-interval", "2"], {"DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "often"}).sample_interval == 2
-
-
 def test_every_flag_has_an_environment_equivalent():
     parser = build_parser()
     options = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "version")]
