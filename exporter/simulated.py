@@ -9,22 +9,13 @@ the installed pynvml. Functions it does not implement look missing, as on an old
 Scenarios: healthy, input-bound (2 s busy / 2 s waiting for data), memory-leak (used memory climbing
 in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each).
 
-Faults (a JSON file for the daemon, `--simulate.faults=FILE`), for example::
-
-    {"devices": {"1": {"fans": 2, "power": false, "mig": true}},
-     "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},
-                {"gpu": 0, "field": 186, "error": "Unknown"},
-                {"gpu": 0, "function": "nvmlDeviceGetTemperatureV", "hang": 30, "at": 2, "times": 1},
-                {"function": "nvmlDeviceGetSamples", "error": "FunctionNotFound"},
-                {"gpu": 0, "xid": 79, "at": 1, "times": 3}]}
-
-`at`/`until` are seconds since start; `times` caps how often a rule fires; `error` is a pynvml error
-class suffix (NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events.
+Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
+subclass in tests/nvml_faults.py hooks into `_enter`, `_field_error` and `_new_xids`. Here a GPU
+that falls off the bus is `fall_off_bus(gpu)`.
 """
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import threading
@@ -32,7 +23,7 @@ import time
 import types
 import uuid as uuidlib
 from collections import Counter
-from dataclasses import dataclass, fields as dataclass_fields
+from dataclasses import dataclass
 from functools import wraps
 from typing import Any, Callable
 
@@ -100,61 +91,8 @@ class DeviceTraits:
     nvlinks: int = 18
 
 
-@dataclass
-class Fault:
-    """One injected misbehaviour; see the module docstring."""
-
-    gpu: int | None = None
-    function: str | None = None
-    field: int | None = None
-    error: str | None = None
-    hang: float = 0.0
-    xid: int | None = None
-    at: float = 0.0
-    until: float = math.inf
-    times: int | None = None
-    fired: int = 0
-
-    def active(self, t: float) -> bool:
-        return self.at <= t < self.until and (self.times is None or self.fired < self.times)
-
-    def matches_call(self, function: str, gpu: int | None) -> bool:
-        if self.field is not None or self.xid is not None:
-            return False
-        if self.gpu is not None and self.gpu != gpu:
-            return False
-        return self.function == function or (self.function == "*" and gpu is not None)
-
-
-class FaultPlanError(ValueError):
-    """The fault file is unreadable or malformed (one-line message)."""
-
-
-def load_fault_plan(path: str) -> tuple[dict[int, DeviceTraits], list[Fault]]:
-    """Read a fault plan JSON file; raises FaultPlanError with a one-line message."""
-    try:
-        with open(path) as handle:
-            plan = json.load(handle)
-        known = {f.name for f in dataclass_fields(DeviceTraits)}
-        devices = {}
-        for index, traits in plan.get("devices", {}).items():
-            unknown = set(traits) - known
-            if unknown:
-                raise FaultPlanError(f"{path}: unknown device trait(s) {sorted(unknown)}")
-            devices[int(index)] = DeviceTraits(**traits)
-        faults = [Fault(**rule) for rule in plan.get("faults", [])]
-    except FaultPlanError:
-        raise
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise FaultPlanError(f"cannot use fault plan {path}: {exc}") from exc
-    for fault in faults:
-        if fault.error and not hasattr(pynvml, f"NVMLError_{fault.error}"):
-            raise FaultPlanError(f"{path}: unknown NVML error {fault.error!r}")
-    return devices, faults
-
-
 def _api(device: bool = True) -> Callable:
-    """Mark an NVML function: count it, charge its cost, and apply matching faults."""
+    """Mark an NVML function: count it, charge its cost, and let `_enter` refuse it."""
     def decorate(method: Callable) -> Callable:
         @wraps(method)
         def wrapper(self: "SimulatedNVML", *args: Any, **kwargs: Any) -> Any:
@@ -188,14 +126,13 @@ class SimulatedNVML:
     structs and error classes; pynvml functions not simulated here raise AttributeError."""
 
     def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
-                 faults: list[Fault] | None = None, call_cost: float = 0.0, clock: Callable[[], float] = time.time,
+                 call_cost: float = 0.0, clock: Callable[[], float] = time.time,
                  phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
                  binding_lacks: tuple[str, ...] = ()) -> None:
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
         self.scenario = scenario
         self.traits = [(devices or {}).get(i, DeviceTraits()) for i in range(gpus)]
-        self.faults = list(faults or [])
         self.call_cost = call_cost
         self.clock = clock
         self.start = clock()
@@ -281,23 +218,18 @@ class SimulatedNVML:
             raise pynvml.NVMLError_Uninitialized()
         if self.call_cost:
             time.sleep(self.call_cost)
-        t = self._t()
-        for fault in self.faults:
-            if fault.active(t) and fault.matches_call(function, gpu):
-                fault.fired += 1
-                if fault.hang:
-                    time.sleep(fault.hang)
-                if fault.error == "GpuIsLost" and fault.function == "*":
-                    self._forget_registrations(gpu)  # a GPU that falls off the bus loses them
-                if fault.error:
-                    raise getattr(pynvml, f"NVMLError_{fault.error}")()
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
-        for fault in self.faults:
-            if fault.field == field_id and fault.gpu in (None, gpu) and fault.active(t) and fault.error:
-                fault.fired += 1
-                return getattr(pynvml, f"NVMLError_{fault.error}")().value
+        """The NVML return code of one field of a batch, if it fails (never, here)."""
         return None
+
+    def _new_xids(self, t: float) -> list[tuple[int, int]]:
+        """(gpu, xid) events that happen now (none, here)."""
+        return []
+
+    def fall_off_bus(self, gpu: int | None) -> None:
+        """What a GPU that falls off the bus loses: its event registrations."""
+        self._forget_registrations(gpu)
 
     # --- the simulated workload -------------------------------------------------------------------
     def _phase(self, t: float) -> tuple[str, float]:
@@ -654,12 +586,10 @@ class SimulatedNVML:
                 raise pynvml.NVMLError_Uninitialized()
             registered = self._registered(event_set)
             t = self._t()
-            # Draw new events only once the pending ones are delivered: a rule without `times` fires
-            # on every wait, and several such rules must not queue faster than the waits consume.
-            for fault in self.faults if not self._xid_queue else ():
-                if fault.xid is not None and fault.active(t):
-                    fault.fired += 1
-                    self._xid_queue.append((fault.gpu or 0, fault.xid))
+            # Draw new events only once the pending ones are delivered: they must not queue faster
+            # than the waits consume them.
+            if not self._xid_queue:
+                self._xid_queue.extend(self._new_xids(t))
             while self._xid_queue and self._xid_queue[0][0] not in registered:
                 self._xid_queue.pop(0)  # happened on a GPU not registered on this set: never delivered
             if self._xid_queue:

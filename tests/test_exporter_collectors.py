@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from exporter.nvml import Absent, Device, GpuLost, Nvml
-from exporter.simulated import H, DeviceTraits, Fault, SimulatedNVML
+from exporter.simulated import H, DeviceTraits
+from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
 
 CORE_METRICS = [
@@ -264,7 +265,7 @@ def test_every_xid_is_counted_including_repeats():
 
 
 def test_boundary_remembers_unsupported_and_maps_errors():
-    lib = SimulatedNVML("healthy", 1)
+    lib = FaultyNVML("healthy", 1)
     nvml = Nvml(lib)
     nvml.init()
     device = Device.open(nvml, 0)

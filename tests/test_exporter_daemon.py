@@ -51,8 +51,6 @@ def test_no_driver_exits_1_with_one_clear_line():
     (["--web.listen-address=nonsense"], {}),
     (["--simulate=sunny"], {}),
     (["--simulate=healthy", "--simulate.call-cost=-1"], {}),
-    (["--simulate=healthy", "--simulate.faults=/nonexistent/faults.json"], {}),
-    (["--simulate.faults=/nonexistent/faults.json"], {}),
     (["--web.config.file=/nonexistent/web.yml"], {}),
     ([], {"DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "often"}),
     ([], {"DUALTRACK_EXPORTER_COLLECTOR_PROCESSES": "maybe"}),

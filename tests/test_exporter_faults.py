@@ -13,6 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
+from tests.exporter_support import faulty_exporter
 
 pytestmark = pytest.mark.fault
 
@@ -54,8 +55,8 @@ def value(metrics: dict, name: str, **want: str) -> float | None:
 def start(tmp_path, start_service, gpus_: int, plan: dict) -> Scraper:
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps(plan))
-    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", f"--simulate.gpus={gpus_}",
-                                                           f"--simulate.faults={faults}", "--sample-interval=0.2"]))
+    exporter = start_service(faulty_exporter(tmp_path, ["--simulate=healthy", f"--simulate.gpus={gpus_}",
+                                                        f"--faults={faults}", "--sample-interval=0.2"]))
     return Scraper(exporter.url)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from exporter.simulated import GIB, H, DeviceTraits, FaultPlanError, SimulatedNVML, load_fault_plan
+from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
+from tests.nvml_faults import FaultPlanError, load_fault_plan
 from tests.exporter_support import FakeClock
 
 

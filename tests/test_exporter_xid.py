@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from exporter.simulated import Fault
+from tests.nvml_faults import Fault
 from stack.processes import wait_until
 from tests.exporter_support import Rig
 
