@@ -79,7 +79,8 @@ def handle_key(handle: Any) -> int:
     return ctypes.cast(handle, ctypes.c_void_p).value or id(handle)
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """An NVML string (bytes in older bindings, str in newer ones) as str."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
@@ -158,7 +159,7 @@ class Nvml:
     def driver_info(self) -> tuple[str, str]:
         """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
         try:
-            driver = _text(self.call("nvmlSystemGetDriverVersion"))
+            driver = as_text(self.call("nvmlSystemGetDriverVersion"))
         except Exception:  # noqa: BLE001 - identity is best effort
             driver = ""
         try:
@@ -199,10 +200,10 @@ class Device:
     @classmethod
     def open(cls, nvml: Nvml, index: int) -> "Device":
         handle = nvml.call("nvmlDeviceGetHandleByIndex", index)
-        device = cls(nvml, index, handle, uuid=_text(nvml.call("nvmlDeviceGetUUID", handle)))
-        device.name = _text(device.optional("nvmlDeviceGetName") or "")
+        device = cls(nvml, index, handle, uuid=as_text(nvml.call("nvmlDeviceGetUUID", handle)))
+        device.name = as_text(device.optional("nvmlDeviceGetName") or "")
         pci = device.optional("nvmlDeviceGetPciInfo_v3")
-        device.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        device.pci_bus_id = as_text(pci.busId) if pci is not None else ""
         mig = device.optional("nvmlDeviceGetMigMode")
         device.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
         return device

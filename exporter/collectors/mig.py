@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.collectors.gpm import GpmWindow, gpm_supported
-from exporter.nvml import CallFailed
+from exporter.nvml import CallFailed, as_text
 
 
 class MigCollector(Collector):
@@ -42,7 +42,7 @@ class MigCollector(Collector):
             gi = str(instance)
             seen.add(instance)
             mig_uuid = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUUID"))
-            ctx.emit("nvml_gpu_mig_info", 1, gi, _text(mig_uuid or ""))
+            ctx.emit("nvml_gpu_mig_info", 1, gi, as_text(mig_uuid or ""))
             memory = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
             if memory is not None:
                 ctx.emit("nvml_gpu_mig_memory_used_bytes", memory.used, gi)
@@ -70,7 +70,3 @@ class MigCollector(Collector):
         for window in self.windows.values():
             window.close()
         self.windows = {}
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
