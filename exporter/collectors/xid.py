@@ -80,6 +80,8 @@ class XidWatcher:
 
         Done by the event thread between two waits: an event set is not thread-safe.
         """
+        if self._thread is None:  # no event support: nothing to register with
+            return
         with self._lock:
             self._returned.append(device)
 
