@@ -83,7 +83,9 @@ def serve_naive(port: int) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
     from exporter.simulated import SimulatedNVML
     registry = CollectorRegistry()
-    registry.register(NaiveCollector(SimulatedNVML("healthy", GPUS, call_cost=CALL_COST)))
+    lib = SimulatedNVML("healthy", GPUS, call_cost=CALL_COST)
+    lib.nvmlInit()
+    registry.register(NaiveCollector(lib))
     start_http_server(port, addr="127.0.0.1", registry=registry)
     while True:
         time.sleep(3600)
@@ -164,6 +166,7 @@ def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, 
 def naive_calls_per_gpu() -> tuple[float, int]:
     from exporter.simulated import SimulatedNVML
     lib = SimulatedNVML("healthy", GPUS)
+    lib.nvmlInit()
     collector = NaiveCollector(lib)
     before = sum(lib.calls_by_gpu.values())
     families = list(collector.collect())

@@ -23,7 +23,7 @@ from exporter.collectors import ALL, podresources
 from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
 from exporter.sampler import Sampler
-from exporter.simulated import SCENARIOS, FaultPlanError, SimulatedNVML, load_fault_plan
+from exporter.simulated import SCENARIOS, SimulatedNVML
 from exporter.web import WebServer, add_web_arguments
 from exporter.webconfig import WebConfigError, load_web_config
 
@@ -62,6 +62,16 @@ def _positive(kind: type, minimum: float = 0.0):
 _ratio = _number(float, "number", lambda value: 0.0 <= value <= 1.0, "between 0 and 1")
 
 
+def _scenarios(text: str) -> tuple[str, ...]:
+    """--simulate: one scenario for every GPU, or a comma-separated list (GPU i runs the i-th, cycling)."""
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario {', '.join(map(repr, unknown))}; "
+                                         f"choose from {', '.join(SCENARIOS)}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Per-GPU NVML metrics for Prometheus, sampled in the background. "
                      f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG> "
@@ -84,13 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="kubelet pod-resources socket read by --collector.podresources (default %(default)s)")
     simulate = parser.add_argument_group("simulated GPUs", "for machines without GPUs (demos, previews); "
                                          "never on unless --simulate is given")
-    simulate.add_argument("--simulate", choices=SCENARIOS, default=None, metavar="SCENARIO",
-                          help=f"serve simulated H100s running a scenario: {', '.join(SCENARIOS)}")
+    simulate.add_argument("--simulate", type=_scenarios, default=None, metavar="SCENARIO[,SCENARIO...]",
+                          help=f"serve simulated H100s running a scenario: {', '.join(SCENARIOS)}; a "
+                          "comma-separated list gives GPU i the i-th scenario (cycling)")
     simulate.add_argument("--simulate.gpus", dest="simulate_gpus", type=_positive(int), default=2, metavar="N",
                           help="number of simulated GPUs (default %(default)s)")
-    simulate.add_argument("--simulate.faults", dest="simulate_faults", metavar="FILE", default=None,
-                          help="JSON fault plan: lost GPUs, failing or hanging calls, missing functions, "
-                               "GPUs without fans/power, MIG, XID events (see exporter/simulated.py)")
     simulate.add_argument("--simulate.call-cost", dest="simulate_call_cost", default=0.0,
                           type=_number(float, "float", lambda value: value >= 0, "0 or more"),
                           metavar="SECONDS", help="simulated latency of every NVML call (default %(default)s)")
@@ -149,31 +157,27 @@ def _option(argument: str) -> str:
     return argument.split("=")[0].replace("--no-", "--", 1)
 
 
-def open_nvml(args: argparse.Namespace, fault_plan: tuple[dict, list]) -> Nvml:
-    """Real NVML, or the simulated one (with `fault_plan`) when --simulate is given; raises NvmlUnavailable."""
+def open_nvml(args: argparse.Namespace, simulator: Callable[..., SimulatedNVML] = SimulatedNVML) -> Nvml:
+    """Real NVML, or `simulator` when --simulate is given; raises NvmlUnavailable."""
     if args.simulate is None:
         import pynvml
         lib = pynvml
     else:
-        devices, faults = fault_plan
-        lib = SimulatedNVML(args.simulate, args.simulate_gpus, devices=devices, faults=faults,
-                            call_cost=args.simulate_call_cost, phase_seconds=args.simulate_phase_seconds,
-                            leak_minutes=args.simulate_leak_minutes)
+        lib = simulator(args.simulate, args.simulate_gpus, call_cost=args.simulate_call_cost,
+                        phase_seconds=args.simulate_phase_seconds, leak_minutes=args.simulate_leak_minutes)
     nvml = Nvml(lib)
     nvml.init()
     return nvml
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, simulator: Callable[..., SimulatedNVML] = SimulatedNVML) -> int:
+    """The daemon; `simulator` builds the NVML stand-in under --simulate (the tests inject faults there)."""
     try:
         args = parse_args(argv)
         web_config = load_web_config(args.web_config_file) if args.web_config_file else None
-        if args.simulate_faults and args.simulate is None:
-            raise UsageError("--simulate.faults needs --simulate")
-        fault_plan = load_fault_plan(args.simulate_faults) if args.simulate_faults else ({}, [])
         if args.collector_podresources:
             podresources.configure(args.collector_podresources_socket)
-    except (UsageError, WebConfigError, FaultPlanError, podresources.NotInstalled) as exc:
+    except (UsageError, WebConfigError, podresources.NotInstalled) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.replace("warn", "warning").upper(), stream=sys.stderr,
@@ -182,12 +186,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        nvml = open_nvml(args, fault_plan)
+        nvml = open_nvml(args, simulator)
     except NvmlUnavailable as exc:
         print(f"{PROG}: error: {exc} (no GPU here? --simulate=demo serves simulated GPUs)", file=sys.stderr)
         return 1
     if args.simulate:
-        log.warning("SIMULATED GPUs (scenario %s): these metrics do not come from real hardware", args.simulate)
+        log.warning("SIMULATED GPUs (scenario %s): these metrics do not come from real hardware",
+                    ",".join(args.simulate))
     return serve(args, nvml, web_config, stop)
 
 

@@ -4,7 +4,7 @@ A scrape never calls NVML and never waits for a sampler: it reads one immutable 
 and the counters. Two ways produce the same bytes:
 - `SnapshotCollector`, a prometheus_client collector: the reference, and what `name[]` filtering uses.
 - `Exposition.render`, the scrape path: each GPU's sample lines are rendered once, by its sampler
-  thread when the sample is taken (`sample_lines`); a scrape joins them under HELP/TYPE headers that
+  thread when the sample is taken (`textformat.sample_lines`); a scrape joins them under HELP/TYPE headers that
   prometheus_client rendered at start-up, writes our few dozen other samples (`nvml_up`, identity,
   self-metrics) with the same line writer, and leaves only the process and platform collectors to
   prometheus_client. Formatting ~500 GPU samples with prometheus_client was ~85 % of a scrape.
@@ -26,16 +26,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
 from exporter.metrics import (BUILD_INFO, COLLECTOR_DURATION, COLLECTOR_SUCCESS, COUNTER, DRIVER_INFO, ERRORS,
                               GPU_LABELS, GPU_LOST, GPU_LOST_TOTAL, GPU_METRICS, GPU_SAMPLE_AGE, NVML_CALLS,
                               SNAPSHOT_AGE, UP, MetricSpec)
+from exporter.textformat import gpu_series, line
 
-if TYPE_CHECKING:  # the sampler imports this module to pre-render its samples
-    from exporter.collectors.base import Values
-    from exporter.nvml import Device
+if TYPE_CHECKING:
     from exporter.sampler import GpuSample, Sampler, Snapshot
 
 log = logging.getLogger(__name__)
@@ -55,37 +53,6 @@ def family(spec: MetricSpec, labels: tuple[str, ...] | None = None) -> Metric:
     if spec.type == COUNTER:
         return CounterMetricFamily(_family_name(spec), spec.help, labels=names)
     return GaugeMetricFamily(spec.name, spec.help, labels=names)
-
-
-def _gpu_series(spec: MetricSpec, device: Device, values: Values,
-                simulated: bool) -> Iterator[tuple[list[str], float]]:
-    """(label values in GPU_LABELS + spec.labels order, value) of one GPU's series of `spec`."""
-    gpu = [str(device.index), device.uuid]
-    if spec.name == "nvml_gpu_info":
-        yield gpu + [device.name, device.pci_bus_id, device.mig_mode, "true" if simulated else "false"], 1.0
-    for labels, value in values.get(spec.name, {}).items():
-        yield gpu + list(labels), value
-
-
-def _escape(value: str) -> str:
-    """A label value escaped as prometheus_client escapes it (backslash, newline, double quote)."""
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
-    """One sample line, as prometheus_client writes it in both formats; `labels` sorted by name."""
-    pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in labels)
-    return f"{name}{{{pairs}}} {floatToGoString(value)}\n" if pairs else f"{name} {floatToGoString(value)}\n"
-
-
-def sample_lines(device: Device, values: Values, simulated: bool) -> tuple[bytes, ...]:
-    """One GPU's sample lines, one entry per GPU_METRICS family (b"" where it has none).
-
-    Run by the GPU's sampler thread when it builds a sample, so that scrapes only join bytes.
-    """
-    return tuple("".join(_line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
-                         for labels, value in _gpu_series(spec, device, values, simulated)).encode()
-                 for spec in GPU_METRICS)
 
 
 def _version(distribution: str) -> str:
@@ -146,7 +113,9 @@ class SnapshotCollector:
         for device in self.sampler.devices:
             lost.add_metric([str(device.index), device.uuid], 1.0 if device.index in view.snapshot.lost else 0.0)
         up = family(UP)
-        up.add_metric([], 1.0 if view.fresh or not self.sampler.devices else 0.0)
+        # 1 on a host where NVML answers and reports no GPU at all; 0 where GPUs exist but none answers
+        # (including GPUs that could not even be opened at start)
+        up.add_metric([], 1.0 if view.fresh or self.sampler.nvml.device_count == 0 else 0.0)
         driver = family(DRIVER_INFO)
         driver.add_metric([self.sampler.driver_version, self.sampler.cuda_driver_version], 1.0)
         build = family(BUILD_INFO)
@@ -155,12 +124,11 @@ class SnapshotCollector:
 
     def gpu_families(self, view: _View) -> list[Metric]:
         """The per-GPU families of the fresh samples (the reference for `sample_lines`)."""
-        identity = {device.index: device for device in self.sampler.devices}
         out = []
         for spec in GPU_METRICS:
             metric = family(spec, GPU_LABELS + spec.labels)
             for sample in view.fresh:
-                for labels, value in _gpu_series(spec, identity[sample.index], sample.values, self.sampler.simulated):
+                for labels, value in gpu_series(spec, sample.index, sample.uuid, sample.values):
                     metric.add_metric(labels, value)
             if metric.samples:
                 out.append(metric)
@@ -245,5 +213,5 @@ class Exposition:
 
     @staticmethod
     def _family(headers: dict[str, bytes], metric: Metric) -> bytes:
-        lines = "".join(_line(s.name, sorted(s.labels.items()), s.value) for s in metric.samples)
+        lines = "".join(line(s.name, sorted(s.labels.items()), s.value) for s in metric.samples)
         return headers[metric.name] + lines.encode()

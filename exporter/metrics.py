@@ -42,8 +42,13 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_memory_free_bytes", "Device memory free, in bytes."),
     _g("nvml_gpu_temperature_celsius", "GPU core temperature, in degrees Celsius."),
     _g("nvml_gpu_memory_temperature_celsius", "Memory (HBM) temperature, in degrees Celsius."),
+    _g("nvml_gpu_temperature_threshold_celsius",
+       "Temperature threshold (slowdown, shutdown, gpu_max, memory_max, acoustic_*), in degrees Celsius.",
+       "threshold"),
     _g("nvml_gpu_fan_speed_ratio", "Fan speed as a fraction of its maximum.", "fan"),
-    _g("nvml_gpu_power_usage_watts", "Instantaneous board power draw, in watts."),
+    _g("nvml_gpu_power_usage_watts",
+       "Board power draw, in watts: instantaneous (field POWER_INSTANT); where only nvmlDeviceGetPowerUsage "
+       "answers, a 1 s average on Ampere (except A100) and newer."),
     _g("nvml_gpu_power_limit_watts", "Enforced power limit, in watts."),
     _c("nvml_gpu_energy_joules_total", "Energy consumed since the driver was loaded, in joules."),
     _g("nvml_gpu_performance_state", "Performance state P0 (max) to P15 (min), as a number."),
@@ -70,12 +75,24 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_pod_info", "Kubernetes pod, namespace and container holding the GPU (or its MIG device "
        "gpu_instance, mig_uuid), from the kubelet pod-resources API, value 1.",
        "pod", "namespace", "container", "gpu_instance", "mig_uuid"),
+    _g("nvml_gpu_mig_info", "MIG GPU instance identity, value 1.", "gpu_instance", "mig_uuid"),
+    _g("nvml_gpu_mig_memory_used_bytes", "Device memory used in a MIG GPU instance, in bytes.", "gpu_instance"),
+    _g("nvml_gpu_mig_memory_total_bytes", "Device memory of a MIG GPU instance, in bytes.", "gpu_instance"),
+    _g("nvml_gpu_mig_utilization_ratio", "Fraction of the last sample period a kernel ran in a MIG GPU instance.",
+       "gpu_instance"),
+    _g("nvml_gpu_mig_sm_active_ratio", "Fraction of a MIG GPU instance's SMs busy over the last GPM window.",
+       "gpu_instance"),
+    _g("nvml_gpu_mig_tensor_active_ratio",
+       "Fraction of time a MIG GPU instance's tensor cores were active over the last GPM window.", "gpu_instance"),
+    _g("nvml_gpu_mig_dram_active_ratio",
+       "Fraction of DRAM bandwidth a MIG GPU instance used over the last GPM window.", "gpu_instance"),
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in GPU_METRICS}
 
 # Families emitted by the scrape collector itself (not per-GPU samples).
-UP = MetricSpec("nvml_up", GAUGE, "1 if NVML answered for at least one GPU in the latest snapshot, else 0.")
+UP = MetricSpec("nvml_up", GAUGE, "1 if NVML answered for at least one GPU in the latest snapshot, or reports "
+                "no GPU at all, else 0.")
 DRIVER_INFO = MetricSpec("nvml_driver_info", GAUGE, "NVIDIA driver identity, value 1.",
                          ("driver_version", "cuda_driver_version"))
 BUILD_INFO = MetricSpec("nvml_exporter_build_info", GAUGE, "Exporter build, value 1.",

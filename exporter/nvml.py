@@ -5,8 +5,15 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 
 * NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
   driver lacks the reading. It is remembered per device so it is never asked again.
-* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost`: the whole device is unreachable.
+* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same device
+  (nvmlDeviceGetMemoryInfo) fails the same way too; otherwise one sensor is broken, not the GPU, and
+  the error is a `CallFailed` like any other (one bad sensor must not drop every series of its GPU).
+* an AttributeError raised inside the binding is a bug (of the binding or of ours): logged with its
+  traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
+
+Constants newer than the oldest supported binding are read through `constant()`, which falls back
+to their nvml.h value (NEWER_CONSTANTS): an old nvidia-ml-py then still starts.
 """
 from __future__ import annotations
 
@@ -20,6 +27,21 @@ log = logging.getLogger(__name__)
 
 _ABSENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
+PROBE = "nvmlDeviceGetMemoryInfo"  # answered by every GPU and driver, costs one driver round trip
+
+#: NVML constants the exporter uses that the oldest supported nvidia-ml-py (12.535.108) lacks, with
+#: their values from nvml.h (and the binding release that added them).
+NEWER_CONSTANTS: dict[str, int] = {
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197,  # 12.555
+    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,  # 12.555
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,  # 12.560
+}
+
+
+def constant(lib: ModuleType, name: str) -> int:
+    """An NVML constant from the binding, or its nvml.h value where the binding predates it."""
+    value = getattr(lib, name, None)
+    return NEWER_CONSTANTS[name] if value is None else value
 
 
 class NvmlUnavailable(RuntimeError):
@@ -57,7 +79,8 @@ def handle_key(handle: Any) -> int:
     return ctypes.cast(handle, ctypes.c_void_p).value or id(handle)
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """An NVML string (bytes in older bindings, str in newer ones) as str."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
@@ -68,10 +91,15 @@ class Nvml:
         self.lib = lib
         self._names = error_names(lib)
         self._absent = {getattr(lib, n) for n in _ABSENT_ERRORS}
+        # In a field batch, INVALID_ARGUMENT means the driver does not know the field id (older
+        # drivers) or the scope (a link the GPU does not have): absent for that field, as NOT_SUPPORTED.
+        self._absent_field = self._absent | {lib.NVML_ERROR_INVALID_ARGUMENT}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
+        self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.union_members = union_members(lib)
         self.success = lib.NVML_SUCCESS
+        self._binding_bugs: set[str] = set()
 
     def init(self) -> None:
         """nvmlInit, turning a missing driver or library into `NvmlUnavailable`."""
@@ -94,26 +122,44 @@ class Nvml:
         return self._names.get(value, type(exc).__name__.lower())
 
     def classify(self, exc: BaseException) -> Exception:
-        """The exporter exception for an NVML exception (see the module docstring)."""
+        """The exporter exception for an NVML exception (see the module docstring), before any probe."""
         value = getattr(exc, "value", None)
-        if value in self._absent or isinstance(exc, AttributeError):
+        if value in self._absent:
             return Absent(self.error_name(exc))
         if value in self._lost:
             return GpuLost(self.error_name(exc))
         return CallFailed(self.error_name(exc))
 
+    def function(self, name: str) -> Any:
+        """The binding's function `name`; `Absent` when this nvidia-ml-py does not have it."""
+        function = getattr(self.lib, name, None)
+        if function is None:
+            raise Absent("not_in_binding")
+        return function
+
+    def invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call binding function `name`, mapping its errors (lost-class errors unprobed)."""
+        function = self.function(name)
+        try:
+            return function(*args, **kwargs)
+        except self.lib.NVMLError as exc:
+            raise self.classify(exc) from exc
+        except AttributeError as exc:  # raised inside the binding: a bug, not an absent reading
+            if name not in self._binding_bugs:
+                self._binding_bugs.add(name)
+                log.error("bug: %s raised AttributeError inside the NVML binding; counted as "
+                          "error=\"binding_error\"", name, exc_info=True)
+            raise CallFailed("binding_error") from exc
+
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a system-level NVML function with the error policy applied."""
         self.calls += 1
-        try:
-            return getattr(self.lib, function)(*args, **kwargs)
-        except (self.lib.NVMLError, AttributeError) as exc:
-            raise self.classify(exc) from exc
+        return self.invoke(function, *args, **kwargs)
 
     def driver_info(self) -> tuple[str, str]:
         """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
         try:
-            driver = _text(self.call("nvmlSystemGetDriverVersion"))
+            driver = as_text(self.call("nvmlSystemGetDriverVersion"))
         except Exception:  # noqa: BLE001 - identity is best effort
             driver = ""
         try:
@@ -126,7 +172,8 @@ class Nvml:
     def devices(self) -> list["Device"]:
         """Open every GPU and read its static identity (once)."""
         devices = []
-        for index in range(self.call("nvmlDeviceGetCount")):
+        self.device_count = self.call("nvmlDeviceGetCount")
+        for index in range(self.device_count):
             try:
                 devices.append(Device.open(self, index))
             except (Absent, CallFailed, GpuLost) as exc:  # without a UUID it cannot be labelled
@@ -153,10 +200,10 @@ class Device:
     @classmethod
     def open(cls, nvml: Nvml, index: int) -> "Device":
         handle = nvml.call("nvmlDeviceGetHandleByIndex", index)
-        device = cls(nvml, index, handle, uuid=_text(nvml.call("nvmlDeviceGetUUID", handle)))
-        device.name = _text(device.optional("nvmlDeviceGetName") or "")
+        device = cls(nvml, index, handle, uuid=as_text(nvml.call("nvmlDeviceGetUUID", handle)))
+        device.name = as_text(device.optional("nvmlDeviceGetName") or "")
         pci = device.optional("nvmlDeviceGetPciInfo_v3")
-        device.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        device.pci_bus_id = as_text(pci.busId) if pci is not None else ""
         mig = device.optional("nvmlDeviceGetMigMode")
         device.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
         return device
@@ -165,27 +212,46 @@ class Device:
         """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
         # pynvml passes this argument straight to ctypes.c_char_p: it must be bytes.
         self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid.encode())
-        self.call("nvmlDeviceGetMemoryInfo")
+        self.call(PROBE)
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a per-device NVML function; raises Absent, GpuLost or CallFailed.
 
         A function found absent (NOT_SUPPORTED, FUNCTION_NOT_FOUND) is not called again. Absence is
         remembered per function and first argument, so one fan or clock can be absent alone.
+        A lost-class error (GPU_IS_LOST, UNKNOWN, RESET_REQUIRED) is `GpuLost` only if the probe fails too.
         """
+        return self.call_on(self.handle, function, *args, **kwargs)
+
+    def call_on(self, handle: Any, function: str, *args: Any, **kwargs: Any) -> Any:
+        """`call` with another handle of this GPU: one of its MIG devices (absence remembered apart)."""
         key = _absent_key(function, args)
+        if handle is not self.handle:
+            key = ("mig", *key)
         if key in self.absent:
             raise Absent("remembered")
         self.calls += 1
         try:
-            return getattr(self.nvml.lib, function)(self.handle, *args, **kwargs)
-        except (self.nvml.lib.NVMLError, AttributeError) as exc:
-            mapped = self.nvml.classify(exc)
-            if isinstance(mapped, Absent):
-                log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function,
-                          args[:1], mapped)
-                self.absent.add(key)
-            raise mapped from exc
+            return self.nvml.invoke(function, handle, *args, **kwargs)
+        except Absent as exc:
+            log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function, args[:1], exc)
+            self.absent.add(key)
+            raise
+        except GpuLost as exc:
+            if function != PROBE and self.answers_probe():
+                raise CallFailed(exc.error) from exc
+            raise
+
+    def answers_probe(self) -> bool:
+        """True if the device still answers the cheap probe call."""
+        self.calls += 1
+        try:
+            self.nvml.invoke(PROBE, self.handle)
+        except GpuLost:
+            return False
+        except (Absent, CallFailed):
+            return True  # it answered, with an error of its own
+        return True
 
     def call_first(self, functions: Sequence[str], *args: Any) -> Any:
         """Call the first of several equivalent functions (newest name first) that exists."""
@@ -215,7 +281,8 @@ class Device:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 
         `fields` are (field_id, scope_id) pairs. Returns {pair: number or CallFailed}; fields the GPU
-        does not support are left out of the result and never requested again.
+        does not support (NOT_SUPPORTED, or INVALID_ARGUMENT for an id or scope the driver does not
+        know) are left out of the result and never requested again.
         """
         wanted = [f for f in dict.fromkeys(fields) if ("field", f) not in self.absent]
         if not wanted:
@@ -226,7 +293,7 @@ class Device:
         for pair, value in zip(wanted, values):
             if value.nvmlReturn == nvml.success:
                 result[pair] = union_number(nvml.union_members, value.valueType, value.value)
-            elif value.nvmlReturn in nvml._absent:
+            elif value.nvmlReturn in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
                 result[pair] = CallFailed(nvml._names.get(value.nvmlReturn, str(value.nvmlReturn)))
@@ -245,7 +312,7 @@ _UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "u
 
 def union_members(lib: ModuleType) -> dict[int, str]:
     """NVML_VALUE_TYPE_* tag -> the c_nvmlValue_t member holding that type."""
-    return {getattr(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
 
 
 def union_number(members: dict[int, str], kind: int, union: Any) -> float:

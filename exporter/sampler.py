@@ -16,8 +16,9 @@ from typing import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
 from exporter.collectors.base import Values
-from exporter.exposition import sample_lines
+from exporter.collectors.identity import IdentityCollector
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
+from exporter.textformat import sample_lines
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class GpuSample:
     taken_at: float
     values: Values
     runs: dict[str, CollectorRun]
-    lines: tuple[bytes, ...]  # exposition.sample_lines of `values`, rendered once here instead of on every scrape
+    lines: tuple[bytes, ...]  # textformat.sample_lines of `values`, rendered once here instead of on every scrape
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class GpuSampler:
     """Samples one GPU every interval with the enabled collectors."""
 
     def __init__(self, device: Device, collectors: list[Collector], store: SnapshotStore, stats: Stats, *,
-                 interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic,
+                 on_return: Callable[[Device], None] = lambda device: None) -> None:
         self.device = device
         self.collectors = collectors
         self.store = store
@@ -106,6 +108,7 @@ class GpuSampler:
         self.interval = interval
         self.simulated = simulated
         self.clock = clock
+        self.on_return = on_return  # called when a lost GPU answers again (the XID watcher re-registers it)
         self.retry_interval = max(interval, 1.0)
         self.samples_taken = 0
         self.lost = False
@@ -167,7 +170,7 @@ class GpuSampler:
             for metric, series in collector_values.items():
                 values.setdefault(metric, {}).update(series)
         runs = {name: run for name, (_, run) in self._latest.items()}
-        lines = sample_lines(self.device, values, self.simulated)
+        lines = sample_lines(self.device.index, self.device.uuid, values)
         self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 
     def _mark_lost(self, now: float, error: str) -> None:
@@ -191,6 +194,7 @@ class GpuSampler:
             return False
         log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)
         self.lost = False
+        self.on_return(self.device)
         return True
 
     def check_hang(self, hang_after: float) -> None:
@@ -236,9 +240,11 @@ class Sampler:
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
         options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
-        self.gpus = [GpuSampler(device, [BY_NAME[name](device, **options) for name in self.collectors],
+        on_return = self.xid.register if self.xid else (lambda device: None)
+        self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
+                                [BY_NAME[name](device, **options) for name in self.collectors],
                                 self.store, self.stats, interval=self.interval, simulated=self.simulated,
-                                clock=self.clock)
+                                clock=self.clock, on_return=on_return)
                      for device in self.devices]
         self.hang_after = max(3 * self.interval, 2.0)
         self._stop = threading.Event()
@@ -264,14 +270,23 @@ class Sampler:
             gpu.check_hang(self.hang_after)
 
     def stop(self, timeout: float = 2.0) -> bool:
-        """Stop the threads; False if one is stuck in an NVML call (it is a daemon thread)."""
+        """Stop and join every thread (samplers, XID events) and free what NVML allocated for them.
+
+        False if a thread is stuck in an NVML call (it is a daemon thread): NVML must not be shut
+        down then.
+        """
         self._stop.set()
-        if self.xid:
-            self.xid.stop()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        stopped = not any(thread.is_alive() for thread in self._threads)
+        if self.xid and not self.xid.stop(max(0.0, deadline - time.monotonic())):
+            stopped = False
+        if stopped:
+            for gpu in self.gpus:
+                for collector in gpu.collectors:
+                    collector.close()
+        return stopped
 
     def nvml_calls(self) -> int:
         return self.nvml.calls + sum(device.calls for device in self.devices)

@@ -7,24 +7,17 @@ c_nvmlGpmMetricsGet_t, process infos via nvmlStructToFriendlyObject) and constan
 the installed pynvml. Functions it does not implement look missing, as on an old driver.
 
 Scenarios: healthy, input-bound (2 s busy / 2 s waiting for data), memory-leak (used memory climbing
-in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each).
+in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each). A list of
+scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
+leaking GPUs side by side.
 
-Faults (a JSON file for the daemon, `--simulate.faults=FILE`), for example::
-
-    {"devices": {"1": {"fans": 2, "power": false, "mig": true, "scenario": "memory-leak"}},
-     "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},
-                {"gpu": 0, "field": 186, "error": "Unknown"},
-                {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": 30, "at": 2, "times": 1},
-                {"function": "nvmlDeviceGetSamples", "error": "FunctionNotFound"},
-                {"gpu": 0, "xid": 79, "at": 1, "times": 3}]}
-
-`at`/`until` are seconds since start; `times` caps how often a rule fires; `error` is a pynvml error
-class suffix (NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events.
+Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
+subclass in tests/nvml_faults.py hooks into `_enter`, `_field_error` and `_new_xids`. Here a GPU
+that falls off the bus is `fall_off_bus(gpu)`.
 """
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import threading
@@ -32,9 +25,9 @@ import time
 import types
 import uuid as uuidlib
 from collections import Counter
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import dataclass
 from functools import wraps
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pynvml
 
@@ -44,6 +37,47 @@ MIB = 1 << 20
 TICK = 0.1  # seconds between entries of the simulated driver utilization buffer
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+
+#: The NVML constants the simulator speaks, with their values from nvml.h: fixed here, so that the
+#: simulated driver does not change with the installed nvidia-ml-py (whose NVML_NVLINK_MAX_LINKS, for
+#: one, went from 18 to 36). Installed on the simulated module over the binding's own values.
+NVML_H: dict[str, int] = {
+    "NVML_SUCCESS": 0, "NVML_ERROR_INVALID_ARGUMENT": 2, "NVML_ERROR_NOT_SUPPORTED": 3,
+    "NVML_ERROR_NOT_FOUND": 6, "NVML_ERROR_GPU_IS_LOST": 15, "NVML_ERROR_UNKNOWN": 999,
+    "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_VALUE_TYPE_DOUBLE": 0, "NVML_VALUE_TYPE_UNSIGNED_INT": 1, "NVML_VALUE_TYPE_UNSIGNED_LONG": 2,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 3, "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 4,
+    "NVML_VALUE_TYPE_SIGNED_INT": 5, "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
+    "NVML_CLOCK_GRAPHICS": 0, "NVML_CLOCK_SM": 1, "NVML_CLOCK_MEM": 2, "NVML_CLOCK_VIDEO": 3,
+    "NVML_TEMPERATURE_GPU": 0,
+    "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN": 0, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN": 1,
+    "NVML_TEMPERATURE_THRESHOLD_MEM_MAX": 2, "NVML_TEMPERATURE_THRESHOLD_GPU_MAX": 3,
+    "NVML_GPU_UTILIZATION_SAMPLES": 1, "NVML_PCIE_UTIL_TX_BYTES": 0, "NVML_PCIE_UTIL_RX_BYTES": 1,
+    "NVML_NVLINK_MAX_LINKS": 18,
+    "NVML_FI_DEV_ECC_SBE_VOL_TOTAL": 3, "NVML_FI_DEV_ECC_DBE_VOL_TOTAL": 4,
+    "NVML_FI_DEV_RETIRED_SBE": 29, "NVML_FI_DEV_RETIRED_DBE": 30, "NVML_FI_DEV_RETIRED_PENDING": 31,
+    "NVML_FI_DEV_MEMORY_TEMP": 82, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83,
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 94,
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": 138, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": 139,
+    "NVML_FI_DEV_REMAPPED_COR": 142, "NVML_FI_DEV_REMAPPED_UNC": 143, "NVML_FI_DEV_REMAPPED_PENDING": 144,
+    "NVML_FI_DEV_REMAPPED_FAILURE": 145,
+    "NVML_FI_DEV_POWER_AVERAGE": 185, "NVML_FI_DEV_POWER_INSTANT": 186, "NVML_FI_DEV_POWER_CURRENT_LIMIT": 190,
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,
+    "NVML_GPM_METRIC_SM_UTIL": 2, "NVML_GPM_METRIC_ANY_TENSOR_UTIL": 5, "NVML_GPM_METRIC_DRAM_BW_UTIL": 10,
+    "NVML_GPM_SUPPORT_VERSION": 1, "NVML_GPM_METRICS_GET_VERSION": 1,
+    "nvmlEventTypeXidCriticalError": 0x8, "nvmlClocksEventReasonGpuIdle": 0x1,
+}
+H = types.SimpleNamespace(**NVML_H)
+NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
+# nvidia-smi -q -d TEMPERATURE of an H100 SXM: shutdown, slowdown, GPU and memory max operating
+_H100_THRESHOLDS = {H.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92, H.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
+                    H.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87, H.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95}
+MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
+MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
+_NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+# The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
+# counter eventually does.
+PCIE_COUNTER_START = 2**64 - 6 * 10**9
 
 
 @dataclass
@@ -57,66 +91,10 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
-    scenario: str | None = None  # this GPU's own scenario instead of the daemon's (a demo sweep)
-
-
-@dataclass
-class Fault:
-    """One injected misbehaviour; see the module docstring."""
-
-    gpu: int | None = None
-    function: str | None = None
-    field: int | None = None
-    error: str | None = None
-    hang: float = 0.0
-    xid: int | None = None
-    at: float = 0.0
-    until: float = math.inf
-    times: int | None = None
-    fired: int = 0
-
-    def active(self, t: float) -> bool:
-        return self.at <= t < self.until and (self.times is None or self.fired < self.times)
-
-    def matches_call(self, function: str, gpu: int | None) -> bool:
-        if self.field is not None or self.xid is not None:
-            return False
-        if self.gpu is not None and self.gpu != gpu:
-            return False
-        return self.function == function or (self.function == "*" and gpu is not None)
-
-
-class FaultPlanError(ValueError):
-    """The fault file is unreadable or malformed (one-line message)."""
-
-
-def load_fault_plan(path: str) -> tuple[dict[int, DeviceTraits], list[Fault]]:
-    """Read a fault plan JSON file; raises FaultPlanError with a one-line message."""
-    try:
-        with open(path) as handle:
-            plan = json.load(handle)
-        known = {f.name for f in dataclass_fields(DeviceTraits)}
-        devices = {}
-        for index, traits in plan.get("devices", {}).items():
-            unknown = set(traits) - known
-            if unknown:
-                raise FaultPlanError(f"{path}: unknown device trait(s) {sorted(unknown)}")
-            devices[int(index)] = DeviceTraits(**traits)
-            if devices[int(index)].scenario not in (None, *SCENARIOS):
-                raise FaultPlanError(f"{path}: device {index}: unknown scenario {traits['scenario']!r}")
-        faults = [Fault(**rule) for rule in plan.get("faults", [])]
-    except FaultPlanError:
-        raise
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise FaultPlanError(f"cannot use fault plan {path}: {exc}") from exc
-    for fault in faults:
-        if fault.error and not hasattr(pynvml, f"NVMLError_{fault.error}"):
-            raise FaultPlanError(f"{path}: unknown NVML error {fault.error!r}")
-    return devices, faults
 
 
 def _api(device: bool = True) -> Callable:
-    """Mark an NVML function: count it, charge its cost, and apply matching faults."""
+    """Mark an NVML function: count it, charge its cost, and let `_enter` refuse it."""
     def decorate(method: Callable) -> Callable:
         @wraps(method)
         def wrapper(self: "SimulatedNVML", *args: Any, **kwargs: Any) -> Any:
@@ -149,14 +127,15 @@ class SimulatedNVML:
     """A stand-in for the `pynvml` module. Attribute access falls through to pynvml for constants,
     structs and error classes; pynvml functions not simulated here raise AttributeError."""
 
-    def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
-                 faults: list[Fault] | None = None, call_cost: float = 0.0, clock: Callable[[], float] = time.time,
-                 phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None) -> None:
-        if scenario not in SCENARIOS:
-            raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
-        self.scenario = scenario
+    def __init__(self, scenario: str | Sequence[str] = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
+                 call_cost: float = 0.0, clock: Callable[[], float] = time.time,
+                 phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
+                 binding_lacks: tuple[str, ...] = ()) -> None:
+        self.scenarios = (scenario,) if isinstance(scenario, str) else tuple(scenario)
+        unknown = [name for name in self.scenarios if name not in SCENARIOS]
+        if unknown or not self.scenarios:
+            raise ValueError(f"unknown scenario {', '.join(unknown) or '(none)'}; choose from {', '.join(SCENARIOS)}")
         self.traits = [(devices or {}).get(i, DeviceTraits()) for i in range(gpus)]
-        self.faults = list(faults or [])
         self.call_cost = call_cost
         self.clock = clock
         self.start = clock()
@@ -170,31 +149,63 @@ class SimulatedNVML:
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
         self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
         self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
+        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait
+        self._mig_handles: dict[tuple[int, int], Any] = {}
+        self._mig_by_address: dict[int, tuple[int, int]] = {}
+        for gpu, traits in enumerate(self.traits):
+            for instance in range(1, MIG_INSTANCES + 1) if traits.mig else ():
+                buffer = (ctypes.c_char * 8)()
+                self._buffers.append(buffer)
+                self._mig_handles[(gpu, instance)] = _handle(buffer, pynvml.c_nvmlDevice_t)
+                self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance)
         self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
         self._xid_queue: list[tuple[int, int]] = []
+        # Like the driver: nothing answers before nvmlInit or after nvmlShutdown, and shutdown frees
+        # every event set (with its registrations) and GPM sample.
+        self.initialized = False
+        self._event_sets: dict[int, set[int]] = {}  # event set address -> GPUs registered on it
+        self._gpm_buffers: set[int] = set()
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
+        self.__dict__.update(NVML_H)
+        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all
+        self.binding_lacks = frozenset(binding_lacks)
+        for name in self.binding_lacks:
+            self.__dict__.pop(name, None)
+            if callable(getattr(type(self), name, None)):
+                self.__dict__[name] = None  # shadows the method: getattr(lib, name, None) is None
 
     # --- module emulation -------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("binding_lacks", ()):
+            raise AttributeError(f"this nvidia-ml-py has no {name}")
         value = getattr(pynvml, name)
         if _is_function(name, value):
             raise AttributeError(f"simulated NVML has no {name}")
         return value
 
     def __dir__(self) -> list[str]:
-        return sorted(set(dir(pynvml)) | set(super().__dir__()))
+        return sorted((set(dir(pynvml)) | set(super().__dir__())) - self.binding_lacks)
 
     def _gpu_of(self, handle: Any) -> int | None:
         if isinstance(handle, bytes):  # a UUID, as nvmlDeviceGetHandleByUUID takes it
             uuid = handle.decode()
             return self._uuids.index(uuid) if uuid in self._uuids else None
         try:
-            return self._by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
+            address = ctypes.cast(handle, ctypes.c_void_p).value
+        except (TypeError, ctypes.ArgumentError):
+            return None
+        gpu = self._by_address.get(address)
+        return self._mig_by_address[address][0] if gpu is None and address in self._mig_by_address else gpu
+
+    def _mig_of(self, handle: Any) -> tuple[int, int] | None:
+        """(parent GPU, GPU instance id) of a MIG device handle; None for a whole GPU."""
+        try:
+            return self._mig_by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
         except (TypeError, ctypes.ArgumentError):
             return None
 
@@ -206,27 +217,26 @@ class SimulatedNVML:
             self.calls[function] += 1
             if gpu is not None:
                 self.calls_by_gpu[gpu] += 1
+        if not self.initialized and function != "nvmlInit":
+            raise pynvml.NVMLError_Uninitialized()
         if self.call_cost:
             time.sleep(self.call_cost)
-        t = self._t()
-        for fault in self.faults:
-            if fault.active(t) and fault.matches_call(function, gpu):
-                fault.fired += 1
-                if fault.hang:
-                    time.sleep(fault.hang)
-                if fault.error:
-                    raise getattr(pynvml, f"NVMLError_{fault.error}")()
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
-        for fault in self.faults:
-            if fault.field == field_id and fault.gpu in (None, gpu) and fault.active(t) and fault.error:
-                fault.fired += 1
-                return getattr(pynvml, f"NVMLError_{fault.error}")().value
+        """The NVML return code of one field of a batch, if it fails (never, here)."""
         return None
+
+    def _new_xids(self, t: float) -> list[tuple[int, int]]:
+        """(gpu, xid) events that happen now (none, here)."""
+        return []
+
+    def fall_off_bus(self, gpu: int | None) -> None:
+        """What a GPU that falls off the bus loses: its event registrations."""
+        self._forget_registrations(gpu)
 
     # --- the simulated workload -------------------------------------------------------------------
     def _phase(self, gpu: int, t: float) -> tuple[str, float]:
-        scenario = self.traits[gpu].scenario or self.scenario
+        scenario = self.scenarios[gpu % len(self.scenarios)]
         if scenario != "demo":
             return scenario, t
         phase = int(t // self.phase_seconds)
@@ -271,11 +281,16 @@ class SimulatedNVML:
     # --- system ----------------------------------------------------------------------------------
     @_api(device=False)
     def nvmlInit(self) -> None:
-        return None
+        self.initialized = True
 
     @_api(device=False)
     def nvmlShutdown(self) -> None:
-        return None
+        self.initialized = False
+        with self._lock:
+            self._event_sets.clear()
+            self._gpm_buffers.clear()
+            self._gpm_samples.clear()
+            self._keep.clear()
 
     @_api(device=False)
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -309,7 +324,30 @@ class SimulatedNVML:
         return self.traits[self._gpu_of(handle)].name
 
     @_api()
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return MIG_SLOTS if self.traits[self._gpu_of(handle)].mig else 0
+
+    @_api()
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
+        gpu = self._gpu_of(handle)
+        if not self.traits[gpu].mig or not 0 <= index < MIG_SLOTS:
+            raise pynvml.NVMLError_InvalidArgument()
+        if index >= MIG_INSTANCES:
+            raise pynvml.NVMLError_NotFound()
+        return self._mig_handles[(gpu, index + 1)]
+
+    @_api()
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        mig = self._mig_of(handle)
+        if mig is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        return mig[1]
+
+    @_api()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        mig = self._mig_of(handle)
+        if mig is not None:
+            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{mig[0]}-gi{mig[1]}')}"
         return self._uuids[self._gpu_of(handle)]
 
     @_api()
@@ -338,34 +376,53 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetSamples(self, handle: Any, sampling_type: int, timestamp: int) -> tuple[int, list]:
         gpu = self._gpu_of(handle)
-        if self.traits[gpu].mig or sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+        if self.traits[gpu].mig or sampling_type != H.NVML_GPU_UTILIZATION_SAMPLES:
             raise pynvml.NVMLError_NotSupported()
         now_tick = math.floor(self._t() / TICK)
         first = max(now_tick - BUFFER + 1, 1)
         samples = []
         for tick in range(first, now_tick + 1):
             stamp = int((self.start + tick * TICK) * 1e6)
-            if stamp > timestamp:
+            busy = self.utilization(gpu, (tick - 0.5) * TICK)
+            if stamp > timestamp and busy > 0:  # like the driver: no samples while the GPU idles
                 sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
-                sample.sampleValue.uiVal = round(100 * self.utilization(gpu, (tick - 0.5) * TICK))
+                sample.sampleValue.uiVal = round(100 * busy)
                 samples.append(sample)
         if not samples:
             raise pynvml.NVMLError_NotFound()
-        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+        return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu = self._gpu_of(handle)
         total, used, reserved = self.traits[gpu].memory_total, self.memory_used(gpu, self._t()), 512 * MIB
+        if self._mig_of(handle) is not None:  # an equal share of the GPU per GPU instance
+            total, used, reserved = total // MIG_INSTANCES, used // MIG_INSTANCES, reserved // MIG_INSTANCES
         if not version:
             return pynvml.c_nvmlMemory_t(total=total, used=used + reserved, free=total - used - reserved)
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
                                         free=total - used - reserved)
 
-    @_api()
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+    def _temperature(self, handle: Any, sensor: int) -> int:
+        if sensor != H.NVML_TEMPERATURE_GPU:
+            raise pynvml.NVMLError_InvalidArgument()
         gpu = self._gpu_of(handle)
         return round(34 + 36 * self.utilization(gpu, self._t())) + gpu
+
+    @_api()
+    def nvmlDeviceGetTemperatureV(self, handle: Any, sensor: int, version: int = 0x100000C) -> int:
+        return self._temperature(handle, sensor)
+
+    @_api()
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:  # deprecated for removal in CUDA 14
+        return self._temperature(handle, sensor)
+
+    @_api()
+    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: int) -> int:
+        celsius = _H100_THRESHOLDS.get(threshold)
+        if celsius is None:  # the acoustic limits: boards with fans only
+            raise pynvml.NVMLError_NotSupported()
+        return celsius
 
     @_api()
     def nvmlDeviceGetNumFans(self, handle: Any) -> int:
@@ -409,17 +466,17 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int:
         busy = self.utilization(self._gpu_of(handle), self._t()) >= 0.05
-        return {pynvml.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, pynvml.NVML_CLOCK_SM: 1980 if busy else 345,
-                pynvml.NVML_CLOCK_MEM: 2619, pynvml.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
+        return {H.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, H.NVML_CLOCK_SM: 1980 if busy else 345,
+                H.NVML_CLOCK_MEM: 2619, H.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
 
     @_api()
     def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock: int) -> int:
-        return {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
-                pynvml.NVML_CLOCK_VIDEO: 1965}[clock]
+        return {H.NVML_CLOCK_GRAPHICS: 1980, H.NVML_CLOCK_SM: 1980, H.NVML_CLOCK_MEM: 2619,
+                H.NVML_CLOCK_VIDEO: 1965}[clock]
 
     def _reasons(self, handle: Any) -> int:
         idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
-        return pynvml.nvmlClocksEventReasonGpuIdle if idle else 0
+        return H.nvmlClocksEventReasonGpuIdle if idle else 0
 
     @_api()
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
@@ -432,11 +489,13 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
         busy = self.utilization(self._gpu_of(handle), self._t())
-        return int((0.5e9 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
+        return int((0.5e9 if counter == H.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
 
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig:  # like an unprivileged container: MIG hides other instances' processes
+            raise pynvml.NVMLError_NoPermission()
         info = pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, self._t()) - 256 * MIB,
                                           gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
         return [pynvml.nvmlStructToFriendlyObject(info)]
@@ -451,67 +510,96 @@ class SimulatedNVML:
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             entry = values[slot]
             entry.fieldId, entry.scopeId, entry.timestamp = field_id, scope, int(self.clock() * 1e6)
-            error = self._field_error(gpu, field_id, t)
+            error = self._field_error(gpu, field_id, t) or self._scope_error(gpu, field_id, scope)
             reading = None if error else self._field(gpu, field_id, scope, t, busy)
             if error:
                 entry.nvmlReturn = error
             elif reading is None:
-                entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                entry.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
             else:
-                entry.nvmlReturn = pynvml.NVML_SUCCESS
-                entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                entry.nvmlReturn = H.NVML_SUCCESS
+                entry.valueType = H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
                 entry.value.ullVal = int(reading)
         return values
 
+    def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:
+        """INVALID_ARGUMENT for a link id past NVML_NVLINK_MAX_LINKS (other than "all links")."""
+        if field_id in _NVLINK_FIELDS and scope != NVLINK_SCOPE_ALL and scope >= H.NVML_NVLINK_MAX_LINKS:
+            return H.NVML_ERROR_INVALID_ARGUMENT
+        return None
+
     def _field(self, gpu: int, field_id: int, scope: int, t: float, busy: float) -> float | None:
         traits = self.traits[gpu]
-        if field_id in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
-            return 20e9 * busy / traits.nvlinks / 1024 if scope < traits.nvlinks else None
-        if field_id in (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT,
-                        pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
+        if field_id in _NVLINK_FIELDS:  # KiB: each link carries an equal share of 20 GB per busy second
+            if not traits.nvlinks or (scope != NVLINK_SCOPE_ALL and scope >= traits.nvlinks):
+                return None
+            return 20e9 * busy / 1024 / (1 if scope == NVLINK_SCOPE_ALL else traits.nvlinks)
+        if field_id in (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT,
+                        H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
             return None
         return {
-            pynvml.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
-            pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
-            pynvml.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
-            pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
-            pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
-            pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
-            pynvml.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
-            pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
-            pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: 0.5e9 * t,
-            pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: 1.5e9 * t + 4e9 * busy,
+            H.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
+            H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
+            H.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
+            H.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
+            H.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
+            H.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
+            H.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
+            H.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
+            H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: (PCIE_COUNTER_START + int(0.5e9 * t)) % 2**64,
+            H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: (PCIE_COUNTER_START + int(1.5e9 * t + 4e9 * busy)) % 2**64,
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------
+    def _forget_registrations(self, gpu: int | None) -> None:
+        with self._lock:
+            for registered in self._event_sets.values():
+                registered.discard(gpu)
+
+    def _registered(self, event_set: Any) -> set[int]:
+        """The GPUs registered on a live event set; INVALID_ARGUMENT for a freed or unknown one."""
+        registered = self._event_sets.get(ctypes.cast(event_set, ctypes.c_void_p).value)
+        if registered is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        return registered
+
     @_api(device=False)
     def nvmlEventSetCreate(self) -> Any:
         buffer = (ctypes.c_char * 8)()
         self._keep.append(buffer)
+        self._event_sets[ctypes.addressof(buffer)] = set()
         return _handle(buffer, pynvml.c_nvmlEventSet_t)
+
+    @_api(device=False)
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        self._registered(event_set)
+        del self._event_sets[ctypes.cast(event_set, ctypes.c_void_p).value]
 
     @_api()
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
-        return None
+        self._registered(event_set).add(self._gpu_of(handle))
 
     @_api(device=False)
     def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
+            if not self.initialized:  # shut down while waiting
+                raise pynvml.NVMLError_Uninitialized()
+            registered = self._registered(event_set)
             t = self._t()
-            # Draw new events only once the pending ones are delivered: a rule without `times` fires
-            # on every wait, and several such rules must not queue faster than the waits consume.
-            for fault in self.faults if not self._xid_queue else ():
-                if fault.xid is not None and fault.active(t):
-                    fault.fired += 1
-                    self._xid_queue.append((fault.gpu or 0, fault.xid))
+            # Draw new events only once the pending ones are delivered: they must not queue faster
+            # than the waits consume them.
+            if not self._xid_queue:
+                self._xid_queue.extend(self._new_xids(t))
+            while self._xid_queue and self._xid_queue[0][0] not in registered:
+                self._xid_queue.pop(0)  # happened on a GPU not registered on this set: never delivered
             if self._xid_queue:
                 gpu, xid = self._xid_queue.pop(0)
                 return pynvml.c_nvmlEventData_t(device=self._handles[gpu],
-                                                eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=xid)
+                                                eventType=H.nvmlEventTypeXidCriticalError, eventData=xid)
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError_Timeout()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -520,7 +608,7 @@ class SimulatedNVML:
     @_api()
     def nvmlGpmQueryDeviceSupport(self, handle: Any) -> Any:
         support = pynvml.c_nvmlGpmSupport_t()
-        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.version = H.NVML_GPM_SUPPORT_VERSION
         support.isSupportedDevice = int(self.traits[self._gpu_of(handle)].gpm)
         return support
 
@@ -528,11 +616,35 @@ class SimulatedNVML:
     def nvmlGpmSampleAlloc(self) -> Any:
         buffer = (ctypes.c_char * 8)()
         self._keep.append(buffer)
+        self._gpm_buffers.add(ctypes.addressof(buffer))
         return _handle(buffer, pynvml.c_nvmlGpmSample_t)
+
+    def _gpm_buffer(self, sample: Any) -> int:
+        address = ctypes.cast(sample, ctypes.c_void_p).value
+        if address not in self._gpm_buffers:
+            raise pynvml.NVMLError_InvalidArgument()
+        return address
+
+    @_api(device=False)
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._gpm_buffers.discard(self._gpm_buffer(sample))
+
+    @_api()
+    def nvmlGpmMigSampleGet(self, handle: Any, gpu_instance_id: int, sample: Any) -> Any:
+        self._gpm_buffer(sample)
+        gpu = self._gpu_of(handle)
+        if not self.traits[gpu].mig or (gpu, gpu_instance_id) not in self._mig_handles:
+            raise pynvml.NVMLError_InvalidArgument()
+        t = self._t()
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
+        return sample
 
     @_api()
     def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> Any:
+        self._gpm_buffer(sample)
         gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig:  # in MIG mode GPM answers per GPU instance only
+            raise pynvml.NVMLError_NotSupported()
         t = self._t()
         self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
         return sample
@@ -544,12 +656,12 @@ class SimulatedNVML:
         if second[1] <= first[1]:
             raise pynvml.NVMLError_InvalidArgument()
         busy = (second[2] - first[2]) / (second[1] - first[1])
-        scale = {pynvml.NVML_GPM_METRIC_SM_UTIL: 85.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
-                 pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
+        scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
+                 H.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
         for slot in range(request.numMetrics):
             metric = request.metrics[slot]
             if metric.metricId in scale:
-                metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, pynvml.NVML_SUCCESS
+                metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, H.NVML_SUCCESS
             else:
-                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                metric.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
         return request

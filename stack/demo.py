@@ -10,7 +10,6 @@ explode, one whose GPU memory leaks. Ctrl-C (or SIGTERM, or closing the terminal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -193,13 +192,6 @@ def grafana(binary: str, workdir: Path, provisioning: Path, port: int, password:
     return Service("grafana", argv, port, workdir / "grafana.log", ready_path="/api/health", env=env)
 
 
-def simulated_gpus_plan(workdir: Path, runs: list[SweepRun]) -> Path:
-    """A fault plan giving simulated GPU i the scenario of run i (exporter --simulate.faults)."""
-    path = workdir / "simulated-gpus.json"
-    path.write_text(json.dumps({"devices": {str(i): {"scenario": run.scenario} for i, run in enumerate(runs)}}))
-    return path
-
-
 def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None,
                      cuda_device: int | None) -> Service:
     """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`."""
@@ -297,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         printer = AlertPrinter(started, {u: r.name for u, r in zip(uuids, runs) if u}, None)
         webhook = processes.WebhookReceiver(on_payload=printer).start()
         exporter_args = [] if real_gpus else [
-            "--simulate=healthy", f"--simulate.gpus={len(runs)}", f"--simulate.leak-minutes={LEAK_MINUTES}",
-            f"--simulate.faults={simulated_gpus_plan(workdir, runs)}"]
+            "--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}",
+            f"--simulate.leak-minutes={LEAK_MINUTES}"]
         services = {"exporter": up(processes.exporter(workdir, exporter_args, port=port_for("exporter")))}
         log("exporter reads " + ("real GPUs through NVML" if real_gpus else
                                   "SIMULATED GPUs (no NVIDIA driver here)"))

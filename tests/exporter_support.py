@@ -11,7 +11,9 @@ from exporter.collectors import ALL
 from exporter.exposition import SnapshotCollector
 from exporter.nvml import Nvml
 from exporter.sampler import Sampler
-from exporter.simulated import DeviceTraits, Fault, SimulatedNVML
+from exporter.simulated import DeviceTraits
+from stack import processes
+from tests.nvml_faults import Fault, FaultyNVML
 
 GOLDEN = Path(__file__).parent / "golden"
 EVERY_COLLECTOR = [c.name for c in ALL if c.default_enabled]
@@ -35,9 +37,10 @@ class Rig:
 
     def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
                  faults: list[Fault] | None = None, collectors: list[str] | None = None, interval: float = 1.0,
-                 proc_root: str = "/proc", pid: int | None = None) -> None:
+                 proc_root: str = "/proc", pid: int | None = None, binding_lacks: tuple[str, ...] = ()) -> None:
         self.clock = FakeClock()
-        self.lib = SimulatedNVML(scenario, gpus, devices=devices, faults=faults, clock=self.clock, pid=pid)
+        self.lib = FaultyNVML(scenario, gpus, devices=devices, faults=faults, clock=self.clock, pid=pid,
+                              binding_lacks=binding_lacks)
         self.nvml = Nvml(self.lib)
         self.nvml.init()
         self.sampler = Sampler(self.nvml, collectors or EVERY_COLLECTOR, interval=interval, simulated=True,
@@ -61,6 +64,14 @@ class Rig:
         """Label sets of every sample named `name` in the exposition."""
         return [sample.labels for family in text_string_to_metric_families(self.exposition())
                 for sample in family.samples if sample.name == name]
+
+
+def faulty_exporter(workdir: Path, args: list[str], **kwargs) -> processes.Service:
+    """`processes.exporter(...)` run as `python -m tests.faulty_exporter`: the same daemon, and
+    `--faults=FILE` applies a fault plan (tests/nvml_faults.py) to its simulated NVML."""
+    service = processes.exporter(workdir, args, **kwargs)
+    service.argv[service.argv.index("exporter")] = "tests.faulty_exporter"
+    return service
 
 
 def gpus_with(rig: Rig, name: str) -> set[str]:

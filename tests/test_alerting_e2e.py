@@ -8,6 +8,7 @@ import pytest
 
 from stack import processes
 from tests.alerting_support import NonFiniteRun, start_pipeline
+from tests.exporter_support import faulty_exporter
 
 pytestmark = pytest.mark.e2e
 
@@ -40,8 +41,8 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
 def test_lost_gpu_reaches_the_webhook(tmp_path, start_service, webhook_receiver):
     plan = tmp_path / "faults.json"
     plan.write_text(json.dumps({"faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 1}]}))
-    exporter = start_service(processes.exporter(
-        tmp_path, ["--simulate=healthy", f"--simulate.faults={plan}", "--sample-interval=0.2"]))
+    exporter = start_service(faulty_exporter(
+        tmp_path, ["--simulate=healthy", f"--faults={plan}", "--sample-interval=0.2"]))
     pipeline = start_pipeline(tmp_path, start_service, webhook_receiver, exporter_targets=[exporter.address])
 
     notification, alert = webhook_receiver.wait_for_alert("GPULost", gpu="1", timeout=60)

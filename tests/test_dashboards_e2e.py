@@ -21,6 +21,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
+from tests.exporter_support import faulty_exporter
 from tests.test_dashboards import (CONTRACT_RECORDING_RULES, DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
                                    label_values_args, load, metric_names, queries, query_variables,
                                    recording_rule_names, substitute)
@@ -71,9 +72,8 @@ class Stack:
         self.pgw = self._start(processes.pushgateway(self.workdir))
         faults = self.workdir / "faults.json"
         faults.write_text(json.dumps(FAULT_PLAN))
-        self.exporter = self._start(processes.exporter(
-            self.workdir, ["--simulate=demo", "--simulate.gpus=2", "--sample-interval=0.2",
-                           f"--simulate.faults={faults}"]))
+        self.exporter = self._start(faulty_exporter(
+            self.workdir, ["--simulate=demo", "--simulate.gpus=2", "--sample-interval=0.2", f"--faults={faults}"]))
         config = processes.render_prometheus_config(
             self.workdir, {processes.EXPORTER_JOB: [self.exporter.address],
                            processes.PUSHGATEWAY_JOB: [self.pgw.address]},

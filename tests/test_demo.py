@@ -162,7 +162,7 @@ def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> N
         spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT)
     first = wait_for_output(log, FIRST_ALERT.pattern, 300)
     first_at = time.monotonic() - started
-    loader = wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0", 600)
+    wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0", 600)
     loader_at = time.monotonic() - started
     print(f"first alert after {first_at:.0f} s ({first.group(1)}), data-loader alert after {loader_at:.0f} s")
     assert first_at < 300 and loader_at < 600
@@ -199,19 +199,18 @@ def test_a_port_in_time_wait_is_kept_and_a_taken_one_moves_loudly(capsys) -> Non
     assert f"PORT MOVED: pushgateway uses {moved}, not its usual 9091" in capsys.readouterr().out
 
 
-def test_the_sweep_gpus_each_run_their_runs_scenario(tmp_path: Path) -> None:
-    """The demo's fault plan gives each simulated GPU its run's story: GPU 1 beats busy/idle, GPU 3's
-    memory climbs, GPUs 0 and 2 stay healthy."""
-    from exporter.simulated import FaultPlanError, SimulatedNVML, load_fault_plan
-    from stack.demo import simulated_gpus_plan, sweep
+def test_the_sweep_gpus_each_run_their_runs_scenario() -> None:
+    """--simulate with a list gives each simulated GPU its run's story: GPU 1 beats busy/idle, GPU 3's
+    memory climbs, GPUs 0 and 2 stay healthy; an unknown scenario is one line and exit 2."""
+    from exporter.cli import main, parse_args
+    from exporter.simulated import SimulatedNVML
+    from stack.demo import sweep
     runs = sweep(150)
-    devices, _ = load_fault_plan(str(simulated_gpus_plan(tmp_path, runs)))
-    nvml = SimulatedNVML("healthy", len(runs), devices=devices, clock=lambda: 0.0)
+    args = parse_args(["--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}"])
+    nvml = SimulatedNVML(args.simulate, args.simulate_gpus, clock=lambda: 0.0)
     assert [run.scenario for run in runs] == ["healthy", "input-bound", "healthy", "memory-leak"]
     assert {nvml.utilization(1, t) for t in (0.5, 2.5)} == {0.0, 1.0}
     assert min(nvml.utilization(gpu, t) for gpu in (0, 2) for t in (0.5, 2.5)) > 0.8
     assert nvml.memory_used(3, 600) > nvml.memory_used(3, 0)
     assert nvml.memory_used(0, 600) == nvml.memory_used(0, 0)
-    (tmp_path / "bad.json").write_text('{"devices": {"0": {"scenario": "melting"}}}')
-    with pytest.raises(FaultPlanError, match="unknown scenario 'melting'"):
-        load_fault_plan(str(tmp_path / "bad.json"))
+    assert main(["--simulate=healthy,melting"]) == 2

@@ -1,10 +1,13 @@
-"""Busy seconds are exact between scrapes: utilization alternating 100 % / 0 % every 2 s, scraped
-every 30 s, gives rate(nvml_gpu_busy_seconds_total[2m]) = 0.50 +- 0.05 (fake clock, 10 simulated minutes)."""
+"""Busy and idle seconds are exact between scrapes: utilization alternating 100 % / 0 % every 2 s,
+scraped every 30 s, gives rate(nvml_gpu_busy_seconds_total[2m]) = 0.50 +- 0.05 and the same for idle
+seconds (fake clock, 10 simulated minutes). The simulated driver's sample buffer runs dry while the
+GPU idles, as a real one does."""
 from __future__ import annotations
 
 import pytest
 
 from tests.exporter_support import Rig
+from exporter.simulated import H
 
 
 def prometheus_rate(points: list[tuple[float, float]], at: float, window: float = 120.0) -> float:
@@ -21,16 +24,19 @@ def test_busy_rate_at_30s_scrapes_reads_half(scrape_offset, sample_interval):
     rig = Rig("input-bound", gpus=1, collectors=["utilization"], interval=sample_interval)
     uuid = rig.sampler.devices[0].uuid
     rig.step(scrape_offset or sample_interval)
-    elapsed, next_scrape, scrapes, gauges = 0.0, 30.0, [], []
+    elapsed, next_scrape, scrapes, idle, gauges = 0.0, 30.0, [], [], []
     while elapsed < 600:
         rig.step()
         elapsed += sample_interval
         if elapsed >= next_scrape:
             scrapes.append((elapsed, rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid)))
+            idle.append((elapsed, rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid)))
             gauges.append(rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid))
             next_scrape += 30.0
     rates = [prometheus_rate(scrapes, at) for at, _ in scrapes[4:]]
     assert all(0.45 <= rate <= 0.55 for rate in rates), rates
+    idle_rates = [prometheus_rate(idle, at) for at, _ in idle[4:]]
+    assert all(0.45 <= rate <= 0.55 for rate in idle_rates), idle_rates
     # The instantaneous gauge only ever shows 0 or 1 at these scrapes: it cannot tell this story.
     assert set(gauges) <= {0.0, 1.0}
 
@@ -43,3 +49,39 @@ def test_idle_seconds_follow_the_idle_threshold():
     for _ in range(40):
         rig.step()
     assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) - start == pytest.approx(20, abs=0.5)
+
+
+def test_an_empty_answer_from_the_sample_buffer_is_idle_time_not_an_error():
+    rig = Rig("healthy", gpus=1, collectors=["utilization"])
+    uuid = rig.sampler.devices[0].uuid
+    rig.step()
+    rig.lib.nvmlDeviceGetSamples = lambda handle, kind, since: (H.NVML_VALUE_TYPE_UNSIGNED_INT, [])  # count 0, SUCCESS
+    start = rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid)
+    for _ in range(5):
+        rig.step()
+    assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) - start == pytest.approx(5)
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_garbage_utilization_is_clamped_to_one():
+    rig = Rig("healthy", gpus=1, collectors=["utilization"])
+    uuid = rig.sampler.devices[0].uuid
+    real_samples, real_rates = rig.lib.nvmlDeviceGetSamples, rig.lib.nvmlDeviceGetUtilizationRates
+
+    def garbage_samples(handle, kind, since):
+        value_type, samples = real_samples(handle, kind, since)
+        for sample in samples:
+            sample.sampleValue.uiVal = 4_294_967_295  # seen from H100s on driver 550
+        return value_type, samples
+
+    def garbage_rates(handle):
+        rates = real_rates(handle)
+        rates.gpu = 4_294_967_295
+        return rates
+    rig.lib.nvmlDeviceGetSamples, rig.lib.nvmlDeviceGetUtilizationRates = garbage_samples, garbage_rates
+    rig.step()
+    start = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid)
+    for _ in range(10):
+        rig.step()
+    assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) - start == pytest.approx(10, abs=0.2)
+    assert rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid) == 1.0

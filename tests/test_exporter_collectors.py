@@ -1,11 +1,11 @@
 """Collectors and sampler against simulated NVML at the pynvml boundary (no daemon, fake clock)."""
 from __future__ import annotations
 
-import pynvml
 import pytest
 
 from exporter.nvml import Absent, Device, GpuLost, Nvml
-from exporter.simulated import DeviceTraits, Fault, SimulatedNVML
+from exporter.simulated import H, DeviceTraits
+from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
 
 CORE_METRICS = [
@@ -136,8 +136,8 @@ def test_gpu_lost_mid_run_drops_only_its_series_and_comes_back():
 
 
 def test_error_on_one_field_is_counted_and_breaks_nothing_else():
-    faults = [Fault(gpu=0, field=pynvml.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
-              Fault(gpu=0, function="nvmlDeviceGetTemperature", error="Timeout")]
+    faults = [Fault(gpu=0, field=H.NVML_FI_DEV_POWER_INSTANT, error="Unknown"),
+              Fault(gpu=0, function="nvmlDeviceGetTemperatureV", error="Timeout")]
     rig = Rig(gpus=2, faults=faults)
     rig.step()
     rig.step()
@@ -152,18 +152,66 @@ def test_error_on_one_field_is_counted_and_breaks_nothing_else():
     assert rig.value("nvml_gpu_lost", gpu="0", uuid=rig.sampler.devices[0].uuid) == 0
 
 
-def test_mig_enabled_gpu_breaks_nothing():
+def test_unknown_error_from_one_sensor_is_a_failed_field_not_a_lost_gpu():
+    rig = Rig(gpus=2, faults=[Fault(gpu=0, function="nvmlDeviceGetTemperatureV", error="Unknown")])
+    for _ in range(10):
+        rig.step()
+        assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}  # never dropped, never flapping
+    uuid = rig.sampler.devices[0].uuid
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"1"}
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="unknown") == 10
+
+
+def test_pcie_byte_counters_unknown_to_the_driver_fall_back_to_the_throughput_call():
+    faults = [Fault(field=H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, error="InvalidArgument"),
+              Fault(field=H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, error="InvalidArgument")]
+    rig = Rig(gpus=1, faults=faults, collectors=["pcie"])
+    for _ in range(3):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    assert rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx") > 0
+    assert rig.lib.calls["nvmlDeviceGetPcieThroughput"] == 6
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_pcie_throughput_is_followed_across_a_counter_wrap():
+    rig = Rig(gpus=1, collectors=["pcie"])
+    uuid = rig.sampler.devices[0].uuid
+    rates = []
+    for _ in range(20):  # the simulated 64-bit TX counter wraps after 12 s
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
+
+
+def test_mig_gpu_exports_each_gpu_instance_and_hidden_processes_are_no_failure():
     rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)})
-    for _ in range(6):
+    for _ in range(11):  # GPM needs two samples of its 5-sample period
         rig.step()
     info = {s["gpu"]: s["mig_mode"] for s in rig.series("nvml_gpu_info")}
     assert info == {"0": "disabled", "1": "enabled"}
-    # MIG mode has no whole-GPU utilization (NOT_SUPPORTED): absent, not an error, not 0.
+    # MIG mode has no whole-GPU utilization or GPM (NOT_SUPPORTED): absent, not an error, not 0.
     assert gpus_with(rig, "nvml_gpu_utilization_ratio") == {"0"}
     assert gpus_with(rig, "nvml_gpu_busy_seconds_total") == {"0"}
+    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0"}
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
-    assert gpus_with(rig, "nvml_gpu_sm_active_ratio") == {"0", "1"}
+    # processes answer NO_PERMISSION under MIG: no series, no error, the collector succeeds
+    assert gpus_with(rig, "nvml_gpu_process_memory_used_bytes") == {"0"}
     assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+    uuid = rig.sampler.devices[1].uuid
+    mig = {s["gpu_instance"]: s["mig_uuid"] for s in rig.series("nvml_gpu_mig_info")}
+    assert sorted(mig) == ["1", "2"] and all(value.startswith("MIG-") for value in mig.values())
+    assert {s["gpu"] for s in rig.series("nvml_gpu_mig_info")} == {"1"}
+    for gi in ("1", "2"):
+        used = rig.value("nvml_gpu_mig_memory_used_bytes", gpu="1", uuid=uuid, gpu_instance=gi)
+        total = rig.value("nvml_gpu_mig_memory_total_bytes", gpu="1", uuid=uuid, gpu_instance=gi)
+        assert 0 < used < total <= rig.lib.traits[1].memory_total / 2
+        assert 0.5 < rig.value("nvml_gpu_mig_sm_active_ratio", gpu="1", uuid=uuid, gpu_instance=gi) <= 1
+        assert rig.value("nvml_gpu_mig_tensor_active_ratio", gpu="1", uuid=uuid, gpu_instance=gi) > 0
+    assert rig.series("nvml_gpu_mig_utilization_ratio") == []  # NOT_SUPPORTED for MIG devices
 
 
 def test_vanished_process_series_vanish(tmp_path):
@@ -217,8 +265,9 @@ def test_every_xid_is_counted_including_repeats():
 
 
 def test_boundary_remembers_unsupported_and_maps_errors():
-    lib = SimulatedNVML("healthy", 1)
+    lib = FaultyNVML("healthy", 1)
     nvml = Nvml(lib)
+    nvml.init()
     device = Device.open(nvml, 0)
     with pytest.raises(Absent):
         device.call("nvmlDeviceGetNumFans")
@@ -229,7 +278,7 @@ def test_boundary_remembers_unsupported_and_maps_errors():
         device.call("nvmlDeviceGetBAR1MemoryInfo")
     lib.faults.append(Fault(function="*", gpu=0, error="GpuIsLost"))
     with pytest.raises(GpuLost):
-        device.call("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU)
+        device.call("nvmlDeviceGetTemperature", H.NVML_TEMPERATURE_GPU)
 
 
 def test_gpu_that_cannot_be_opened_at_start_is_skipped_not_fatal():
@@ -267,3 +316,58 @@ def test_driver_without_field_batches_still_samples_with_fallbacks():
     assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"0"}  # nvmlDeviceGetPowerUsage
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0"}
     assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
+    rig = Rig(gpus=1, collectors=["nvlink"])
+    requested: list = []
+    batch = rig.lib.nvmlDeviceGetFieldValues
+    rig.lib.nvmlDeviceGetFieldValues = lambda handle, fields: requested.extend(fields) or batch(handle, fields)
+    for _ in range(3):
+        rig.step()
+    nvlink = {H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+    assert {pair for pair in requested if pair[0] in nvlink} == {(field, 0xFFFFFFFF) for field in nvlink}
+    assert len(requested) == 6  # two fields per sample, not two per possible link
+    uuid = rig.sampler.devices[0].uuid
+    busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
+    assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=uuid, direction="tx") == \
+        pytest.approx(20e9 * busy, rel=1e-6)
+
+
+@pytest.mark.parametrize("binding_lacks, faults, call", [
+    ((), [], "nvmlDeviceGetTemperatureV"),
+    (("nvmlDeviceGetTemperatureV",), [], "nvmlDeviceGetTemperature"),  # nvidia-ml-py before 12.5xx
+    ((), [Fault(function="nvmlDeviceGetTemperatureV", error="FunctionNotFound")], "nvmlDeviceGetTemperature"),
+])
+def test_temperature_comes_from_nvmlDeviceGetTemperatureV_where_present(binding_lacks, faults, call):
+    rig = Rig(gpus=1, collectors=["thermal"], binding_lacks=binding_lacks, faults=faults)
+    for _ in range(3):
+        rig.step()
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0"}
+    assert rig.lib.calls[call] == 3
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_temperature_thresholds_and_memory_temperature_are_exported_thresholds_read_once():
+    rig = Rig(gpus=1, collectors=["thermal"])
+    for _ in range(5):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    thresholds = {s["threshold"]: rig.value("nvml_gpu_temperature_threshold_celsius", gpu="0", uuid=uuid, **s)
+                  for s in [{"threshold": t} for t in ("slowdown", "shutdown", "gpu_max", "memory_max")]}
+    assert thresholds == {"slowdown": 89, "shutdown": 92, "gpu_max": 87, "memory_max": 95}
+    assert {s["threshold"] for s in rig.series("nvml_gpu_temperature_threshold_celsius")} == set(thresholds)
+    assert 40 <= rig.value("nvml_gpu_memory_temperature_celsius", gpu="0", uuid=uuid) <= 60
+    assert rig.lib.calls["nvmlDeviceGetTemperatureThreshold"] == 7  # 4 answered + 3 acoustic NOT_SUPPORTED, once
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_nvml_up_on_a_host_with_zero_gpus_is_1_and_with_no_gpu_opened_is_0():
+    empty = Rig(gpus=0)
+    empty.step()
+    assert empty.value("nvml_up") == 1
+    assert empty.series("nvml_gpu_info") == []
+    unopened = Rig(gpus=2, faults=[Fault(function="nvmlDeviceGetUUID", error="GpuIsLost")])
+    unopened.step()
+    assert unopened.sampler.devices == []
+    assert unopened.value("nvml_up") == 0

@@ -14,7 +14,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from exporter.exposition import Exposition, sample_lines
+from exporter.exposition import Exposition
+from exporter.textformat import sample_lines
 from stack import processes
 from tests.exporter_support import Rig
 
@@ -96,7 +97,7 @@ def test_special_values_and_label_escaping_match_prometheus_client(rig):
               "nvml_gpu_memory_total_bytes": {(): 3},
               "nvml_gpu_xid_errors_total": {("79",): 2.5e-7},
               "nvml_gpu_process_memory_used_bytes": {("7", 'a"b\\c\nd', "", "", ""): 0.1}}
-    store.publish(0, dataclasses.replace(sample, values=values, lines=sample_lines(device, values, True)))
+    store.publish(0, dataclasses.replace(sample, values=values, lines=sample_lines(device.index, device.uuid, values)))
     body = assert_same_as_prometheus_client(serve(rig), TEXT)
     assert_same_as_prometheus_client(serve(rig), OPENMETRICS)
     for line in (b"nvml_gpu_utilization_ratio{gpu=\"0\",uuid=\"%s\"} NaN", b"nvml_gpu_power_usage_watts{gpu=\"0\",uuid=\"%s\"} +Inf",
@@ -154,3 +155,12 @@ def test_daemon_serves_both_formats_gzip_and_name_filter(tmp_path, start_service
         assert check.returncode == 0, check.stdout + check.stderr
     only = requests.get(url, params={"name[]": "nvml_gpu_temperature_celsius"}, timeout=5).text
     assert {f.name for f in parse_text(only)} == {"nvml_gpu_temperature_celsius"}
+
+
+def test_the_sampler_does_not_import_the_scrape_side():
+    """Data flows one way (NVML -> collectors -> sampler -> snapshot -> exposition): no import cycle."""
+    import subprocess
+    import sys
+    code = "import sys, exporter.sampler; print('exporter.exposition' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "False"

@@ -13,6 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
+from tests.exporter_support import faulty_exporter
 
 pytestmark = pytest.mark.fault
 
@@ -54,8 +55,8 @@ def value(metrics: dict, name: str, **want: str) -> float | None:
 def start(tmp_path, start_service, gpus_: int, plan: dict) -> Scraper:
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps(plan))
-    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", f"--simulate.gpus={gpus_}",
-                                                           f"--simulate.faults={faults}", "--sample-interval=0.2"]))
+    exporter = start_service(faulty_exporter(tmp_path, ["--simulate=healthy", f"--simulate.gpus={gpus_}",
+                                                        f"--faults={faults}", "--sample-interval=0.2"]))
     return Scraper(exporter.url)
 
 
@@ -80,7 +81,7 @@ def test_gpu_lost_mid_run_and_back(tmp_path, start_service):
 def test_hanging_call_and_failing_field(tmp_path, start_service):
     hang = 30
     scrape = start(tmp_path, start_service, 3, {"faults": [
-        {"gpu": 0, "function": "nvmlDeviceGetTemperature", "hang": hang, "at": 2, "times": 1},
+        {"gpu": 0, "function": "nvmlDeviceGetTemperatureV", "hang": hang, "at": 2, "times": 1},
         {"gpu": 2, "field": pynvml.NVML_FI_DEV_POWER_INSTANT, "error": "Unknown"}]})
     # While GPU 0 hangs: the hang is reported, its stale series go, the others stay fresh.
     metrics = processes.wait_until(

@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-from exporter.simulated import Fault
+from tests.nvml_faults import Fault
 from exporter_support import Rig
 from stack.processes import wait_until
 

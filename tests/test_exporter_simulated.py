@@ -4,7 +4,8 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from exporter.simulated import GIB, FaultPlanError, SimulatedNVML, load_fault_plan
+from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
+from tests.nvml_faults import FaultPlanError, load_fault_plan
 from tests.exporter_support import FakeClock
 
 
@@ -34,19 +35,19 @@ def test_demo_cycles_healthy_input_bound_memory_leak():
 def test_structs_and_errors_are_pynvmls_own():
     clock = FakeClock()
     lib = SimulatedNVML("healthy", 1, clock=clock)
+    lib.nvmlInit()
     handle = lib.nvmlDeviceGetHandleByIndex(0)
     assert isinstance(lib.nvmlDeviceGetMemoryInfo(handle, pynvml.nvmlMemory_v2), pynvml.c_nvmlMemory_v2_t)
     assert isinstance(lib.nvmlDeviceGetUtilizationRates(handle), pynvml.c_nvmlUtilization_t)
-    assert isinstance(lib.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_POWER_INSTANT])[0],
+    assert isinstance(lib.nvmlDeviceGetFieldValues(handle, [H.NVML_FI_DEV_POWER_INSTANT])[0],
                       pynvml.c_nvmlFieldValue_t)
     clock.advance(1.0)
-    kind, samples = lib.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
-    assert kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT and isinstance(samples[0], pynvml.c_nvmlSample_t)
+    kind, samples = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    assert kind == H.NVML_VALUE_TYPE_UNSIGNED_INT and isinstance(samples[0], pynvml.c_nvmlSample_t)
     with pytest.raises(pynvml.NVMLError_NotSupported):
         lib.nvmlDeviceGetNumFans(handle)
     with pytest.raises(AttributeError):  # a pynvml function the simulation lacks looks missing
         lib.nvmlDeviceGetBAR1MemoryInfo
-    assert lib.NVML_FI_DEV_POWER_INSTANT == pynvml.NVML_FI_DEV_POWER_INSTANT
 
 
 def test_fault_plan_errors_are_one_line(tmp_path):
@@ -66,11 +67,42 @@ def test_fault_plan_errors_are_one_line(tmp_path):
 def test_every_simulated_function_has_pynvmls_signature():
     import inspect
     lib = SimulatedNVML("healthy", 1)
+    lib.nvmlInit()
     simulated = [name for name in dir(type(lib)) if getattr(getattr(type(lib), name), "simulated_api", False)]
     assert len(simulated) > 30
     for name in simulated:
+        if not hasattr(pynvml, name):  # newer than the installed nvidia-ml-py
+            continue
         real = [p.name for p in inspect.signature(getattr(pynvml, name)).parameters.values()]
         ours = [p.name for p in inspect.signature(getattr(lib, name)).parameters.values()]
         assert len(ours) == len(real), (name, ours, real)
     with pytest.raises(TypeError):  # pynvml hands this argument to ctypes.c_char_p: str is refused
         lib.nvmlDeviceGetHandleByUUID(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetHandleByIndex(0)))
+
+
+def test_out_of_range_nvlink_ids_answer_invalid_argument_and_missing_links_not_supported():
+    lib = SimulatedNVML("healthy", 1, devices={0: DeviceTraits(nvlinks=12)})
+    lib.nvmlInit()
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    tx = H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+    answers = [v.nvmlReturn for v in lib.nvmlDeviceGetFieldValues(handle, [(tx, 11), (tx, 12), (tx, 18),
+                                                                           (tx, 0xFFFFFFFF)])]
+    assert answers == [H.NVML_SUCCESS, H.NVML_ERROR_NOT_SUPPORTED, H.NVML_ERROR_INVALID_ARGUMENT, H.NVML_SUCCESS]
+
+
+def test_nothing_answers_before_init_or_after_shutdown_and_shutdown_frees():
+    lib = SimulatedNVML("healthy", 1)
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        lib.nvmlDeviceGetCount()
+    lib.nvmlInit()
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    event_set, gpm_sample = lib.nvmlEventSetCreate(), lib.nvmlGpmSampleAlloc()
+    lib.nvmlDeviceRegisterEvents(handle, H.nvmlEventTypeXidCriticalError, event_set)
+    lib.nvmlShutdown()
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        lib.nvmlEventSetWait(event_set, 10)
+    lib.nvmlInit()
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # freed by the shutdown
+        lib.nvmlEventSetWait(event_set, 10)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        lib.nvmlGpmSampleGet(handle, gpm_sample)

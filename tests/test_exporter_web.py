@@ -6,7 +6,6 @@ would notice on the command line start `python -m exporter` as a daemon.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import shutil
@@ -22,7 +21,7 @@ import prometheus_client
 import pytest
 import requests
 
-from exporter.web import WebServer, add_web_arguments
+from exporter.web import WebServer
 from exporter.webconfig import WebConfig, WebConfigError, load_web_config
 from stack import processes
 from tests.certs import Pki, bcrypt_hash
@@ -151,13 +150,6 @@ def test_busy_port_raises_oserror(registry):
                            telemetry_path="/metrics", web_config=None, ready=lambda: True)
         with pytest.raises(OSError):
             server.start()
-
-
-def test_web_flag_defaults():
-    parser = argparse.ArgumentParser()
-    add_web_arguments(parser)
-    args = parser.parse_args([])
-    assert (args.web_listen_address, args.web_telemetry_path, args.web_config_file) == (":9942", "/metrics", None)
 
 
 @pytest.mark.parametrize("flag, message", [

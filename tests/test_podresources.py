@@ -1,7 +1,6 @@
 """Pod attribution: the pod-resources collector against a fake kubelet speaking gRPC on a unix socket."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import shutil
 import subprocess
@@ -12,14 +11,12 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
-import pynvml
 import pytest
 import requests
 
 from exporter.collectors import podresources
-from exporter.simulated import DeviceTraits, SimulatedNVML, simulated_uuid
+from exporter.simulated import DeviceTraits, simulated_uuid
 from stack import processes
-from tests import exporter_support
 from tests.exporter_support import Rig
 
 # A ListPodResourcesResponse serialized by code generated from the kubelet's own v1 api.proto (protoc
@@ -129,45 +126,16 @@ def test_pod_info_names_each_gpus_pod_and_follows_it_without_touching_gpu_series
     assert rig.value("nvml_exporter_collector_success", collector="podresources") == 1
 
 
-class MigNVML(SimulatedNVML):
-    """Simulated NVML whose MIG-mode GPU 1 holds MIG devices in slots 0 and 3 (other slots: NOT_FOUND, as NVML)."""
-
-    SLOTS = {0: ("MIG-0b6a3f0e-1111-5b8a-9f1e-000000000001", 1), 3: ("MIG-0b6a3f0e-1111-5b8a-9f1e-000000000002", 5)}
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._mig = {slot: ctypes.cast((ctypes.c_char * 8)(), pynvml.c_nvmlDevice_t) for slot in self.SLOTS}
-        self._keep.extend(self._mig.values())
-        self._mig_slot = {ctypes.cast(handle, ctypes.c_void_p).value: slot for slot, handle in self._mig.items()}
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle):
-        return 7 if self.traits[self._gpu_of(handle)].mig else 0
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, slot):
-        if not self.traits[self._gpu_of(handle)].mig or slot not in self._mig:
-            raise pynvml.NVMLError_NotFound()
-        return self._mig[slot]
-
-    def _slot(self, handle):
-        return self._mig_slot.get(ctypes.cast(handle, ctypes.c_void_p).value)
-
-    def nvmlDeviceGetUUID(self, handle):
-        slot = self._slot(handle)
-        return super().nvmlDeviceGetUUID(handle) if slot is None else self.SLOTS[slot][0]
-
-    def nvmlDeviceGetGpuInstanceId(self, handle):
-        return self.SLOTS[self._slot(handle)][1]
-
-
-def test_mig_devices_map_to_their_parent_gpu_and_gpu_instance(kubelet, monkeypatch):
-    monkeypatch.setattr(exporter_support, "SimulatedNVML", MigNVML)
+def test_mig_devices_map_to_their_parent_gpu_and_gpu_instance(kubelet):
     rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)}, collectors=["memory", "podresources"])
-    (mig_a, _), (mig_b, _) = MigNVML.SLOTS[0], MigNVML.SLOTS[3]
+    parent = rig.lib.nvmlDeviceGetHandleByIndex(1)
+    mig_a, mig_b = (str(rig.lib.nvmlDeviceGetUUID(rig.lib.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)))
+                    for slot in (0, 1))  # the simulator's GPU instances 1 and 2
     kubelet.response = listing(("small-a", "ml", {"worker": [mig_a]}), ("small-b", "ml", {"worker": [mig_b]}),
                                ("big", "ml", {"worker": [rig.sampler.devices[0].uuid]}))
     rig.step()
     assert pod_info(rig) == {("0", "big", "ml", "worker", ""), ("1", "small-a", "ml", "worker", "1"),
-                             ("1", "small-b", "ml", "worker", "5")}
+                             ("1", "small-b", "ml", "worker", "2")}
     mig = {s["mig_uuid"]: s["uuid"] for s in rig.series("nvml_gpu_pod_info") if s.get("mig_uuid")}
     assert mig == {mig_a: rig.sampler.devices[1].uuid, mig_b: rig.sampler.devices[1].uuid}
     assert rig.series("nvml_exporter_errors_total") == []  # empty MIG slots are not errors

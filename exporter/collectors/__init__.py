@@ -6,6 +6,7 @@ from exporter.collectors.clocks import ClocksCollector
 from exporter.collectors.ecc import EccCollector
 from exporter.collectors.gpm import GpmCollector
 from exporter.collectors.memory import MemoryCollector
+from exporter.collectors.mig import MigCollector
 from exporter.collectors.nvlink import NvlinkCollector
 from exporter.collectors.pcie import PcieCollector
 from exporter.collectors.podresources import PodResourcesCollector
@@ -19,7 +20,7 @@ from exporter.collectors.xid import XidCollector, XidWatcher
 ALL: tuple[type[Collector], ...] = (
     UtilizationCollector, MemoryCollector, ThermalCollector, PowerCollector, ThrottleCollector,
     PcieCollector, NvlinkCollector, EccCollector, XidCollector,
-    ClocksCollector, PerformanceStateCollector, FanCollector, ProcessesCollector, GpmCollector,
+    ClocksCollector, PerformanceStateCollector, FanCollector, ProcessesCollector, GpmCollector, MigCollector,
     PodResourcesCollector,
 )
 BY_NAME: dict[str, type[Collector]] = {collector.name: collector for collector in ALL}

@@ -5,9 +5,9 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from exporter.metrics import SPECS
 from exporter.nvml import Absent, CallFailed, Device
+from exporter.textformat import Values
 
 FieldKey = tuple[int, int]
-Values = dict[str, dict[tuple[str, ...], float]]
 
 
 class Collector:
@@ -37,6 +37,9 @@ class Collector:
 
     def collect(self, ctx: "SampleContext") -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what NVML allocated for this collector; called once its GPU's thread has stopped."""
 
 
 class SampleContext:

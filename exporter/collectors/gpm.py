@@ -3,10 +3,74 @@
 No nvidia-smi field (dcgmi: DCGM_FI_PROF_SM_ACTIVE, PIPE_TENSOR_ACTIVE, DRAM_ACTIVE). NVML:
 nvmlGpmQueryDeviceSupport once, then per run nvmlGpmSampleGet into alternating buffers and
 nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, DRAM_BW_UTIL).
+A GPU in MIG mode answers for its GPU instances only (nvmlGpmMigSampleGet, in the mig collector).
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import Absent, CallFailed, Device, GpuLost
+
+#: metric name suffix -> NVML_GPM_METRIC_* constant name
+GPM_METRICS = {"sm_active_ratio": "NVML_GPM_METRIC_SM_UTIL", "tensor_active_ratio": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+               "dram_active_ratio": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
+
+
+def gpm_supported(ctx: SampleContext, device: Device) -> bool | None:
+    """Whether the GPU supports GPM; None when the query failed (ask again next run)."""
+    support = ctx.call("nvmlGpmQueryDeviceSupport")
+    return None if support is None else bool(support.isSupportedDevice)
+
+
+class GpmWindow:
+    """Two GPM sample buffers filled in turn by `take(buffer)`; ratios over the last two samples."""
+
+    def __init__(self, device: Device, take: Callable[[Any], Any]) -> None:
+        self.device = device
+        self.take = take
+        self.buffers: list = []
+        self.have_previous = False
+
+    def read(self, ctx: SampleContext) -> dict[str, float]:
+        """{suffix: ratio} of the window ending now; {} on the first sample or a failed one."""
+        nvml, lib = self.device.nvml, self.device.nvml.lib
+        if not self.buffers:
+            buffers = [ctx.guarded(lambda: nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
+            if None in buffers:
+                self._free(buffers)
+                return {}
+            self.buffers = buffers
+        previous, current = self.buffers
+        if ctx.guarded(lambda: self.take(current)) is None:
+            self.have_previous = False
+            return {}
+        self.buffers.reverse()
+        if not self.have_previous:
+            self.have_previous = True
+            return {}
+        request = lib.c_nvmlGpmMetricsGet_t()
+        request.version = lib.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = previous, current
+        for slot, constant in enumerate(GPM_METRICS.values()):
+            request.metrics[slot].metricId = getattr(lib, constant)
+        if ctx.guarded(lambda: nvml.call("nvmlGpmMetricsGet", request)) is None:
+            return {}
+        return {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
+                if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+
+    def close(self) -> None:
+        self._free(self.buffers)
+        self.buffers, self.have_previous = [], False
+
+    def _free(self, buffers: list) -> None:
+        for buffer in buffers:
+            if buffer is not None:
+                try:
+                    self.device.nvml.call("nvmlGpmSampleFree", buffer)
+                except (Absent, CallFailed, GpuLost):
+                    pass
 
 
 class GpmCollector(Collector):
@@ -16,43 +80,16 @@ class GpmCollector(Collector):
 
     def __init__(self, device, **kwargs) -> None:
         super().__init__(device, **kwargs)
-        lib = device.nvml.lib
-        self.metrics = {"nvml_gpu_sm_active_ratio": lib.NVML_GPM_METRIC_SM_UTIL,
-                        "nvml_gpu_tensor_active_ratio": lib.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
-                        "nvml_gpu_dram_active_ratio": lib.NVML_GPM_METRIC_DRAM_BW_UTIL}
         self.supported: bool | None = None
-        self.samples: list = []
-        self.have_previous = False
+        self.window = GpmWindow(device, lambda buffer: device.call("nvmlGpmSampleGet", buffer))
 
     def collect(self, ctx: SampleContext) -> None:
-        lib = self.device.nvml.lib
         if self.supported is None:
-            support = ctx.call("nvmlGpmQueryDeviceSupport")
-            if support is None:  # failed: asked again next run (absent: remembered by the device, no call)
-                return
-            self.supported = bool(support.isSupportedDevice)
-            if self.supported:
-                self.samples = [ctx.guarded(lambda: self.device.nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
-                self.supported = None not in self.samples
-        if not self.supported:
+            self.supported = gpm_supported(ctx, self.device)
+        if not self.supported or self.device.lacks("nvmlGpmSampleGet"):
             return
-        previous, current = self.samples
-        if ctx.call("nvmlGpmSampleGet", current) is None:
-            self.have_previous = False
-            return
-        self.samples.reverse()
-        if not self.have_previous:
-            self.have_previous = True
-            return
-        request = lib.c_nvmlGpmMetricsGet_t()
-        request.version = lib.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(self.metrics)
-        request.sample1, request.sample2 = previous, current
-        for slot, metric_id in enumerate(self.metrics.values()):
-            request.metrics[slot].metricId = metric_id
-        if ctx.guarded(lambda: self.device.nvml.call("nvmlGpmMetricsGet", request)) is None:
-            return
-        for slot, metric in enumerate(self.metrics):
-            result = request.metrics[slot]
-            if result.nvmlReturn == lib.NVML_SUCCESS:
-                ctx.emit(metric, result.value / 100)
+        for suffix, ratio in self.window.read(ctx).items():
+            ctx.emit(f"nvml_gpu_{suffix}", ratio)
+
+    def close(self) -> None:
+        self.window.close()

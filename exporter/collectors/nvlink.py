@@ -1,14 +1,16 @@
-"""NVLink payload traffic, summed over links. nvidia-smi: `nvidia-smi nvlink -gt d`.
+"""NVLink payload traffic over all links. nvidia-smi: `nvidia-smi nvlink -gt d`.
 
-NVML fields NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX (KiB counters) with the link as scope,
-for every possible link in the one field batch; links a GPU lacks answer NOT_SUPPORTED once and are
-then never asked again. A GPU without NVLink exports no series.
+NVML fields NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX / _RX (KiB counters), read with the scope id
+0xFFFFFFFF, which nvml.h defines as "summed up across all links": two fields per sample, and no
+per-link sum in which one failing link would read as a counter reset. A GPU without NVLink answers
+NOT_SUPPORTED once and exports no series.
 """
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
 
 KIB = 1024
+ALL_LINKS = 0xFFFFFFFF  # nvml.h: the scope id of a field summed up across all links
 
 
 class NvlinkCollector(Collector):
@@ -20,12 +22,9 @@ class NvlinkCollector(Collector):
         return {"tx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, "rx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
 
     def fields(self):
-        links = range(self.device.nvml.lib.NVML_NVLINK_MAX_LINKS)
-        return [(field_id, link) for field_id in self._fields().values() for link in links]
+        return [(field_id, ALL_LINKS) for field_id in self._fields().values()]
 
     def collect(self, ctx: SampleContext) -> None:
-        links = range(self.device.nvml.lib.NVML_NVLINK_MAX_LINKS)
         for direction, field_id in self._fields().items():
-            values = [v for v in (ctx.field(field_id, link) for link in links) if v is not None]
-            if values:
-                ctx.emit("nvml_gpu_nvlink_data_bytes_total", sum(values) * KIB, direction)
+            kib = ctx.field(field_id, ALL_LINKS)
+            ctx.emit("nvml_gpu_nvlink_data_bytes_total", None if kib is None else kib * KIB, direction)

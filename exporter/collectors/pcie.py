@@ -1,12 +1,15 @@
 """PCIe throughput and replays. nvidia-smi: `nvidia-smi dmon -s t` (rxpci/txpci), pcie.replay counter.
 
 NVML fields NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES (byte counters; the rate is taken between
-two samples, so nothing blocks) and NVML_FI_DEV_PCIE_REPLAY_COUNTER. Drivers without the byte
-counters fall back to nvmlDeviceGetPcieThroughput (a 20 ms driver-side window, in KiB/s).
+two samples, so nothing blocks; a counter that wraps is followed across the wrap) and
+NVML_FI_DEV_PCIE_REPLAY_COUNTER. Drivers without the byte counters (NOT_SUPPORTED, or
+INVALID_ARGUMENT from drivers that predate the field) fall back to nvmlDeviceGetPcieThroughput
+(a 20 ms driver-side window, in KiB/s).
 """
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import constant
 
 
 class PcieCollector(Collector):
@@ -16,8 +19,8 @@ class PcieCollector(Collector):
     def __init__(self, device, **kwargs) -> None:
         super().__init__(device, **kwargs)
         lib = device.nvml.lib
-        self.counters = {"tx": (lib.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, lib.NVML_PCIE_UTIL_TX_BYTES),
-                         "rx": (lib.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, lib.NVML_PCIE_UTIL_RX_BYTES)}
+        self.counters = {"tx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES"), lib.NVML_PCIE_UTIL_TX_BYTES),
+                         "rx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"), lib.NVML_PCIE_UTIL_RX_BYTES)}
         self.previous: dict[str, tuple[float, float]] = {}
 
     def fields(self):
@@ -39,6 +42,19 @@ class PcieCollector(Collector):
     def _rate(self, direction: str, total: float, now: float) -> float | None:
         previous = self.previous.get(direction)
         self.previous[direction] = (total, now)
-        if previous is None or now <= previous[1] or total < previous[0]:
+        if previous is None or now <= previous[1]:
             return None
-        return (total - previous[0]) / (now - previous[1])
+        delta = total - previous[0]
+        if delta < 0:
+            delta = _wrapped(previous[0], total)
+        return None if delta is None else delta / (now - previous[1])
+
+
+def _wrapped(before: float, after: float) -> float | None:
+    """Bytes between two readings of a counter that went backwards: a wrap of a 32-bit counter, or of
+    a 64-bit one read close to its end; anything else is a reset (driver reload): None."""
+    for bits in (32, 64):
+        modulus = 1 << bits
+        if before < modulus and (bits == 32 or before > modulus / 2):
+            return modulus - before + after
+    return None

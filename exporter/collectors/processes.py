@@ -8,11 +8,15 @@ PIDs can be sensitive: `--no-collector.processes` turns all of this off.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.collectors.base import Collector, SampleContext
+from exporter.nvml import Absent, CallFailed
+
+log = logging.getLogger(__name__)
 
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
@@ -73,10 +77,22 @@ class ProcessesCollector(Collector):
         super().__init__(device, **kwargs)
         self.proc_root = Path(proc_root)
         self.known: dict[int, ProcessIdentity] = {}
+        self.mig_hidden = False
 
     def collect(self, ctx: SampleContext) -> None:
-        processes = ctx.call("nvmlDeviceGetComputeRunningProcesses")
-        if processes is None:
+        try:
+            processes = self.device.call("nvmlDeviceGetComputeRunningProcesses")
+        except Absent:
+            return
+        except CallFailed as exc:
+            if exc.error == "no_permission" and self.device.mig_mode == "enabled":
+                # MIG hides the processes of GPU instances the exporter is not entitled to (run it
+                # privileged, or with NVIDIA_MIG_MONITOR_DEVICES=all): not a collector failure
+                if not self.mig_hidden:
+                    log.info("GPU %d: processes not visible under MIG (no permission)", self.device.index)
+                    self.mig_hidden = True
+                return
+            ctx.errors.append(exc.error)
             return
         seen: dict[int, ProcessIdentity] = {}
         for process in processes:

@@ -1,56 +1,114 @@
-"""XID errors, event-driven: every XID the driver reports is counted, repeats included.
+"""XID errors, event-driven: every XID NVML delivers is counted, repeats included.
 
 nvidia-smi has no field; the driver logs `NVRM: Xid (PCI:...): 79, ...` to the kernel log. NVML:
 nvmlEventSetCreate, nvmlDeviceRegisterEvents(nvmlEventTypeXidCriticalError), and a thread blocked
-in nvmlEventSetWait. The counts live here; the per-GPU collector copies them into the snapshot.
+in nvmlEventSetWait. NVML delivers only the XIDs it classes as critical; the others appear in the
+kernel log alone. The counts live here; the per-GPU collector copies them into the snapshot.
+
+The thread is joined and the event set freed before NVML is shut down (event sets are not
+thread-safe), a GPU that comes back after being lost is registered again (its handle and its
+registration are new), and the log line is rate-limited per GPU and XID for XID storms.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml, handle_key
 
 log = logging.getLogger(__name__)
 WAIT_MS = 500
+LOG_EVERY = 60.0  # seconds between two log lines for the same GPU and XID
+
+#: What the common XIDs mean, after NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors).
+XID_MEANINGS: dict[int, str] = {
+    13: "graphics engine exception, usually the application",
+    31: "GPU memory page fault, usually the application",
+    43: "GPU stopped processing, usually the application",
+    48: "double-bit ECC error (memory)",
+    63: "ECC page retirement or row remapping recorded (memory)",
+    64: "ECC page retirement or row remapping failed (memory)",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate (memory)",
+    94: "contained ECC error (memory)",
+    95: "uncontained ECC error (memory)",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+
+def describe_xid(xid: int) -> str:
+    return XID_MEANINGS.get(xid, "see NVIDIA's XID catalog")
 
 
 class XidWatcher:
     """Counts XID events for a set of GPUs from one NVML event set, in a background thread."""
 
-    def __init__(self, nvml: Nvml, devices: list[Device]) -> None:
+    def __init__(self, nvml: Nvml, devices: list[Device], clock: Callable[[], float] = time.monotonic) -> None:
         self.nvml = nvml
         self.devices = devices
+        self.clock = clock
         self._counts: dict[int, Counter] = {device.index: Counter() for device in devices}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._event_set: Any = None
+        self._by_handle: dict[int, int] = {}
+        self._returned: list[Device] = []
+        self._logged: dict[tuple[int, int], tuple[float, int]] = {}  # (gpu, xid) -> (last line, unlogged since)
 
     def start(self) -> None:
         """Register for XID events; without event support, log once and count nothing."""
-        lib = self.nvml.lib
         try:
-            event_set = self.nvml.call("nvmlEventSetCreate")
+            self._event_set = self.nvml.call("nvmlEventSetCreate")
         except (Absent, CallFailed, GpuLost) as exc:
             log.info("XID events unavailable (%s): nvml_gpu_xid_errors_total will not be exported", exc)
             return
-        by_handle: dict[int, int] = {}
         for device in self.devices:
-            try:
-                device.call("nvmlDeviceRegisterEvents", lib.nvmlEventTypeXidCriticalError, event_set)
-                by_handle[handle_key(device.handle)] = device.index
-            except (Absent, CallFailed, GpuLost) as exc:
-                log.info("GPU %d: XID events unavailable (%s)", device.index, exc)
-        if by_handle:
-            self._thread = threading.Thread(target=self._run, args=(event_set, by_handle), name="xid-events",
-                                            daemon=True)
+            self._register(device)
+        if self._by_handle:
+            self._thread = threading.Thread(target=self._run, name="xid-events", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
+    def register(self, device: Device) -> None:
+        """Register `device` again after it came back from being lost (its handle is new).
+
+        Done by the event thread between two waits: an event set is not thread-safe.
+        """
+        if self._thread is None:  # no event support: nothing to register with
+            return
+        with self._lock:
+            self._returned.append(device)
+
+    def _register(self, device: Device) -> None:
+        try:
+            device.call("nvmlDeviceRegisterEvents", self.nvml.lib.nvmlEventTypeXidCriticalError, self._event_set)
+        except (Absent, CallFailed, GpuLost) as exc:
+            log.info("GPU %d: XID events unavailable (%s)", device.index, exc)
+            return
+        with self._lock:
+            self._by_handle = {key: index for key, index in self._by_handle.items() if index != device.index}
+            self._by_handle[handle_key(device.handle)] = device.index
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop and join the thread, then free the event set; False if the thread is stuck in NVML."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        if self._event_set is not None:
+            try:
+                self.nvml.call("nvmlEventSetFree", self._event_set)
+            except (Absent, CallFailed, GpuLost) as exc:
+                log.debug("freeing the XID event set failed: %s", exc)
+            self._event_set = None
+        return True
 
     def counts(self, index: int) -> dict[str, int] | None:
         """XID counts of one GPU by code; None when the GPU is not watched."""
@@ -59,22 +117,45 @@ class XidWatcher:
         with self._lock:
             return dict(self._counts.get(index, {}))
 
-    def _run(self, event_set: Any, by_handle: dict[int, int]) -> None:
+    def _run(self) -> None:
         xid_type = self.nvml.lib.nvmlEventTypeXidCriticalError
         while not self._stop.is_set():
+            with self._lock:
+                returned, self._returned = self._returned, []
+            for device in returned:
+                self._register(device)
             try:
-                data = self.nvml.call("nvmlEventSetWait", event_set, WAIT_MS)
-            except CallFailed:  # the timeout of an idle wait, mostly
+                data = self.nvml.call("nvmlEventSetWait", self._event_set, WAIT_MS)
+            except CallFailed as exc:
+                if exc.error == "timeout":  # an idle wait
+                    continue
+                if exc.error == "uninitialized":  # NVML was shut down under us: nothing more to wait for
+                    log.debug("XID event wait: NVML is shut down; stopping")
+                    return
+                log.debug("XID event wait failed: %s", exc)
+                self._stop.wait(WAIT_MS / 1000)  # never spin on an error
                 continue
             except (GpuLost, Absent) as exc:
-                log.debug("event wait failed: %s", exc)
+                log.debug("XID event wait failed: %s", exc)
                 self._stop.wait(WAIT_MS / 1000)
                 continue
-            index = by_handle.get(handle_key(data.device))
-            if data.eventType & xid_type and index is not None:
-                log.warning("GPU %d: XID %d", index, data.eventData)
-                with self._lock:
+            with self._lock:
+                index = self._by_handle.get(handle_key(data.device))
+                if data.eventType & xid_type and index is not None:
                     self._counts[index][str(data.eventData)] += 1
+            if data.eventType & xid_type and index is not None:
+                self._log(index, int(data.eventData))
+
+    def _log(self, index: int, xid: int) -> None:
+        """One warning per GPU and XID at most every LOG_EVERY seconds, with the count in between."""
+        now = self.clock()
+        last, unlogged = self._logged.get((index, xid), (None, 0))
+        if last is not None and now - last < LOG_EVERY:
+            self._logged[(index, xid)] = (last, unlogged + 1)
+            return
+        more = f" (and {unlogged} more since the last line)" if unlogged else ""
+        log.warning("GPU %d: XID %d: %s%s", index, xid, describe_xid(xid), more)
+        self._logged[(index, xid)] = (now, 0)
 
 
 class XidCollector(Collector):

@@ -1,0 +1,72 @@
+"""MIG: each GPU instance of a GPU in MIG mode, labelled `gpu_instance` (the GPU instance id).
+
+nvidia-smi: `nvidia-smi -L` (MIG-… UUIDs), `nvidia-smi mig -lgi`, the MIG device memory table.
+NVML: nvmlDeviceGetMaxMigDeviceCount and nvmlDeviceGetMigDeviceHandleByIndex (every run: MIG can be
+reconfigured while the exporter runs), nvmlDeviceGetGpuInstanceId and nvmlDeviceGetUUID (MIG-…) per
+MIG device, nvmlDeviceGetMemoryInfo and, where the driver answers it for a MIG device,
+nvmlDeviceGetUtilizationRates on the MIG device handle; GPM per GPU instance with
+nvmlGpmMigSampleGet (Hopper+). A GPU without MIG mode exports none of this.
+"""
+from __future__ import annotations
+
+from exporter.collectors.base import Collector, SampleContext
+from exporter.collectors.gpm import GpmWindow, gpm_supported
+from exporter.nvml import CallFailed, as_text
+
+
+class MigCollector(Collector):
+    name = "mig"
+    period = 5
+    help = "per MIG GPU instance: identity, memory, utilization and GPM activity"
+
+    def __init__(self, device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        self.gpm: bool | None = None
+        self.windows: dict[int, GpmWindow] = {}  # GPU instance id -> its GPM window
+
+    def collect(self, ctx: SampleContext) -> None:
+        if self.device.mig_mode != "enabled":
+            return
+        count = ctx.call("nvmlDeviceGetMaxMigDeviceCount")
+        seen = set()
+        for index in range(count or 0):
+            try:
+                handle = self.device.call("nvmlDeviceGetMigDeviceHandleByIndex", index)
+            except CallFailed as exc:
+                if exc.error != "not_found":  # NOT_FOUND: no MIG device in this slot
+                    ctx.errors.append(exc.error)
+                continue
+            instance = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetGpuInstanceId"))
+            if instance is None:
+                continue
+            gi = str(instance)
+            seen.add(instance)
+            mig_uuid = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUUID"))
+            ctx.emit("nvml_gpu_mig_info", 1, gi, as_text(mig_uuid or ""))
+            memory = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
+            if memory is not None:
+                ctx.emit("nvml_gpu_mig_memory_used_bytes", memory.used, gi)
+                ctx.emit("nvml_gpu_mig_memory_total_bytes", memory.total, gi)
+            rates = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUtilizationRates"))
+            if rates is not None:
+                ctx.emit("nvml_gpu_mig_utilization_ratio", min(max(rates.gpu / 100, 0.0), 1.0), gi)
+            self._gpm(ctx, instance, gi)
+        for gone in set(self.windows) - seen:  # a GPU instance destroyed by a MIG reconfiguration
+            self.windows.pop(gone).close()
+
+    def _gpm(self, ctx: SampleContext, instance: int, gi: str) -> None:
+        if self.gpm is None:
+            self.gpm = gpm_supported(ctx, self.device)
+        if not self.gpm or self.device.lacks("nvmlGpmMigSampleGet", instance):
+            return
+        window = self.windows.get(instance)
+        if window is None:
+            window = self.windows[instance] = GpmWindow(
+                self.device, lambda buffer: self.device.call("nvmlGpmMigSampleGet", instance, buffer))
+        for suffix, ratio in window.read(ctx).items():
+            ctx.emit(f"nvml_gpu_mig_{suffix}", ratio, gi)
+
+    def close(self) -> None:
+        for window in self.windows.values():
+            window.close()
+        self.windows = {}

@@ -1,0 +1,59 @@
+"""XID events: shutdown order, no spinning, re-registration of a returned GPU, a rate-limited log."""
+from __future__ import annotations
+
+import logging
+
+from tests.nvml_faults import Fault
+from stack.processes import wait_until
+from tests.exporter_support import Rig
+
+
+def test_stop_joins_the_xid_thread_and_frees_the_event_set_before_nvml_shuts_down():
+    rig = Rig(gpus=1, collectors=["xid", "gpm"])
+    rig.sampler.xid.start()
+    rig.step()
+    rig.step()
+    thread = rig.sampler.xid._thread
+    assert rig.sampler.stop()
+    assert not thread.is_alive()  # joined: nothing waits on the event set when NVML shuts down
+    assert rig.lib.calls["nvmlEventSetFree"] == 1
+    assert rig.lib.calls["nvmlGpmSampleFree"] == 2
+    rig.nvml.shutdown()
+    assert rig.lib.calls["nvmlShutdown"] == 1
+
+
+def test_the_xid_thread_ends_instead_of_spinning_when_nvml_is_shut_down_under_it():
+    rig = Rig(gpus=1, collectors=["xid"])
+    rig.sampler.xid.start()
+    rig.lib.nvmlShutdown()
+    wait_until(lambda: not rig.sampler.xid._thread.is_alive(), timeout=5, what="the XID thread to end")
+    assert rig.lib.calls["nvmlEventSetWait"] < 5
+
+
+def test_a_gpu_back_from_being_lost_is_registered_for_xid_events_again():
+    faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=2, until=4), Fault(gpu=1, xid=79, at=6, times=1)]
+    rig = Rig(gpus=2, faults=faults, collectors=["memory", "xid"])
+    rig.sampler.xid.start()
+    try:
+        for _ in range(4):
+            rig.step()  # t = 4: lost at 2 (which drops its event registration), back at 4
+        assert not rig.sampler.gpus[1].lost
+        wait_until(lambda: rig.lib.calls["nvmlDeviceRegisterEvents"] == 3, timeout=5, what="re-registration")
+        rig.step(2.0)  # t = 6: XID 79
+        uuid = rig.sampler.devices[1].uuid
+        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79"),
+                   timeout=5, what="XID 79 counted")
+    finally:
+        rig.sampler.stop()
+
+
+def test_an_xid_storm_logs_one_line_per_gpu_and_xid_a_minute(caplog):
+    caplog.set_level(logging.WARNING, logger="exporter.collectors.xid")
+    rig = Rig(gpus=1, faults=[Fault(gpu=0, xid=79, times=40)], collectors=["xid"])
+    rig.sampler.xid.start()
+    try:
+        wait_until(lambda: (rig.sampler.xid.counts(0) or {}).get("79") == 40, timeout=10, what="40 XIDs")
+    finally:
+        rig.sampler.stop()
+    lines = [r.getMessage() for r in caplog.records if "XID 79" in r.getMessage()]
+    assert lines == ["GPU 0: XID 79: GPU has fallen off the bus"]
