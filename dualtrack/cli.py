@@ -9,6 +9,8 @@ from typing import Sequence
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.
 SUBCOMMANDS: dict[str, str] = {
+    "replay": "dualtrack.replay",
+    "report": "dualtrack.report",
 }
 
 
