@@ -59,7 +59,7 @@ class RunSeries:
         self.info_labels = labels_text({**base, **config})
         self.samples = 0
         self._last_ms = -1
-        self._last_time = -math.inf
+        self._last = (-math.inf, 0)  # (time, step) of the last step line
         self._steps = 0
         self._samples_total = 0.0
         self._tokens_total: float | None = None
@@ -88,10 +88,14 @@ class RunSeries:
         return f" {seconds}.{millis:03d}\n"
 
     def in_order(self, line: dict[str, Any]) -> bool:
-        """False for a line older than the run's previous one (a copy of a record read twice)."""
-        if line["time"] < self._last_time:
+        """False for a line not after the run's previous one (a copy of a record read twice).
+
+        Steps logged at the same time are in order when their step numbers grow.
+        """
+        here = (line["time"], line["step"])
+        if here <= self._last:
             return False
-        self._last_time = line["time"]
+        self._last = here
         return True
 
     def step(self, line: dict[str, Any]) -> str:

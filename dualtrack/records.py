@@ -19,6 +19,10 @@ from typing import Any, Iterable, Iterator
 #: The newest record format this reader knows (trainer_hook.record.FORMAT_VERSION).
 KNOWN_FORMAT = 2
 _ROTATED = re.compile(r"^(?P<stem>.+)\.(?P<n>\d+)\.jsonl$")
+#: Problem kinds whose plural is not the kind plus "s".
+_PLURALS = {"run mixed into another run's file": "runs mixed into another run's file",
+            "step line before any start line": "step lines before any start line",
+            "end line before any start line": "end lines before any start line"}
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "+inf": math.inf}
 
 
@@ -69,7 +73,7 @@ class Problems:
 
     def summary(self) -> str:
         """'2 corrupt lines (first at a.jsonl:17), 1 truncated last line (...)' or ''."""
-        parts = [f"{count} {kind}{'' if count == 1 else 's'} (first at {self.first[kind]})"
+        parts = [f"{count} {kind if count == 1 else _PLURALS.get(kind, kind + 's')} (first at {self.first[kind]})"
                  for kind, count in sorted(self.counts.items())]
         if self.newer_format:
             parts.append(f"{self.newer_format} start line(s) of a format newer than {KNOWN_FORMAT} "

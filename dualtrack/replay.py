@@ -95,7 +95,7 @@ def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> int:
             text = state.step(line)
             builder.write(text, state.samples - before)
         elif problems is not None:
-            problems.add("step line older than the run's previous one", f"{run.name} step {line['step']}")
+            problems.add("repeated or out-of-order step line", f"{run.name} step {line['step']}")
     return sum(state.samples for state in series.values())
 
 
