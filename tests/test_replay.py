@@ -124,3 +124,13 @@ def test_each_subcommand_has_help() -> None:
         result = subprocess.run([sys.executable, "-m", "dualtrack", command, "--help"], cwd=REPO,
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and "--out" in result.stdout and result.stderr == ""
+
+
+def test_the_stack_loads_only_the_blocks_of_a_replay_directory(tmp_path: Path) -> None:
+    from stack.demo import load_replayed_blocks, parse_args
+    record = write(tmp_path / "a.jsonl", [START] + [step(n, 1000.0 + n) for n in range(3)])
+    assert main(["replay", str(record), "--out", str(tmp_path / "replay")]) == 0
+    data = tmp_path / "prometheus-data"
+    assert load_replayed_blocks(parse_args(["--replay", str(tmp_path / "replay")]).replay, data) == 1
+    assert [p.name for p in data.iterdir()] == [p.name for p in (tmp_path / "replay").iterdir() if p.name.startswith("01")]
+    assert len(dump(data, "training_step")) == 3
