@@ -21,6 +21,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def fail(command: str, message: str, code: int = 1) -> int:
+    """Print one error line for `dualtrack COMMAND` on stderr; return the exit code."""
+    print(f"dualtrack {command}: error: {message}", file=sys.stderr)
+    return code
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="dualtrack", description=__doc__)
     commands = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True,

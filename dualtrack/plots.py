@@ -1,6 +1,7 @@
 """The post-mortem figure (matplotlib): record panels and GPU panels on one step axis, time on top."""
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,3 +89,13 @@ def _time_axis(axis: Any, summary: RunSummary) -> None:
     top = axis.secondary_xaxis("top", functions=(lambda s: numpy.interp(s, steps_array, elapsed),
                                                  lambda t: numpy.interp(t, elapsed, steps_array)))
     top.set_xlabel(f"{unit} since the first step of {summary.run.name}", fontsize=8)
+
+
+def svg_text(figure: Any) -> str:
+    """The figure as an <svg> element to inline in HTML (text kept as text: small and searchable)."""
+    import matplotlib
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(buffer, format="svg")
+    svg = buffer.getvalue()
+    return svg[svg.find("<svg"):]

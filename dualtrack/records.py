@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,18 @@ class Reader:
         self.files = expand(paths)
         self.problems = Problems(files=len(self.files))
         self.runs: dict[tuple[str, str, str], Run] = {}
+
+    def no_steps(self) -> str:
+        """Why there is nothing to show: '<files> hold no step line (<what was skipped>)'."""
+        skipped = self.problems.summary()
+        return (f"no step lines in {', '.join(str(f) for f in self.files)}"
+                + (f" ({skipped})" if skipped else ""))
+
+    def print_skipped(self, command: str) -> None:
+        """One line on stderr with what was skipped, if anything."""
+        skipped = self.problems.summary()
+        if skipped:
+            print(f"dualtrack {command}: skipped {skipped}", file=sys.stderr)
 
     def __iter__(self) -> Iterator[tuple[Run, dict[str, Any]]]:
         for path in self.files:

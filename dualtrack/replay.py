@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
+
+from .cli import fail
 
 HELP = "rebuild a run's Prometheus series (step resolution) from its local record, as TSDB blocks"
 #: In DIR: which replayed runs each block holds, so that a second replay replaces the first.
@@ -45,38 +46,29 @@ def run(args: argparse.Namespace) -> int:
     from .records import InputError, Reader
     promtool = args.promtool or shutil.which("promtool")
     if promtool is None or not os.access(promtool, os.X_OK):
-        return _fail(PROMTOOL_MISSING if args.promtool is None else f"--promtool {args.promtool}: not an executable")
+        return fail("replay", PROMTOOL_MISSING if args.promtool is None else f"--promtool {args.promtool}: not an executable")
     try:
         reader = Reader(args.records)
     except InputError as exc:
-        print(f"dualtrack replay: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("replay", str(exc), 2)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".dualtrack-replay-", dir=args.out) as work:
             builder = BlockBuilder(Path(work), promtool)
             samples = write_openmetrics(reader, builder)
             builder.finish()
-            skipped = reader.problems.summary()
             if samples == 0:
-                return _fail("nothing to replay: no step lines in " + ", ".join(str(f) for f in reader.files)
-                             + (f" ({skipped})" if skipped else ""))
+                return fail("replay", "nothing to replay: " + reader.no_steps())
             blocks = install_blocks(builder.blocks_dir, args.out, [run.name for run in reader.runs.values()])
     except ReplayError as exc:
-        return _fail(str(exc))
+        return fail("replay", str(exc))
     except OSError as exc:
-        return _fail(f"{exc.filename or args.out}: {exc.strerror}")
+        return fail("replay", f"{exc.filename or args.out}: {exc.strerror}")
     steps = sum(run.steps for run in reader.runs.values())
     print(f"replayed {len(reader.runs)} run(s) ({steps} steps, {samples} samples) from "
           f"{len(reader.files)} file(s) into {args.out}: {blocks} block(s); series carry replayed=\"true\"")
-    if skipped:
-        print(f"dualtrack replay: skipped {skipped}", file=sys.stderr)
+    reader.print_skipped("replay")
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"dualtrack replay: error: {message}", file=sys.stderr)
-    return 1
 
 
 def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> int:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import html
-import io
+import importlib.util
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .cli import fail
 from .summary import utc
 
 HELP = "write a self-contained HTML post-mortem (record + optional Prometheus) of one run or several"
@@ -45,21 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .records import InputError, Reader
-    try:
-        import matplotlib  # noqa: F401 - fail early with an install hint
-    except ImportError:
-        return _fail("matplotlib is not installed: pip install 'dualtrack[report]'")
+    if importlib.util.find_spec("matplotlib") is None:
+        return fail("report", "matplotlib is not installed: pip install 'dualtrack[report]'")
     try:
         paths = resolve_inputs(args.inputs, args.records)
         reader = Reader(paths)
     except InputError as exc:
-        print(f"dualtrack report: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("report", str(exc), 2)
     summaries = summarize(reader)
     if not summaries:
-        skipped = reader.problems.summary()
-        return _fail("nothing to report: no step lines in " + ", ".join(str(f) for f in reader.files)
-                     + (f" ({skipped})" if skipped else ""))
+        return fail("report", "nothing to report: " + reader.no_steps())
     gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
     if args.prometheus:
         try:
@@ -69,13 +65,9 @@ def run(args: argparse.Namespace) -> int:
             prometheus_note = f"{args.prometheus}: {exc}"
             print(f"dualtrack report: warning: {prometheus_note}; the report has the record only",
                   file=sys.stderr)
-    from .plots import build_figure
+    from .plots import build_figure, svg_text
     figure = build_figure(summaries, gpu_lines)
-    svg = io.StringIO()
-    import matplotlib
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        figure.savefig(svg, format="svg")
-    page = render_html(summaries, svg.getvalue(), alerts, prometheus_note, reader)
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page, encoding="utf-8")
@@ -85,17 +77,10 @@ def run(args: argparse.Namespace) -> int:
             figure.savefig(png, dpi=110)
             written.append(str(png))
     except OSError as exc:
-        return _fail(f"{exc.filename}: {exc.strerror}")
-    skipped = reader.problems.summary()
+        return fail("report", f"{exc.filename}: {exc.strerror}")
     print(f"wrote {' and '.join(written)} ({len(page) // 1024} KiB): {len(summaries)} run(s)")
-    if skipped:
-        print(f"dualtrack report: skipped {skipped}", file=sys.stderr)
+    reader.print_skipped("report")
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"dualtrack report: error: {message}", file=sys.stderr)
-    return 1
 
 
 def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
@@ -213,7 +198,7 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                      f"{step}, batch {e(str(batch))} ({e(', '.join(keys))})</span>")
         parts.append(f"<li>{line}</li>")
     parts.append("</ul>")
-    parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{_strip_xml_header(svg)}"
+    parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{svg}"
                  "<figcaption class=\"note\">Long runs are downsampled keeping each bucket's minimum and "
                  "maximum; dashed red lines: first non-finite step.</figcaption></figure>")
     parts.append(f"<h2>Alerts that fired</h2><p class=\"note\">Prometheus: {e(prometheus_note)}</p>")
@@ -238,8 +223,3 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                  f"{e(', '.join(str(f) for f in reader.files))}."
                  + (f" Skipped: {e(skipped)}." if skipped else "") + "</p></body></html>\n")
     return "\n".join(parts)
-
-
-def _strip_xml_header(svg: str) -> str:
-    start = svg.find("<svg")
-    return svg[start:] if start >= 0 else svg
