@@ -134,3 +134,17 @@ def test_the_stack_loads_only_the_blocks_of_a_replay_directory(tmp_path: Path) -
     assert load_replayed_blocks(parse_args(["--replay", str(tmp_path / "replay")]).replay, data) == 1
     assert [p.name for p in data.iterdir()] == [p.name for p in (tmp_path / "replay").iterdir() if p.name.startswith("01")]
     assert len(dump(data, "training_step")) == 3
+
+
+def test_a_failing_promtool_is_one_line_and_leaves_no_partial_blocks(tmp_path: Path, capsys) -> None:
+    record = write(tmp_path / "a.jsonl", [START, step(0, 1000.0)])
+    fake = tmp_path / "promtool"
+    fake.write_text("#!/bin/sh\necho 'parse error: something broke' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    assert main(["replay", str(record), "--out", str(out), "--promtool", str(fake)]) == 1
+    err = capsys.readouterr().err
+    assert err == "dualtrack replay: error: promtool could not build blocks (exit 1): parse error: something broke\n"
+    assert list(out.iterdir()) == []
+    assert main(["replay", str(record), "--out", str(out), "--promtool", str(tmp_path / "a.jsonl")]) == 1
+    assert "not an executable" in capsys.readouterr().err

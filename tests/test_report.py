@@ -108,7 +108,8 @@ def test_gpu_track_and_alerts_section_come_from_prometheus(tmp_path: Path, start
                                                   f'alertstate="firing"}}', 30)
     out = tmp_path / "gpu.html"
     assert main(["report", run, "--records", str(tmp_path / "records"), "--out", str(out),
-                 "--prometheus", prometheus.url]) == 0
+                 "--prometheus", prometheus.url, "--png"]) == 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
     page = out.read_text()
     check_html(page)
     for title in ("GPU utilization", "GPU memory used (bytes)", "GPU power (W)"):
