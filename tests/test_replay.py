@@ -148,3 +148,26 @@ def test_a_failing_promtool_is_one_line_and_leaves_no_partial_blocks(tmp_path: P
     assert list(out.iterdir()) == []
     assert main(["replay", str(record), "--out", str(out), "--promtool", str(tmp_path / "a.jsonl")]) == 1
     assert "not an executable" in capsys.readouterr().err
+
+
+def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
+    record = write(tmp_path / "fp16.jsonl", [
+        {**START, "local_rank": 1, "world_size": 8},
+        step(0, 1000.0, loss_scale=65536.0, cuda={"allocated": 1024, "reserved": 4096}),
+        step(1, 1000.1, loss_scale=32768.0, skipped="overflow"),
+        step(2, 1000.2, loss_scale=32768.0, cuda={"allocated": 2048, "reserved": 4096}),
+        {"event": "end", "time": 1000.3, "state": "finished", "steps": 3},
+    ])
+    out = tmp_path / "out"
+    assert main(["replay", str(record), "--out", str(out)]) == 0
+
+    def values(metric: str) -> list[float]:
+        return [float(v) for _, v, _ in dump(out, metric)]
+
+    assert values("training_loss_scale") == [65536, 32768, 32768]
+    assert values("training_skipped_steps_total") == [1, 1]
+    assert values("training_cuda_memory_allocated_bytes") == [1024, 2048]
+    assert values("training_world_size")[-1] == 8 and values("training_local_rank")[-1] == 1
+    assert values("training_logged_value_count") == [1, 2, 3]
+    states = {labels["state"]: float(v) for labels, v, _ in dump(out, "training_run_state")}  # last of each
+    assert states == {"running": 0, "finished": 1, "failed": 0}
