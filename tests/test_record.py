@@ -123,3 +123,15 @@ def test_format_1_lines_without_a_version_are_read(tmp_path: Path) -> None:
 def test_an_unusable_record_max_bytes_is_refused_at_construction(tmp_path: Path, bad: object) -> None:
     with pytest.raises(ValueError, match="record_max_bytes"):
         TrainingMonitor(job="j", run="r", pushgateway=False, record_path=tmp_path, record_max_bytes=bad)
+
+
+def test_a_line_longer_than_the_limit_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    record = Record(path, max_bytes=4096)
+    record.write([{"event": "start", "job": "j", "run": "r", "rank": 0, "time": 1.0, "config": {"x": "y" * 3000}}])
+    record.write([{"time": 2.0 + i, "step": i, "values": {"loss": 1.0}, "blob": "z" * 5000 * (i % 2)}
+                  for i in range(4)])
+    record.close()
+    reader = Reader([tmp_path])
+    assert [line["step"] for _, line in reader] == [0, 1, 2, 3] and not reader.problems.counts
+    assert len(list(tmp_path.iterdir())) <= 5

@@ -55,6 +55,7 @@ class Record:
         self.failures = 0
         self._file: BinaryIO | None = None
         self._size = 0
+        self._header = 0  # bytes of the continued start line a rotation put at the top of the file
         self._start: dict[str, Any] | None = None  # repeated at the top of each rotated-in file
         self._warned = False
         if path is not None:
@@ -99,7 +100,7 @@ class Record:
                         self._start = line
                 data = (json.dumps(line, default=str, ensure_ascii=False) + "\n").encode("utf-8")
                 if self.max_bytes and self._size + size + len(data) > self.max_bytes \
-                        and self._size + size > 0:
+                        and self._size + size > self._header:  # a line longer than the limit: alone
                     self._append(chunk)
                     chunk, size = [], 0
                     self._rotate()
@@ -132,6 +133,7 @@ class Record:
         if self._start is not None:
             self._append([(json.dumps({**self._start, "continued": True}, default=str,
                                       ensure_ascii=False) + "\n").encode("utf-8")])
+        self._header = self._size
 
     def close(self) -> None:
         if self._file is not None:
