@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
@@ -67,6 +68,9 @@ class Record:
 
     def _open(self) -> None:
         self._file = open(self.path, "ab")
+        if not stat.S_ISREG(os.fstat(self._file.fileno()).st_mode):
+            self.max_bytes = None  # a pipe or a terminal: nothing to cut, nothing to rotate
+            return
         self._size = self._file.tell()
         if self._size:
             self._cut_partial_line()
