@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -124,3 +125,28 @@ def check_html(page: str) -> None:
     checker.close()
     assert checker.stack == [], checker.stack
     assert {"html", "head", "title", "body", "svg", "table"} <= checker.seen
+
+
+def test_a_record_split_into_many_chunks_loses_and_doubles_nothing(tmp_path: Path, start_service,
+                                                                  monkeypatch) -> None:
+    from dualtrack import replay
+    monkeypatch.setattr(replay, "CHUNK_SAMPLES", 2000)  # ~250 steps per promtool run: 8+ chunks
+    start = time.time() - 600
+    record = tmp_path / "chunked.jsonl"
+    with open(record, "w") as out:
+        out.write(json.dumps({"event": "start", "format": 2, "time": start, "job": "chunks", "run": "c1",
+                              "rank": 0, "instance": "n1", "config": {}}) + "\n")
+        for n in range(2000):
+            out.write(json.dumps({"time": start + n * 0.1, "step": n, "samples": 1, "duration_seconds": 0.1,
+                                  "values": {"loss": float(n)}}) + "\n")
+    data = tmp_path / "prometheus-data"
+    assert main(["replay", str(record), "--out", str(data)]) == 0
+    assert len(json.loads((data / "dualtrack-replay.json").read_text())) >= 8
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    at = start + 200
+    losses = range_values(prometheus.url, 'training_loss{run="c1"}', at)
+    assert [float(v) for _, v in losses] == [float(n) for n in range(2000)]
+    total = processes.query(prometheus.url, 'training_steps_total{run="c1"}', at=at)
+    assert float(total[0]["value"][1]) == 2000
