@@ -98,7 +98,7 @@ def test_sigkill_mid_run_leaves_at_most_one_truncated_last_line(tmp_path: Path) 
         child.wait()
     reader = Reader([tmp_path])
     steps = [line["step"] for _, line in reader]
-    assert steps == list(range(len(steps))) and len(steps) > 1000
+    assert steps == list(range(len(steps))) and len(steps) > 500
     assert set(reader.problems.counts) <= {"truncated last line"}
     assert reader.problems.counts["truncated last line"] <= 1
     assert next(iter(reader.runs.values())).end is None  # no end line: the report says it died

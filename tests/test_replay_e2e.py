@@ -70,7 +70,7 @@ def test_a_crashed_run_replays_at_step_resolution_and_reports(tmp_path: Path, st
     first = processes.query(prometheus.url, "training_first_nonfinite_step" + selector, at=end)
     assert float(first[0]["value"][1]) == FIRST_NAN
     before_nan = processes.query(prometheus.url, "training_first_nonfinite_step" + selector,
-                                 at=steps[FIRST_NAN - 1]["time"] + 0.0005)
+                                 at=losses[FIRST_NAN - 1][0])  # the sample time of the step before
     assert float(before_nan[0]["value"][1]) == -1
     nonfinite = processes.query(prometheus.url, "training_nonfinite_steps_total" + selector, at=end)
     assert float(nonfinite[0]["value"][1]) == CRASH_AFTER + 1 - FIRST_NAN
