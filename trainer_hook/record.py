@@ -127,17 +127,25 @@ class Record:
         self._file.flush()
 
     def _rotate(self) -> None:
-        """Rename the full file to the next <stem>.<n>.jsonl and continue in a fresh <stem>.jsonl."""
+        """Rename the full file to the next <stem>.<n>.jsonl and continue in a fresh <stem>.jsonl.
+
+        The fresh file gets its start line before it takes the name, so that a crash at any point
+        leaves no empty or headless <stem>.jsonl (at worst a <stem>.jsonl.tmp with the start line).
+        """
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
+        header = b"" if self._start is None else (json.dumps(
+            {**self._start, "continued": True}, default=str, ensure_ascii=False) + "\n").encode("utf-8")
+        fresh = self.path.with_name(self.path.name + ".tmp")
+        handle = open(fresh, "wb")
+        handle.write(header)
+        handle.flush()
         numbers = rotated_numbers(self.path)
         os.replace(self.path, rotated_path(self.path, numbers[-1] + 1 if numbers else 1))
-        self._open()
-        if self._start is not None:
-            self._append([(json.dumps({**self._start, "continued": True}, default=str,
-                                      ensure_ascii=False) + "\n").encode("utf-8")])
-        self._header = self._size
+        os.replace(fresh, self.path)
+        self._file = handle
+        self._size = self._header = len(header)
 
     def close(self) -> None:
         if self._file is not None:
