@@ -70,7 +70,7 @@ class RunSeries:
         self._skipped = 0
         self._markers = {"first_nonfinite_step": -1.0, "first_nonfinite_batch_id": -1.0,
                          "last_nonfinite_step": -1.0, "last_nonfinite_batch_id": -1.0}
-        self._previous_nonfinite = False
+        self._in_streak = False
         self._buckets = [0] * (len(STEP_BUCKETS) + 1)
         self._duration_sum = 0.0
         self._last_update = 0.0
@@ -103,19 +103,20 @@ class RunSeries:
         ts = self._stamp(line["time"])
         labels = self.labels
         out = [f"training_step{{{labels}}} {line['step']}{ts}"]
-        nonfinite = False
+        flagged = line["nonfinite"]
         for key, value in line["values"].items():
             name = exported_name(key)
             if name is None:
                 continue
-            out.append(f"{PREFIX}{name}{{{labels}}} {fmt(value)}{ts}")
             if math.isfinite(value):
                 totals = self._sums.setdefault(name, [0.0, 0])
                 totals[0] += value
                 totals[1] += 1
-            else:
-                nonfinite = True
+            elif key in flagged:
                 self._nonfinite_values[name] = self._nonfinite_values.get(name, 0) + 1
+            else:
+                continue  # an overflow on a skipped step: the live gauge keeps its previous value
+            out.append(f"{PREFIX}{name}{{{labels}}} {fmt(value)}{ts}")
             if name in WINDOW_MAX_KEYS and not math.isnan(value):
                 out.append(f"{PREFIX}{name}_max{{{labels}}} {fmt(value)}{ts}")
         self._steps += 1
@@ -138,7 +139,7 @@ class RunSeries:
             out.append(f'training_logged_value_count{{{labels},key="{name}"}} {count}{ts}')
         for name, count in self._nonfinite_values.items():
             out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {count}{ts}')
-        changed = self._note_nonfinite(line, nonfinite or bool(line.get("nonfinite")))
+        changed = self._note_nonfinite(line, bool(flagged))
         out.append(f"training_nonfinite_steps_total{{{labels}}} {self._nonfinite_steps}{ts}")
         if line.get("skipped") == "overflow":
             self._skipped += 1
@@ -179,9 +180,11 @@ class RunSeries:
             batch = -1.0 if batch is None else batch
             markers = self._markers
             markers["last_nonfinite_step"], markers["last_nonfinite_batch_id"] = line["step"], batch
-            if not self._previous_nonfinite:
+            if not self._in_streak:
                 markers["first_nonfinite_step"], markers["first_nonfinite_batch_id"] = line["step"], batch
-        self._previous_nonfinite = nonfinite
+            self._in_streak = True
+        elif not line.get("skipped"):  # a skipped step neither starts nor ends a streak
+            self._in_streak = False
         return nonfinite
 
     def _slow(self, state: str, ts: str) -> list[str]:

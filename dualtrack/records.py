@@ -131,7 +131,8 @@ class Reader:
     """Iterates (run, line) over record files: step lines, then the end line of each run.
 
     Step lines are dicts as written, with "step" an int and "time" a float; "values" holds only
-    readable numbers (floats, NaN/Inf included). `problems` and `runs` fill in as it goes.
+    readable numbers (floats, NaN/Inf included); "nonfinite" lists the keys that make the step
+    non-finite (not an overflow of a skipped step), as the live hook counts them. `problems` and `runs` fill in as it goes.
     """
 
     def __init__(self, paths: Iterable[str | Path]) -> None:
@@ -237,5 +238,11 @@ def _step_line(line: dict[str, Any]) -> dict[str, Any] | None:
     if type(step) is not int or type(time) not in (int, float) or not isinstance(values, dict):
         return None
     line["time"] = float(time)
-    line["values"] = {str(k): v for k, v in ((k, number(v)) for k, v in values.items()) if v is not None}
+    line["values"] = values = {str(k): v for k, v in ((k, number(v)) for k, v in values.items()) if v is not None}
+    # The step's non-finite keys as the live hook counts them: every NaN/Inf value, except on a step
+    # the GradScaler skipped, where only the keys the hook listed count (an overflow is not a divergence).
+    listed = line.get("nonfinite")
+    listed = {str(k) for k in listed} if isinstance(listed, list) else set()
+    skipped = bool(line.get("skipped"))
+    line["nonfinite"] = [k for k, v in values.items() if not math.isfinite(v) and (not skipped or k in listed)]
     return line

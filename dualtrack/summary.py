@@ -77,7 +77,6 @@ class RunSummary:
     first_nonfinite: tuple[int, Any, list[str]] | None = None  # (step, batch_id, keys)
     nonfinite_steps: int = 0
     skipped_steps: int = 0
-    values_seen: set[str] = field(default_factory=set)
 
     def add(self, line: dict[str, Any], suffix) -> None:
         """Fold one step line in; `suffix(key)` maps a logged key to its exported name."""
@@ -86,16 +85,10 @@ class RunSummary:
             self.first_time, self.first_step = time, step
         self.last_time, self.last_step = time, step
         self.clock.add(step, time)
-        bad = list(line.get("nonfinite") or ())
+        bad = line["nonfinite"]
         for key, value in line["values"].items():
             name = suffix(key)
-            if name is None:
-                continue
-            self.values_seen.add(name)
-            if not math.isfinite(value):
-                if str(key) not in bad:
-                    bad.append(str(key))
-            elif name in self.series:
+            if name is not None and name in self.series and math.isfinite(value):
                 self.series[name].add(step, value)
         if bad:
             self.nonfinite_steps += 1

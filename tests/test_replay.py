@@ -154,9 +154,14 @@ def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
     record = write(tmp_path / "fp16.jsonl", [
         {**START, "local_rank": 1, "world_size": 8},
         step(0, 1000.0, loss_scale=65536.0, cuda={"allocated": 1024, "reserved": 4096}),
-        step(1, 1000.1, loss_scale=32768.0, skipped="overflow"),
-        step(2, 1000.2, loss_scale=32768.0, cuda={"allocated": 2048, "reserved": 4096}),
-        {"event": "end", "time": 1000.3, "state": "finished", "steps": 3},
+        # The GradScaler skipped this step: its infinite grad norm is an overflow, not a divergence.
+        step(1, 1000.1, loss_scale=32768.0, skipped="overflow", values={"loss": 1.5, "grad_norm": "inf"}),
+        step(2, 1000.2, loss_scale=32768.0, cuda={"allocated": 2048, "reserved": 4096},
+             values={"loss": "nan", "grad_norm": 2.0}, nonfinite=["loss"]),
+        step(3, 1000.3, skipped="overflow", values={"loss": "nan", "grad_norm": "inf"}, nonfinite=["loss"]),
+        step(4, 1000.4, skipped="overflow", values={"loss": 1.0, "grad_norm": "inf"}),
+        step(5, 1000.5, values={"loss": "nan"}),
+        {"event": "end", "time": 1000.6, "state": "finished", "steps": 6},
     ])
     out = tmp_path / "out"
     assert main(["replay", str(record), "--out", str(out)]) == 0
@@ -165,9 +170,16 @@ def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
         return [float(v) for _, v, _ in dump(out, metric)]
 
     assert values("training_loss_scale") == [65536, 32768, 32768]
-    assert values("training_skipped_steps_total") == [1, 1]
+    assert values("training_skipped_steps_total") == [1, 1, 2, 3, 3]
     assert values("training_cuda_memory_allocated_bytes") == [1024, 2048]
     assert values("training_world_size")[-1] == 8 and values("training_local_rank")[-1] == 1
-    assert values("training_logged_value_count") == [1, 2, 3]
+    assert values("training_grad_norm") == [2.0]  # overflows leave the gauge as it was
+    assert values("training_nonfinite_steps_total") == [0, 0, 1, 2, 2, 3]
+    # The streak that starts at step 2 goes on through the skipped steps 3 and 4 to step 5.
+    assert values("training_first_nonfinite_step")[-1] == 2
+    assert values("training_last_nonfinite_step")[-1] == 5
     states = {labels["state"]: float(v) for labels, v, _ in dump(out, "training_run_state")}  # last of each
     assert states == {"running": 0, "finished": 1, "failed": 0}
+    counts = dump(out, "training_logged_value_count")
+    assert [float(v) for labels, v, _ in counts if labels["key"] == "loss"] == [1, 2, 2, 2, 3, 3]  # finite only
+    assert [float(v) for labels, v, _ in counts if labels["key"] == "grad_norm"] == [1, 1, 1, 1]
