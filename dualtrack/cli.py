@@ -9,6 +9,8 @@ from typing import Sequence
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.
 SUBCOMMANDS: dict[str, str] = {
+    "replay": "dualtrack.replay",
+    "report": "dualtrack.report",
 }
 
 
@@ -17,6 +19,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(command: str, message: str, code: int = 1) -> int:
+    """Print one error line for `dualtrack COMMAND` on stderr; return the exit code."""
+    print(f"dualtrack {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def build_parser() -> OneLineParser:

@@ -216,7 +216,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where data and logs go (default: a temporary directory)")
     parser.add_argument("--duration", type=float, default=0.0,
                         help="stop after this many seconds (default: run until Ctrl-C)")
-    return parser.parse_args(argv)
+    parser.add_argument("--replay", type=Path, default=None, metavar="DIR",
+                        help="also load the TSDB blocks that `dualtrack replay RECORD... --out DIR` made "
+                             "(replayed runs, labelled replayed=\"true\", next to the demo)")
+    args = parser.parse_args(argv)
+    if args.replay is not None and not args.replay.is_dir():
+        parser.error(f"--replay {args.replay}: not a directory")
+    return args
+
+
+def load_replayed_blocks(source: Path, data_dir: Path) -> int:
+    """Copy the TSDB blocks (directories with a meta.json) from `source` into Prometheus's data dir."""
+    blocks = [block for block in source.iterdir() if (block / "meta.json").is_file()]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for block in blocks:
+        shutil.copytree(block, data_dir / block.name, dirs_exist_ok=True)
+    return len(blocks)
 
 
 def print_summary(services: dict[str, Service], prometheus_alerts: str, password: str | None,
@@ -305,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                       "prometheus": [f"127.0.0.1:{prometheus_port}"]},
             scrape_interval=DEMO_INTERVAL, evaluation_interval=DEMO_INTERVAL,
             alertmanagers=[services["alertmanager"].address])
+        if args.replay:
+            count = load_replayed_blocks(args.replay, workdir / "prometheus-data")
+            log(f"loaded {count} replayed block(s) from {args.replay}")
         services["prometheus"] = up(processes.prometheus(workdir, config, port=prometheus_port))
         password = os.environ.get("GRAFANA_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
         provisioning = render_grafana_provisioning(workdir, services["prometheus"].url,

@@ -17,7 +17,7 @@ from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
-from .record import Record
+from .record import DEFAULT_MAX_BYTES, Record
 from .settings import resolve
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
 
@@ -48,7 +48,7 @@ class TrainingMonitor:
                  push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
-                 max_hold: float = 30.0) -> None:
+                 max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
                 raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
@@ -79,7 +79,7 @@ class TrainingMonitor:
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
         self._aggregator = Aggregator(self._names, s.max_hold)
-        self.record = Record(s.record_path)
+        self.record = Record(s.record_path, record_max_bytes)
         self._server = None
         self._latest = Snapshot()  # until the first publish, a few lines below
         if s.listen_port is not None:

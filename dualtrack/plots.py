@@ -1,0 +1,101 @@
+"""The post-mortem figure (matplotlib): record panels and GPU panels on one step axis, time on top."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from .summary import RECORD_PANELS, RunSummary
+
+TITLES = {"loss": "loss", "grad_norm": "grad norm", "learning_rate": "learning rate",
+          "data_wait_share": "data-wait share of step time", "step_time_seconds": "step time (s)",
+          "gpu_utilization": "GPU utilization", "gpu_memory": "GPU memory used (bytes)",
+          "gpu_power": "GPU power (W)"}
+NONFINITE_COLOR = "#d62728"
+
+
+@dataclass
+class GpuLine:
+    """One GPU series from Prometheus, already mapped onto a run's steps."""
+
+    panel: str
+    label: str
+    steps: list[float]
+    values: list[float]
+
+
+def build_figure(summaries: list[RunSummary], gpu_lines: list[GpuLine]) -> Any:
+    """A matplotlib Figure: one panel per series that has data, shared step axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    panels = [name for name in RECORD_PANELS if any(len(s.series[name]) for s in summaries)]
+    panels += [name for name in ("gpu_utilization", "gpu_memory", "gpu_power")
+               if any(line.panel == name for line in gpu_lines)]
+    if not panels:
+        panels = ["loss"]
+    figure = Figure(figsize=(11, 2.1 * len(panels) + 0.8), layout="constrained")
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    several = len(summaries) > 1
+    for index, summary in enumerate(summaries):
+        color = colors[index % len(colors)]
+        label = summary.run.name
+        for axis, panel in zip(axes, panels):
+            series = summary.series.get(panel)
+            if series is not None and len(series):
+                xs, ys = series.points()
+                axis.plot(xs, ys, color=color, linewidth=0.9, label=label if several else None)
+        if summary.first_nonfinite is not None:
+            step, batch, _ = summary.first_nonfinite
+            for axis in axes:
+                axis.axvline(step, color=NONFINITE_COLOR, linestyle="--", linewidth=1)
+            axes[0].annotate(f"first non-finite: step {step}, batch {batch}", xy=(step, 1),
+                             xycoords=("data", "axes fraction"), xytext=(4, -12),
+                             textcoords="offset points", color=NONFINITE_COLOR, fontsize=8)
+    for line in gpu_lines:
+        axis = axes[panels.index(line.panel)]
+        axis.plot(line.steps, line.values, linewidth=0.9, label=line.label)
+    for axis, panel in zip(axes, panels):
+        axis.set_ylabel(TITLES[panel], fontsize=8)
+        axis.grid(True, alpha=0.3)
+        _scale(axis, panel, summaries)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("step")
+    _time_axis(axes[0], summaries[0])
+    return figure
+
+
+def _scale(axis: Any, panel: str, summaries: list[RunSummary]) -> None:
+    """Log y for loss and grad norm when they span orders of magnitude (explosions stay readable)."""
+    if panel not in ("loss", "grad_norm"):
+        return
+    values = [y for s in summaries for y in s.series[panel].points()[1]]
+    if values and min(values) > 0 and max(values) / min(values) > 100:
+        axis.set_yscale("log")
+
+
+def _time_axis(axis: Any, summary: RunSummary) -> None:
+    """Time since the first step of `summary` on the top edge, through its step clock."""
+    import numpy
+    steps, times = summary.clock.points()
+    if len(steps) < 2 or summary.first_time is None:
+        return
+    span = times[-1] - summary.first_time
+    unit, seconds = ("seconds", 1.0) if span < 120 else ("minutes", 60.0) if span < 3 * 3600 else ("hours", 3600.0)
+    steps_array = numpy.asarray(steps, dtype=float)
+    elapsed = (numpy.asarray(times, dtype=float) - summary.first_time) / seconds
+    top = axis.secondary_xaxis("top", functions=(lambda s: numpy.interp(s, steps_array, elapsed),
+                                                 lambda t: numpy.interp(t, elapsed, steps_array)))
+    top.set_xlabel(f"{unit} since the first step of {summary.run.name}", fontsize=8)
+
+
+def svg_text(figure: Any) -> str:
+    """The figure as an <svg> element to inline in HTML (text kept as text: small and searchable)."""
+    import matplotlib
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(buffer, format="svg")
+    svg = buffer.getvalue()
+    return svg[svg.find("<svg"):]

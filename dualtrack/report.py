@@ -1,0 +1,225 @@
+"""`dualtrack report RUN_OR_RECORD... --out report.html`: a self-contained post-mortem of one or more runs.
+
+Works from the local record alone; with --prometheus it adds the GPU track (utilization, memory,
+power of the run's GPUs) and the alerts that fired during the run. The HTML embeds its figure as
+SVG: no script, no CDN, opens offline in any browser or mail client.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli import fail
+from .summary import utc
+
+HELP = "write a self-contained HTML post-mortem (record + optional Prometheus) of one run or several"
+GPU_QUERIES = {"gpu_utilization": "nvml_gpu_utilization_ratio", "gpu_memory": "nvml_gpu_memory_used_bytes",
+               "gpu_power": "nvml_gpu_power_usage_watts"}
+MAX_QUERY_POINTS = 1000
+STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}table{border-collapse:collapse;margin:.5em 0}
+td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;vertical-align:top}th{background:#f4f4f4}
+.bad{color:#d62728;font-weight:bold}.note{color:#666}svg{max-width:100%;height:auto}"""
+
+
+class ReportError(Exception):
+    """A failure to report in one line."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="RUN_OR_RECORD",
+                        help="record files or directories, or run ids looked up in --records")
+    parser.add_argument("--out", type=Path, default=Path("report.html"), metavar="FILE",
+                        help="HTML file to write (default: report.html)")
+    parser.add_argument("--records", type=Path, default=Path("dualtrack-records"), metavar="DIR",
+                        help="where to look up run ids (default: ./dualtrack-records)")
+    parser.add_argument("--prometheus", metavar="URL", default=None,
+                        help="Prometheus base URL (e.g. http://127.0.0.1:9090): adds GPU panels and alerts")
+    parser.add_argument("--png", action="store_true",
+                        help="also write the figure as a PNG next to --out (same name, .png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .records import InputError, Reader
+    if importlib.util.find_spec("matplotlib") is None:
+        return fail("report", "matplotlib is not installed: pip install 'dualtrack[report]'")
+    try:
+        paths = resolve_inputs(args.inputs, args.records)
+        reader = Reader(paths)
+    except InputError as exc:
+        return fail("report", str(exc), 2)
+    summaries = summarize(reader)
+    if not summaries:
+        return fail("report", "nothing to report: " + reader.no_steps())
+    gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
+    if args.prometheus:
+        try:
+            gpu_lines, alerts = from_prometheus(args.prometheus.rstrip("/"), summaries)
+            prometheus_note = args.prometheus
+        except ReportError as exc:
+            prometheus_note = f"{args.prometheus}: {exc}"
+            print(f"dualtrack report: warning: {prometheus_note}; the report has the record only",
+                  file=sys.stderr)
+    from .plots import build_figure, svg_text
+    figure = build_figure(summaries, gpu_lines)
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(page, encoding="utf-8")
+        written = [str(args.out)]
+        if args.png:
+            png = args.out.with_suffix(".png")
+            figure.savefig(png, dpi=110)
+            written.append(str(png))
+    except OSError as exc:
+        return fail("report", f"{exc.filename}: {exc.strerror}")
+    print(f"wrote {' and '.join(written)} ({len(page) // 1024} KiB): {len(summaries)} run(s)")
+    reader.print_skipped("report")
+    return 0
+
+
+def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
+    """Paths as given; other arguments are run ids, matched on the start line of records in `records_dir`."""
+    import json
+    from .records import InputError
+    paths: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.exists():
+            paths.append(path)
+            continue
+        matches = []
+        for candidate in sorted(records_dir.glob("*.jsonl")) if records_dir.is_dir() else []:
+            try:
+                with open(candidate, "rb") as handle:
+                    first = json.loads(handle.readline() or b"{}")
+            except (OSError, ValueError):
+                continue
+            if isinstance(first, dict) and str(first.get("run")) == item:
+                matches.append(candidate)
+        if not matches:
+            raise InputError(f"{item}: neither a record file nor a run id with a record in {records_dir}")
+        paths.extend(matches)
+    return paths
+
+
+def summarize(reader: Any) -> list[Any]:
+    """One RunSummary per run (rank) in the reader, in the order they appear."""
+    from .records import exported_name
+    from .summary import RunSummary
+    summaries: dict[tuple[str, str, str], RunSummary] = {}
+    for run, line in reader:
+        summary = summaries.get(run.key)
+        if summary is None:
+            summary = summaries[run.key] = RunSummary(run)
+        if "event" not in line:
+            summary.add(line, exported_name)
+    return list(summaries.values())
+
+
+def from_prometheus(url: str, summaries: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+    """GPU lines mapped onto each run's steps, and the alerts that fired during the runs."""
+    from .plots import GpuLine
+    lines: list[GpuLine] = []
+    queried: set[tuple[str, str]] = set()
+    for summary in summaries:
+        start, end = summary.first_time, summary.last_time
+        if start is None or summary.run.key[:2] in queried:
+            continue  # one set of GPU lines per job/run: the query matches every rank's GPUs
+        queried.add(summary.run.key[:2])
+        selector = f'job="{_escape(summary.run.job)}",run="{_escape(summary.run.run)}"'
+        for panel, metric in GPU_QUERIES.items():
+            found = _range(url, f"{metric} * on(uuid) group_left() max by (uuid) "
+                                f"(training_gpu_info{{{selector}}})", start, end)
+            note = ""
+            if not found:  # no GPU info for this run (a replayed run, an old hook): every GPU
+                found, note = _range(url, metric, start, end), " (all GPUs: the run names none)"
+            for series in found:
+                labels = series["metric"]
+                times = [float(t) for t, _ in series["values"]]
+                values = [float(v) for _, v in series["values"]]
+                label = f"gpu {labels.get('gpu', '?')} {labels.get('uuid', '')[:12]}{note}"
+                if len(summaries) > 1:
+                    label += f" ({summary.run.run})"
+                lines.append(GpuLine(panel, label, summary.step_at(times), values))
+    start = min(s.first_time for s in summaries if s.first_time is not None)
+    end = max(s.last_time for s in summaries if s.last_time is not None)
+    runs = {s.run.run for s in summaries}
+    alerts = []
+    for series in _range(url, 'ALERTS{alertstate="firing"}', start, end + 300):
+        labels = {k: v for k, v in series["metric"].items() if k not in ("__name__", "alertstate")}
+        if "run" in labels and labels["run"] not in runs:
+            continue
+        times = [float(t) for t, _ in series["values"]]
+        alerts.append({"labels": labels, "first": min(times), "last": max(times)})
+    alerts.sort(key=lambda alert: alert["first"])
+    return lines, alerts
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _range(url: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+    import requests
+    step = max(1.0, (end - start) / MAX_QUERY_POINTS)
+    try:
+        response = requests.get(f"{url}/api/v1/query_range", timeout=10,
+                                params={"query": expr, "start": start - step, "end": end + step, "step": step})
+        response.raise_for_status()
+        return response.json()["data"]["result"]
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        raise ReportError(f"query failed ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,
+                reader: Any) -> str:
+    """The whole page; every text from the record is escaped."""
+    e = html.escape
+    names = ", ".join(s.run.name for s in summaries)
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<title>dualtrack post-mortem: {e(names)}</title><style>{STYLE}</style></head><body>",
+             f"<h1>Post-mortem: {e(names)}</h1>"]
+    parts.append("<ul id=\"verdict\">")
+    for summary in summaries:
+        facts = summary.facts()
+        state = facts.get("state", "?")
+        line = f"<b>{e(summary.run.name)}</b>: {e(state)}"
+        if "exception" in facts:
+            line += f" ({e(facts['exception'])})"
+        if summary.first_nonfinite is not None:
+            step, batch, keys = summary.first_nonfinite
+            line += (f"; <span class=\"bad first-nonfinite\" data-step=\"{step}\">first non-finite step "
+                     f"{step}, batch {e(str(batch))} ({e(', '.join(keys))})</span>")
+        parts.append(f"<li>{line}</li>")
+    parts.append("</ul>")
+    parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{svg}"
+                 "<figcaption class=\"note\">Long runs are downsampled keeping each bucket's minimum and "
+                 "maximum; dashed red lines: first non-finite step.</figcaption></figure>")
+    parts.append(f"<h2>Alerts that fired</h2><p class=\"note\">Prometheus: {e(prometheus_note)}</p>")
+    if alerts:
+        parts.append("<table id=\"alerts\"><tr><th>alert</th><th>labels</th><th>first seen firing</th>"
+                     "<th>last seen firing</th></tr>")
+        for alert in alerts:
+            labels = dict(alert["labels"])
+            name = labels.pop("alertname", "?")
+            text = ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            parts.append(f"<tr><td>{e(name)}</td><td>{e(text)}</td><td>{e(utc(alert['first']))}</td>"
+                         f"<td>{e(utc(alert['last']))}</td></tr>")
+        parts.append("</table>")
+    for summary in summaries:
+        parts.append(f"<h2>{e(summary.run.name)}</h2><table class=\"facts\">")
+        parts.extend(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary.facts().items())
+        parts.append("</table><h3>config</h3><table class=\"config\">")
+        parts.extend(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in sorted(summary.run.config.items()))
+        parts.append("</table>")
+    skipped = reader.problems.summary()
+    parts.append(f"<p class=\"note\">Generated by dualtrack report at {e(utc(time.time()))} from "
+                 f"{e(', '.join(str(f) for f in reader.files))}."
+                 + (f" Skipped: {e(skipped)}." if skipped else "") + "</p></body></html>\n")
+    return "\n".join(parts)
