@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from stack import processes
 from tests.alerting_support import NonFiniteRun, start_pipeline
@@ -33,8 +34,10 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     assert alert["labels"] == {"alertname": "TrainingLossNonFinite", "severity": "critical", "monitor": "dualtrack",
                                **run.labels}
     description = alert["annotations"]["description"]
-    assert f"non-finite value at step {run.nan_step}, batch {run.nan_batch_id}" in description, description
-    assert alert["annotations"]["runbook_url"] == "docs/alerts.md#traininglossnonfinite"
+    assert f"non-finite values since step {run.nan_step}, batch {run.nan_batch_id}" in description, description
+    # An absolute link from prometheus.yml's one setting; the setting itself is not an alert label.
+    runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
+    assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
     # The run finished (closing the monitor pushed state="finished"): the alert resolves.
     webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
 
