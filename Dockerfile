@@ -20,6 +20,7 @@ WORKDIR /opt/dualtrack
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
 COPY trainer_hook ./trainer_hook
+COPY dualtrack ./dualtrack
 RUN pip install . && rm -rf /opt/dualtrack/build \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin dualtrack
 
