@@ -2,21 +2,18 @@
 live run or another job's group; survives an unreachable Pushgateway and malformed groups."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 import pytest
 import requests
 
 from dualtrack import cli
 from stack import processes
-from tests.hook_support import run_id
+from tests.hook_support import http_gateway, run_id
+from tests.test_hook_auth import PASSWORD, USER, secure_pgw  # noqa: F401 - the fixture
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +37,7 @@ def pgw(tmp_path, start_service):
     return start_service(processes.pushgateway(tmp_path))
 
 
-def test_deletes_only_dualtrack_runs_older_than_their_retention(pgw, tmp_path):
+def test_deletes_only_dualtrack_runs_older_than_their_retention(pgw):
     finished, dead, live = run_id("finished"), run_id("dead"), run_id("live")
     with TrainingMonitor(job="jan", run=finished, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
         m.log({"loss": 1.0}, step=0)
@@ -84,26 +81,9 @@ def test_dry_run_deletes_nothing(pgw, caplog):
     assert run in runs(pgw.url) and run in caplog.text
 
 
-@contextlib.contextmanager
-def answering(body: bytes) -> Iterator[str]:
-    """A loopback HTTP server answering every GET with `body` (a broken or foreign "Pushgateway")."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def answering(body: bytes):
+    """A loopback server answering every GET with `body` (a broken or foreign "Pushgateway")."""
+    return http_gateway(lambda request: 200, body)
 
 
 def test_unreachable_pushgateway_and_malformed_groups_are_logged_not_fatal(caplog):
@@ -150,3 +130,22 @@ def test_bad_flags_exit_2_with_one_line(args, message):
                             cwd=processes.REPO, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, caplog):
+    assert janitor(secure_pgw.url, "--timeout=5s") == 1  # no credentials: refused, logged
+    assert "cannot read the groups of" in caplog.text
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_USERNAME", USER)
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_PASSWORD", PASSWORD)
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_CA_FILE", str(pki.ca_cert))
+    run = run_id("secure")
+    with TrainingMonitor(job="jan", run=run, pushgateway=secure_pgw.url, record_path=False, delete_after=None) as m:
+        m.log({"loss": 1.0}, step=0)
+
+    def secure_runs() -> set[str]:
+        data = requests.get(secure_pgw.url + "/api/v1/metrics", auth=(USER, PASSWORD), verify=str(pki.ca_cert),
+                            timeout=5).json()["data"]
+        return {group["labels"]["run"] for group in data}
+    assert run in secure_runs()
+    processes.wait_until(lambda: janitor(secure_pgw.url, "--finished-retention=0.2s") == 0
+                         and run not in secure_runs(), 10, what="the janitor deleting through TLS and basic auth")
