@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import requests
+import yaml
 
 from dualtrack import cli
 from stack import processes
@@ -149,3 +150,13 @@ def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, 
     assert run in secure_runs()
     processes.wait_until(lambda: janitor(secure_pgw.url, "--finished-retention=0.2s") == 0
                          and run not in secure_runs(), 10, what="the janitor deleting through TLS and basic auth")
+
+
+def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
+    services = yaml.safe_load((processes.REPO / "docker-compose.yml").read_text())["services"]
+    assert services["janitor"]["entrypoint"] == ["dualtrack", "janitor"]
+    assert "--pushgateway=http://pushgateway:9091" in services["janitor"]["command"]
+    store = next(arg.split("=", 1)[1] for arg in services["pushgateway"]["command"]
+                 if arg.startswith("--persistence.file="))
+    assert any(volume.startswith("pushgateway-data:") and store.startswith(volume.split(":")[1] + "/")
+               for volume in services["pushgateway"]["volumes"])

@@ -182,3 +182,17 @@ def test_two_hundred_finished_runs_leave_only_live_runs_and_all_final_values(tmp
             monitor.close()
     print(f"{RUNS} runs in {THREADS} threads trained in {trained:.1f} s; Pushgateway back to the "
           f"{live_series} series of 3 live runs {emptied:.1f} s after the start (delete_after {DELETE_AFTER:g} s)")
+
+
+def test_a_restarted_pushgateway_keeps_the_live_runs_last_values(tmp_path, start_service):
+    pgw = start_service(processes.pushgateway(tmp_path, persistence=True))
+    run = run_id("persist")
+    monitor = TrainingMonitor(job="life", run=run, pushgateway=pgw.url, push_interval=3600, record_path=False,
+                              delete_after=0)
+    try:  # its first push (state running, start time), then nothing for an hour
+        started = wait_pushed(pgw.url, "training_start_timestamp_seconds", run, lambda v: v > 0)
+        pgw.restart()  # SIGTERM: the Pushgateway writes its persistence file; then it starts again
+        assert pushed_value(pgw.url, "training_start_timestamp_seconds", run) == started
+        assert pushed_value(pgw.url, "training_run_state", run, state="running") == 1
+    finally:
+        monitor.close()
