@@ -67,6 +67,14 @@ def test_a_new_run_under_the_same_identity_keeps_its_group(pgw):
         again.close()
 
 
+def test_an_unreachable_pushgateway_schedules_no_deletion_to_wait_for():
+    run = run_id("unreachable")
+    with TrainingMonitor(job="life", run=run, pushgateway=f"http://127.0.0.1:{processes.free_port()}",
+                         record_path=False, push_timeout=1) as m:
+        m.log({"loss": 0.5}, step=0)
+    assert not any(("run", run) in key[2] for key in push._deletions)  # noqa: SLF001
+
+
 @pytest.mark.parametrize("env, argument, expected", [
     ("none", 30.0, None), ("2.5", 30.0, 2.5), ("0", 30.0, 0.0), ("2.5", 5.0, 5.0), (None, None, None),
 ])

@@ -120,8 +120,9 @@ def _await_deletions() -> None:
         return
     wait = max(d.due for d in pending) - time.monotonic()
     if wait > 1:
-        log.info("keeping the final state of %d finished run(s) on the Pushgateway for %.0f s before "
-                 "deleting it (delete_after)", len(pending), wait)
+        log.warning("waiting %.0f s before exiting: the final state of %d finished run(s) stays on the "
+                    "Pushgateway until Prometheus scraped it, then it is deleted (delete_after; Ctrl-C "
+                    "skips, DUALTRACK_DELETE_AFTER=none keeps it)", wait, len(pending))
     try:
         for deletion in pending:
             deletion.thread.join(max(0.0, deletion.due - time.monotonic()) + 10.0)
@@ -198,10 +199,13 @@ class Pusher:
         return True
 
     def push_final(self, snapshot: Snapshot) -> None:
-        """Push the final state; then delete the group `delete_after` seconds later (never blocks)."""
-        self.push(snapshot)
+        """Push the final state; then delete the group `delete_after` seconds later (never blocks).
+
+        If the final push failed, the Pushgateway is out of reach: the group is left to the janitor
+        (rather than making the process wait at exit for a deletion that would fail too).
+        """
         delay = self.settings.delete_after
-        if delay is None:
+        if not self.push(snapshot) or delay is None:
             return
         deletion = _Deletion(time.monotonic() + delay, threading.Event())
         deletion.thread = threading.Thread(target=self._delete_when_due, args=(deletion,),
