@@ -103,36 +103,51 @@ def test_bad_delete_after_is_one_clear_error(monkeypatch, env, argument, message
 SCRIPT = """
 import sys
 from trainer_hook import TrainingMonitor
-url, run = sys.argv[1:3]
-monitor = TrainingMonitor(job="life", run=run, pushgateway=url, record_path=False, delete_after=1.5)
+url, run, mode, delete_after = sys.argv[1:5]
+monitor = TrainingMonitor(job="life", run=run, pushgateway=url, record_path=False, delete_after=float(delete_after))
 for step in range(10):
     monitor.log({"loss": 0.5}, step=step)
 print("ready", flush=True)
-if sys.argv[3] == "wait":
+if mode == "wait":
     sys.stdin.read()
+if mode == "interrupt":
+    with monitor:
+        raise KeyboardInterrupt  # Ctrl-C in the training loop
 """
 
 
-def test_process_exit_waits_for_the_deletion_and_sigterm_does_not(pgw):
-    """A script that ends after training waits (at most delete_after) and leaves nothing behind; a
-    SIGTERM'd one exits at once and leaves its failed state to the janitor."""
+def test_process_exit_waits_for_the_deletion_and_sigterm_or_ctrl_c_does_not(pgw):
+    """A script that ends after training waits (at most delete_after) and leaves nothing behind; one
+    stopped by SIGTERM or Ctrl-C exits at once and leaves its failed state to the janitor."""
     run = run_id("exit")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", SCRIPT, pgw.url, run, "exit"], cwd=processes.REPO,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, pgw.url, run, "exit", "1.5"], cwd=processes.REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert run not in group_runs(pgw.url, "life")
     assert time.monotonic() - started >= 1.5
 
     run = run_id("sigterm")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "wait"], cwd=processes.REPO,
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "wait", "30"], cwd=processes.REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == -signal.SIGTERM
-        assert time.monotonic() - signalled < 1.5
+        assert time.monotonic() - signalled < 15  # not the 30 s of delete_after
+    finally:
+        proc.kill()
+    assert pushed_value(pgw.url, "training_run_state", run, state="failed") == 1
+
+    run = run_id("ctrl-c")
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "interrupt", "30"], cwd=processes.REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        interrupted = time.monotonic()
+        proc.wait(30)
+        assert time.monotonic() - interrupted < 15, proc.stderr.read()
     finally:
         proc.kill()
     assert pushed_value(pgw.url, "training_run_state", run, state="failed") == 1

@@ -319,7 +319,7 @@ class TrainingMonitor:
             unpushed = self._pusher.stop(self.settings.push_timeout)
             if unpushed is not None:
                 merge_maxima(unpushed, final)
-            self._pusher.push_final(final)
+            self._pusher.push_final(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

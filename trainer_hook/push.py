@@ -101,6 +101,7 @@ class _Deletion:
 
     due: float
     cancelled: threading.Event
+    awaited_at_exit: bool = True
     thread: threading.Thread | None = None
 
 
@@ -112,10 +113,11 @@ def _await_deletions() -> None:
     """At interpreter exit, let the deletions of closed runs happen (each at most delete_after away).
 
     The final state must stay on the Pushgateway until Prometheus scraped it, so a script that ends
-    right after training waits here; Ctrl-C skips the wait (the janitor removes the groups later).
+    right after training waits here; Ctrl-C skips the wait (the janitor removes the groups later), and
+    a run stopped by Ctrl-C is not waited for at all.
     """
     with _deletions_lock:
-        pending = [d for d in _deletions.values() if d.thread is not None]
+        pending = [d for d in _deletions.values() if d.thread is not None and d.awaited_at_exit]
     if not pending:
         return
     wait = max(d.due for d in pending) - time.monotonic()
@@ -198,16 +200,17 @@ class Pusher:
             self._outage_failures = 0
         return True
 
-    def push_final(self, snapshot: Snapshot) -> None:
+    def push_final(self, snapshot: Snapshot, await_at_exit: bool = True) -> None:
         """Push the final state; then delete the group `delete_after` seconds later (never blocks).
 
         If the final push failed, the Pushgateway is out of reach: the group is left to the janitor
-        (rather than making the process wait at exit for a deletion that would fail too).
+        (rather than making the process wait at exit for a deletion that would fail too). Without
+        `await_at_exit` (a run the user stopped with Ctrl-C) the process does not wait for it either.
         """
         delay = self.settings.delete_after
         if not self.push(snapshot) or delay is None:
             return
-        deletion = _Deletion(time.monotonic() + delay, threading.Event())
+        deletion = _Deletion(time.monotonic() + delay, threading.Event(), await_at_exit)
         deletion.thread = threading.Thread(target=self._delete_when_due, args=(deletion,),
                                            name="trainer_hook-delete", daemon=True)
         with _deletions_lock:
