@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         services = {"exporter": up(processes.exporter(workdir, exporter_args, port=port_for("exporter")))}
         log("exporter reads " + ("real GPUs through NVML" if real_gpus else
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
-        services["pushgateway"] = up(processes.pushgateway(workdir, port=port_for("pushgateway")))
+        services["pushgateway"] = up(processes.pushgateway(workdir, port=port_for("pushgateway"), persistence=True))
+        up(processes.janitor(workdir, services["pushgateway"].url))
         alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url})
         services["alertmanager"] = up(processes.alertmanager(workdir, alertmanager_config,
                                                              port=port_for("alertmanager")))

@@ -290,6 +290,14 @@ def alertmanager(workdir: Path, config_path: Path = ALERTMANAGER_YML, port: int 
                                    env={**os.environ, **(env or {})}), web_config, auth)
 
 
+def janitor(workdir: Path, pushgateway_url: str, args: list[str] | None = None,
+            env: dict[str, str] | None = None) -> Service:
+    """`dualtrack janitor` (not yet started) on `pushgateway_url`: no HTTP endpoint, not awaited."""
+    argv = [sys.executable, "-m", "dualtrack", "janitor", f"--pushgateway={pushgateway_url}", *(args or [])]
+    return Service("janitor", argv, 0, workdir / "janitor.log", ready_path=None,
+                   env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
 def exporter(workdir: Path, args: list[str], port: int | None = None,
              env: dict[str, str] | None = None, scheme: str = "http") -> Service:
     """Our exporter daemon (`python -m exporter`), not yet started, listening on loopback."""

@@ -48,11 +48,12 @@ class AlertPipeline:
 
 
 def start_pipeline(workdir: Path, start_service: Callable[[Service], Service], webhook: WebhookReceiver,
-                   exporter_targets: list[str] | None = None) -> AlertPipeline:
+                   exporter_targets: list[str] | None = None, group_wait: str = "1s",
+                   group_interval: str = "1s") -> AlertPipeline:
     """Start the pipeline: scrape and evaluation every second, Alertmanager group_wait 1 s."""
     pushgateway = start_service(processes.pushgateway(workdir))
     am_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url},
-                                                     group_wait="1s", group_interval="1s")
+                                                     group_wait=group_wait, group_interval=group_interval)
     alertmanager = start_service(processes.alertmanager(workdir, am_config))
     prom_config = processes.render_prometheus_config(
         workdir, {processes.PUSHGATEWAY_JOB: [pushgateway.address],

@@ -88,11 +88,11 @@ def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[
 
 
 @contextlib.contextmanager
-def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int]) -> Iterator[str]:
+def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes = b"") -> Iterator[str]:
     """A local HTTP server standing in for a misbehaving Pushgateway; yields its URL.
 
     `respond(request)` runs for every push (it may block, e.g. to answer slowly) and returns the
-    status code to answer with.
+    status code to answer with; GET requests are answered with `body`.
     """
     class Handler(BaseHTTPRequestHandler):
         def do_PUT(self) -> None:  # noqa: N802
@@ -100,6 +100,12 @@ def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int]) -> Iterator[s
             self.send_response(respond(self))
             self.send_header("Content-Length", "0")
             self.end_headers()
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(respond(self))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def log_message(self, *args) -> None:
             pass

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from stack import processes
 from tests.alerting_support import NonFiniteRun, start_pipeline
 from tests.exporter_support import faulty_exporter
+from tests.hook_support import Trainer, run_id
+from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +35,10 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     assert alert["labels"] == {"alertname": "TrainingLossNonFinite", "severity": "critical", "monitor": "dualtrack",
                                **run.labels}
     description = alert["annotations"]["description"]
-    assert f"non-finite value at step {run.nan_step}, batch {run.nan_batch_id}" in description, description
-    assert alert["annotations"]["runbook_url"] == "docs/alerts.md#traininglossnonfinite"
+    assert f"non-finite values since step {run.nan_step}, batch {run.nan_batch_id}" in description, description
+    # An absolute link from prometheus.yml's one setting; the setting itself is not an alert label.
+    runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
+    assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
     # The run finished (closing the monitor pushed state="finished"): the alert resolves.
     webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
 
@@ -51,3 +56,36 @@ def test_lost_gpu_reaches_the_webhook(tmp_path, start_service, webhook_receiver)
     assert alert["labels"]["uuid"].startswith("GPU-")
     assert f"GPU 1 ({alert['labels']['uuid']}) on {exporter.address}" in alert["annotations"]["description"]
     assert pipeline.alert_states("GPULost", gpu="0") == []
+
+
+def test_eight_ranks_going_nan_together_send_one_notification(tmp_path, start_service, webhook_receiver):
+    # group_wait as in production (long enough for every rank's alert to join the group); a long
+    # group_interval so that a second notification could only come from a second group.
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver, group_wait="5s", group_interval="10m")
+    run = run_id("allranks")
+    monitors = [TrainingMonitor(job="alerting-test", run=run, rank=rank, pushgateway=pipeline.pushgateway.url,
+                                push_interval=0.5, record_path=tmp_path / f"rank{rank}.jsonl") for rank in range(8)]
+    trainers = [Trainer(seed=rank) for rank in range(8)]
+    try:
+        for _ in range(3):
+            for trainer, monitor in zip(trainers, monitors):
+                trainer.train_step(monitor)
+        processes.wait_for_series(pipeline.prometheus.url, f'count(training_steps_total{{run="{run}"}} >= 3) == 8', 30)
+        for trainer, monitor in zip(trainers, monitors):
+            trainer.train_step(monitor, loss_scale=float("nan"))
+
+        def delivered() -> list[dict]:
+            alerts = [alert for payload in webhook_receiver.notifications() for alert in payload["alerts"]
+                      if alert["labels"]["alertname"] == "TrainingLossNonFinite"]
+            return alerts if len(alerts) >= 8 else []
+        processes.wait_until(delivered, 60, what="8 TrainingLossNonFinite alerts at the webhook")
+    finally:
+        for monitor in monitors:
+            monitor.close()
+
+    notifications = [payload for payload in webhook_receiver.notifications()
+                     if payload["groupLabels"].get("alertname") == "TrainingLossNonFinite"]
+    assert len(notifications) == 1, [sorted(a["labels"]["rank"] for a in n["alerts"]) for n in notifications]
+    notification = notifications[0]
+    assert notification["groupLabels"] == {"alertname": "TrainingLossNonFinite", "job": "alerting-test", "run": run}
+    assert sorted(alert["labels"]["rank"] for alert in notification["alerts"]) == [str(rank) for rank in range(8)]

@@ -103,3 +103,29 @@ def test_inhibitions_in_a_real_alertmanager(tmp_path, start_service):
     expected = {"lost": False, "hot-lost-gpu": True, "hot-other-gpu": False, "hot-other-gpu-warning": True,
                 "down": False, "xid-down-host": True, "nan": False}
     processes.wait_until(lambda: inhibited() == expected, 10, what=f"inhibitions {expected}")
+
+
+def test_groups_training_alerts_by_run_and_gpu_alerts_by_host(tmp_path, start_service):
+    am = start_service(processes.alertmanager(tmp_path, processes.render_alertmanager_config(tmp_path)))
+    ranks = [{"alertname": "TrainingLossNonFinite", "severity": "critical", "job": "train", "run": "r1",
+              "rank": str(rank), "instance": f"node{rank // 4}"} for rank in range(8)]
+    other_run = {**ranks[0], "run": "r2"}
+    gpus = [{"alertname": "GPUTemperatureHigh", "severity": "warning", "job": "dualtrack-exporter",
+             "instance": "h:9942", "gpu": str(gpu), "uuid": f"GPU-{gpu}"} for gpu in range(4)]
+    other_host = {**gpus[0], "instance": "h2:9942"}
+    alerts = [*ranks, other_run, *gpus, other_host]
+    ends = (datetime.now(timezone.utc) + timedelta(minutes=5)).isoformat()
+    requests.post(am.url + "/api/v2/alerts", json=[{"labels": labels, "endsAt": ends} for labels in alerts],
+                  timeout=5).raise_for_status()
+
+    def groups() -> dict[tuple, int] | None:
+        got = requests.get(am.url + "/api/v2/alerts/groups", timeout=5).json()
+        sizes = {tuple(sorted(g["labels"].items())): len(g["alerts"]) for g in got}
+        return sizes if sum(sizes.values()) == len(alerts) else None
+
+    assert processes.wait_until(groups, 10, what="all alerts grouped") == {
+        (("alertname", "TrainingLossNonFinite"), ("job", "train"), ("run", "r1")): 8,
+        (("alertname", "TrainingLossNonFinite"), ("job", "train"), ("run", "r2")): 1,
+        (("alertname", "GPUTemperatureHigh"), ("instance", "h:9942")): 4,
+        (("alertname", "GPUTemperatureHigh"), ("instance", "h2:9942")): 1,
+    }

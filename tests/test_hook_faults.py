@@ -173,7 +173,8 @@ from tests.hook_support import Trainer
 from trainer_hook import TrainingMonitor
 mode, url, record, run = sys.argv[1:5]
 trainer = Trainer()
-monitor = TrainingMonitor(job="faults", run=run, pushgateway=url, push_interval=60, record_path=record)
+monitor = TrainingMonitor(job="faults", run=run, pushgateway=url, push_interval=60, record_path=record,
+                          delete_after=None)  # keep the final state to check it
 for step in range(100000):
     trainer.train_step(monitor)
     if step == 25:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -18,8 +19,10 @@ RUNBOOK = REPO / "docs" / "alerts.md"
 CONTRACT = {
     "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
-    "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown",
+    "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
+    "TrainingLossScaleCollapse",
 }
+RUNBOOKS_LABEL = "dualtrack_runbooks_url"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -63,9 +66,16 @@ def test_alert_has_severity_annotations_and_runbook_section(rule):
     annotations = rule["annotations"]
     assert {"summary", "description", "runbook_url"} <= annotations.keys()
     assert "{{" in annotations["description"], "the description must name the run or GPU"
-    anchor = annotations["runbook_url"].removeprefix("docs/alerts.md#")
-    assert anchor == rule["alert"].lower()
+    # Absolute: the runbooks page from Prometheus' external label, then the alert's section.
+    assert annotations["runbook_url"] == f"{{{{ $externalLabels.{RUNBOOKS_LABEL} }}}}#{rule['alert'].lower()}"
     assert f"\n## {rule['alert']}\n" in RUNBOOK.read_text()
+
+
+def test_runbooks_url_is_one_absolute_setting_kept_out_of_alert_labels():
+    config = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    url = urlparse(config["global"]["external_labels"][RUNBOOKS_LABEL])
+    assert url.scheme == "https" and url.netloc and url.path.endswith("/alerts.md"), url
+    assert {"action": "labeldrop", "regex": RUNBOOKS_LABEL} in config["alerting"]["alert_relabel_configs"]
 
 
 def test_every_alert_fires_in_a_unit_test_and_healthy_runs_stay_silent():

@@ -48,7 +48,8 @@ class TrainingMonitor:
                  push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
-                 max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
+                 max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
+                 delete_after: float | None = 30.0) -> None:
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
                 raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
@@ -58,7 +59,8 @@ class TrainingMonitor:
             push_timeout=push_timeout, rank=rank, instance=instance, listen_port=listen_port,
             listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
             basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
-            tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold)
+            tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold,
+            delete_after=delete_after)
         handler = make_handler(s) if s.pushgateway else None
         self._run_labels = config_labels(config)
         self._start_time = time.time()
@@ -318,7 +320,7 @@ class TrainingMonitor:
             unpushed = self._pusher.stop(self.settings.push_timeout)
             if unpushed is not None:
                 merge_maxima(unpushed, final)
-            self._pusher.push(final)
+            self._pusher.push_final(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

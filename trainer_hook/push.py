@@ -1,25 +1,66 @@
-"""Pushing snapshots to the Pushgateway from a background thread: latest wins, nothing queues."""
+"""Pushing snapshots to the Pushgateway from a background thread: latest wins, nothing queues.
+
+A run that ends keeps its final state on the Pushgateway for `delete_after` seconds (long enough for
+Prometheus to scrape it), then deletes its group, so the Pushgateway holds only live runs.
+"""
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
+import os
 import ssl
 import threading
+import time
 import urllib.request
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from prometheus_client import push_to_gateway
+from prometheus_client import delete_from_gateway, push_to_gateway
 
 from .aggregate import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import Settings
+from .settings import ENV_CA_FILE, ENV_PASSWORD, ENV_PUSHGATEWAY, ENV_TOKEN, ENV_USERNAME, Settings
 
 log = logging.getLogger("trainer_hook")
 
 
-def make_handler(settings: Settings) -> Callable:
+class Connection(Protocol):
+    """Where the Pushgateway is and how to reach it (Settings, or GatewayAccess for the janitor)."""
+
+    pushgateway: str | None
+    ca_file: str | None
+    client_cert: tuple[str, str] | None
+    tls_verify: bool
+    basic_auth: tuple[str, str] | None
+    bearer_token: str | None
+
+
+@dataclass(frozen=True)
+class GatewayAccess:
+    """A Pushgateway connection from the hook's environment variables (used by `dualtrack janitor`)."""
+
+    pushgateway: str | None
+    basic_auth: tuple[str, str] | None = None
+    bearer_token: str | None = None
+    ca_file: str | None = None
+    client_cert: tuple[str, str] | None = None
+    tls_verify: bool = True
+
+    @classmethod
+    def from_environment(cls, url: str | None = None) -> "GatewayAccess":
+        """$DUALTRACK_PUSHGATEWAY (unless `url`), _USERNAME/_PASSWORD or _TOKEN, and _CA_FILE."""
+        username = os.environ.get(ENV_USERNAME)
+        return cls(pushgateway=(url or os.environ.get(ENV_PUSHGATEWAY) or "").rstrip("/") or None,
+                   basic_auth=(username, os.environ.get(ENV_PASSWORD, "")) if username else None,
+                   bearer_token=None if username else os.environ.get(ENV_TOKEN) or None,
+                   ca_file=os.environ.get(ENV_CA_FILE) or None)
+
+
+def make_handler(settings: Connection) -> Callable:
     """A prometheus_client push handler with our auth headers and TLS options.
 
+    The request it returns also hands back the response body (for GET requests).
     Raises ValueError for unusable TLS files (called at construction, before anything starts).
     """
     context = None
@@ -39,8 +80,8 @@ def make_handler(settings: Settings) -> Callable:
     elif settings.bearer_token:
         auth = "Bearer " + settings.bearer_token
 
-    def handler(url: str, method: str, timeout: float | None, headers, data: bytes):
-        def send() -> None:
+    def handler(url: str, method: str, timeout: float | None, headers, data: bytes | None):
+        def send() -> bytes:
             request = urllib.request.Request(url, data=data, method=method)
             for key, value in headers:
                 request.add_header(key, value)
@@ -48,10 +89,51 @@ def make_handler(settings: Settings) -> Callable:
                 request.add_header("Authorization", auth)
             # urlopen raises HTTPError (an OSError) for any status >= 400.
             with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-                response.read()
+                return response.read()
         return send
 
     return handler
+
+
+@dataclass
+class _Deletion:
+    """A finished run's group, deleted from the Pushgateway when `due` (time.monotonic) comes."""
+
+    due: float
+    cancelled: threading.Event
+    awaited_at_exit: bool = True
+    thread: threading.Thread | None = None
+
+
+_deletions: dict[tuple, _Deletion] = {}
+_deletions_lock = threading.Lock()
+
+
+def _await_deletions() -> None:
+    """At interpreter exit, let the deletions of closed runs happen (each at most delete_after away).
+
+    The final state must stay on the Pushgateway until Prometheus scraped it, so a script that ends
+    right after training waits here; Ctrl-C skips the wait (the janitor removes the groups later), and
+    a run stopped by Ctrl-C is not waited for at all.
+    """
+    with _deletions_lock:
+        pending = [d for d in _deletions.values() if d.thread is not None and d.awaited_at_exit]
+    if not pending:
+        return
+    wait = max(d.due for d in pending) - time.monotonic()
+    if wait > 1:
+        log.warning("waiting %.0f s before exiting: the final state of %d finished run(s) stays on the "
+                    "Pushgateway until Prometheus scraped it, then it is deleted (delete_after; Ctrl-C "
+                    "skips, DUALTRACK_DELETE_AFTER=none keeps it)", wait, len(pending))
+    try:
+        for deletion in pending:
+            deletion.thread.join(max(0.0, deletion.due - time.monotonic()) + 10.0)
+    except KeyboardInterrupt:
+        log.warning("exit: did not delete %d finished run(s) from the Pushgateway; "
+                    "`dualtrack janitor` removes them later", len(pending))
+
+
+atexit.register(_await_deletions)  # registered first, so it runs after the monitors' own close
 
 
 class Pusher:
@@ -59,6 +141,8 @@ class Pusher:
 
     def __init__(self, settings: Settings, handler: Callable) -> None:
         self.settings = settings
+        self._group = (settings.pushgateway, settings.job, tuple(sorted(settings.grouping_key.items())))
+        self._cancel_deletion()  # a new run of this process under the same identity keeps its group
         self.failures = 0
         self._handler = handler
         self._cond = threading.Condition()
@@ -115,6 +199,44 @@ class Pusher:
                         self._outage_failures)
             self._outage_failures = 0
         return True
+
+    def push_final(self, snapshot: Snapshot, await_at_exit: bool = True) -> None:
+        """Push the final state; then delete the group `delete_after` seconds later (never blocks).
+
+        If the final push failed, the Pushgateway is out of reach: the group is left to the janitor
+        (rather than making the process wait at exit for a deletion that would fail too). Without
+        `await_at_exit` (a run the user stopped with Ctrl-C) the process does not wait for it either.
+        """
+        delay = self.settings.delete_after
+        if not self.push(snapshot) or delay is None:
+            return
+        deletion = _Deletion(time.monotonic() + delay, threading.Event(), await_at_exit)
+        deletion.thread = threading.Thread(target=self._delete_when_due, args=(deletion,),
+                                           name="trainer_hook-delete", daemon=True)
+        with _deletions_lock:
+            _deletions[self._group] = deletion
+        deletion.thread.start()
+
+    def _delete_when_due(self, deletion: _Deletion) -> None:
+        if deletion.cancelled.wait(max(0.0, deletion.due - time.monotonic())):
+            return
+        try:
+            delete_from_gateway(self.settings.pushgateway, job=self.settings.job,
+                                grouping_key=self.settings.grouping_key,
+                                timeout=self.settings.push_timeout, handler=self._handler)
+        except Exception as exc:  # noqa: BLE001 - the run is over; nothing may raise from here
+            log.warning("could not delete the finished run's group from %s: %s; `dualtrack janitor` "
+                        "removes it later", self.settings.pushgateway, exc)
+        finally:
+            with _deletions_lock:
+                if _deletions.get(self._group) is deletion:
+                    del _deletions[self._group]
+
+    def _cancel_deletion(self) -> None:
+        with _deletions_lock:
+            deletion = _deletions.pop(self._group, None)
+        if deletion is not None:
+            deletion.cancelled.set()
 
     def stop(self, timeout: float) -> Snapshot | None:
         """Stop the thread (waiting up to `timeout` s for a push in flight); return what was not pushed."""

@@ -19,6 +19,8 @@ ENV_USERNAME = "DUALTRACK_PUSHGATEWAY_USERNAME"
 ENV_PASSWORD = "DUALTRACK_PUSHGATEWAY_PASSWORD"
 ENV_TOKEN = "DUALTRACK_PUSHGATEWAY_TOKEN"
 ENV_CA_FILE = "DUALTRACK_PUSHGATEWAY_CA_FILE"
+ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
+DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
 
 
@@ -45,6 +47,7 @@ class Settings:
     client_cert: tuple[str, str] | None
     strict: bool
     max_hold: float
+    delete_after: float | None
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -132,7 +135,7 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
 
 def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, instance, listen_port,
             listen_address, record_path, gpu_uuid, basic_auth, bearer_token, ca_file, tls_verify,
-            client_cert, strict, max_hold) -> Settings:
+            client_cert, strict, max_hold, delete_after=DEFAULT_DELETE_AFTER) -> Settings:
     """Validate the constructor arguments (falling back to the environment); raise ValueError."""
     job = _name("job", job, ENV_JOB)
     run = _name("run", run, ENV_RUN, default=time.strftime("%Y%m%d-%H%M%S"))
@@ -166,4 +169,27 @@ def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, instanc
         ca_file=ca_file, tls_verify=bool(tls_verify),
         client_cert=tuple(client_cert) if client_cert else None, strict=bool(strict),
         max_hold=0.0 if max_hold == 0 else _positive("max_hold", max_hold),
+        delete_after=_delete_after(delete_after),
     )
+
+
+def _delete_after(value: float | None) -> float | None:
+    """Seconds a finished run's group stays on the Pushgateway; None keeps it.
+
+    $DUALTRACK_DELETE_AFTER (seconds, or "none") replaces the default, not an explicit other value.
+    """
+    what = "delete_after"
+    env = os.environ.get(ENV_DELETE_AFTER, "").strip()
+    if value == DEFAULT_DELETE_AFTER and env:
+        if env.lower() == "none":
+            return None
+        value, what = env, f"${ENV_DELETE_AFTER}"
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
+    return seconds

@@ -1,0 +1,179 @@
+"""`dualtrack janitor`: delete the Pushgateway groups of training runs that are over.
+
+A run deletes its own group `delete_after` seconds after it ends. A run killed without a word
+(SIGKILL, node loss, a SIGTERM before its deletion was due) leaves its group behind; the janitor
+removes it. It deletes a group only when both hold:
+- the group carries dualtrack's run metrics: `training_run_state` and the grouping labels `run` and
+  `rank` (another job's group is never touched);
+- its last push (`push_time_seconds`) is older than the retention: `--finished-retention` for a run
+  whose last push said finished or failed, `--retention` for one still marked running (a live run
+  pushes every few seconds; a dead one raises TrainingMetricsStale meanwhile).
+An unreachable Pushgateway or a malformed group is logged and retried on the next pass.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
+DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+log = logging.getLogger("dualtrack.janitor")
+
+
+def duration(text: str) -> float:
+    """'90', '90s', '15m', '24h', '1d' -> seconds (argparse type)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 24h or 1d")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pushgateway", metavar="URL", default=None,
+                        help=f"the Pushgateway (default: $DUALTRACK_PUSHGATEWAY, else {DEFAULT_PUSHGATEWAY}); "
+                             "credentials from $DUALTRACK_PUSHGATEWAY_USERNAME/_PASSWORD or _TOKEN, "
+                             "CA from $DUALTRACK_PUSHGATEWAY_CA_FILE, as for the hook")
+    parser.add_argument("--retention", type=duration, default=duration("24h"), metavar="DURATION",
+                        help="delete a run still marked running whose last push is older than this "
+                             "(killed without a word; default 24h)")
+    parser.add_argument("--finished-retention", type=duration, default=duration("10m"), metavar="DURATION",
+                        help="delete a finished or failed run whose last push is older than this "
+                             "(its own deletion did not happen; default 10m)")
+    parser.add_argument("--interval", type=duration, default=duration("1m"), metavar="DURATION",
+                        help="time between two passes (default 1m)")
+    parser.add_argument("--timeout", type=duration, default=duration("10s"), metavar="DURATION",
+                        help="timeout of each request to the Pushgateway (default 10s)")
+    parser.add_argument("--once", action="store_true",
+                        help="one pass, then exit (status 1 if the Pushgateway could not be read)")
+    parser.add_argument("--dry-run", action="store_true", help="log what would be deleted, delete nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.pushgateway or os.environ.get("DUALTRACK_PUSHGATEWAY") or DEFAULT_PUSHGATEWAY
+    parsed = urlparse(url if "://" in url else "http://" + url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return _usage_error(f"--pushgateway must be an http(s) URL like {DEFAULT_PUSHGATEWAY}, got {url!r}")
+    if min(args.interval, args.timeout) <= 0:
+        return _usage_error("--interval and --timeout must be longer than 0")
+    from trainer_hook.push import GatewayAccess, make_handler  # imports torch when installed: slow
+
+    access = GatewayAccess.from_environment(parsed.geturl().rstrip("/"))
+    try:
+        handler = make_handler(access)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
+    log.setLevel(logging.INFO)
+    janitor = Janitor(access.pushgateway, handler, args)
+    if args.once:
+        return 0 if janitor.sweep() is not None else 1
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("watching %s every %gs (running runs: %gs, finished runs: %gs after their last push)",
+             access.pushgateway, args.interval, args.retention, args.finished_retention)
+    while True:
+        janitor.sweep()
+        if stop.wait(args.interval):
+            return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"dualtrack janitor: error: {message}", file=sys.stderr)
+    return 2
+
+
+class MalformedGroup(ValueError):
+    """A group whose age or state cannot be read."""
+
+
+class Janitor:
+    """One pass at a time: list the groups, delete the runs that are over."""
+
+    def __init__(self, url: str, handler: Callable, args: argparse.Namespace) -> None:
+        self.url = url
+        self.handler = handler
+        self.args = args
+        self._reported: set[str] = set()  # malformed groups already logged
+        self._unreachable = False
+
+    def sweep(self, now: float | None = None) -> list[dict[str, str]] | None:
+        """Delete what is due; return the deleted groups' labels (None: the Pushgateway could not be read)."""
+        try:
+            body = self.handler(self.url + "/api/v1/metrics", "GET", self.args.timeout, [], None)()
+            groups = json.loads(body)["data"]
+            if not isinstance(groups, list):
+                raise ValueError("'data' is not a list")
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, not a Pushgateway: retry later
+            if not self._unreachable:
+                log.warning("cannot read the groups of %s: %s; retrying every %gs", self.url, exc,
+                            self.args.interval)
+            self._unreachable = True
+            return None
+        if self._unreachable:
+            log.info("%s answers again", self.url)
+            self._unreachable = False
+        now = time.time() if now is None else now
+        deleted = []
+        for group in groups:
+            try:
+                verdict = self.verdict(group, now)
+            except MalformedGroup as exc:
+                key = repr(group.get("labels") if isinstance(group, dict) else group)[:200]
+                if key not in self._reported:
+                    self._reported.add(key)
+                    log.warning("skipping a malformed group %s: %s", key, exc)
+                continue
+            if verdict is not None and self.delete(group["labels"], verdict):
+                deleted.append(group["labels"])
+        return deleted
+
+    def verdict(self, group: Any, now: float) -> str | None:
+        """Why the group is due for deletion, or None to keep it."""
+        if not isinstance(group, dict) or not isinstance(group.get("labels"), dict):
+            raise MalformedGroup("no grouping labels")
+        labels = group["labels"]
+        if "training_run_state" not in group or not {"job", "run", "rank"} <= labels.keys():
+            return None  # not a dualtrack run: never ours to delete
+        try:
+            pushed = float(group["push_time_seconds"]["metrics"][0]["value"])
+            states = [m["labels"].get("state") for m in group["training_run_state"]["metrics"]
+                      if float(m["value"]) == 1]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise MalformedGroup(f"unreadable push_time_seconds or training_run_state ({exc!r})") from None
+        if pushed <= 0:
+            raise MalformedGroup("push_time_seconds is not a time")
+        state = "finished" if "finished" in states else "failed" if "failed" in states else "running"
+        retention = self.args.retention if state == "running" else self.args.finished_retention
+        age = now - pushed
+        if age <= retention:
+            return None
+        return f"{state}, last push {age:.0f}s ago"
+
+    def delete(self, labels: dict[str, str], why: str) -> bool:
+        from prometheus_client import delete_from_gateway
+
+        name = " ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        if self.args.dry_run:
+            log.info("would delete %s (%s)", name, why)
+            return False
+        grouping = {k: v for k, v in labels.items() if k != "job"}
+        try:
+            delete_from_gateway(self.url, job=labels["job"], grouping_key=grouping,
+                                timeout=self.args.timeout, handler=self.handler)
+        except Exception as exc:  # noqa: BLE001 - retried on the next pass
+            log.warning("could not delete %s: %s; retrying on the next pass", name, exc)
+            return False
+        log.info("deleted %s (%s)", name, why)
+        return True
