@@ -1,12 +1,17 @@
 """Shared fixtures: real daemons on loopback ports, stopped after each test."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator
 
 import pytest
 
 from stack.processes import Service, WebhookReceiver
 from tests.certs import Pki, make_pki
+
+# Monitors that tests close keep their final state on the test Pushgateway instead of making the
+# session wait at exit to delete it (tests of the deletion pass delete_after explicitly).
+os.environ.setdefault("DUALTRACK_DELETE_AFTER", "none")
 
 
 @pytest.fixture

@@ -154,8 +154,10 @@ def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, 
 
 def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
     services = yaml.safe_load((processes.REPO / "docker-compose.yml").read_text())["services"]
-    assert services["janitor"]["entrypoint"] == ["dualtrack", "janitor"]
-    assert "--pushgateway=http://pushgateway:9091" in services["janitor"]["command"]
+    janitor = services["janitor"]
+    assert "exec dualtrack janitor" in janitor["entrypoint"][2]
+    assert janitor["environment"]["DUALTRACK_PUSHGATEWAY"] == "https://pushgateway:9091"  # TLS + basic auth
+    assert "cat /etc/dualtrack/secrets/hook.password" in janitor["entrypoint"][2]
     store = next(arg.split("=", 1)[1] for arg in services["pushgateway"]["command"]
                  if arg.startswith("--persistence.file="))
     assert any(volume.startswith("pushgateway-data:") and store.startswith(volume.split(":")[1] + "/")

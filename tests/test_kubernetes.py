@@ -179,7 +179,7 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     assert monitor["honorLabels"] is True and monitor["scheme"] == "https" and "basicAuth" in monitor
 
     janitor = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    assert janitor["command"] == ["dualtrack", "janitor"]
+    assert janitor["command"] == ["dualtrack", "janitor", "--once"]
     env = {e["name"] for e in janitor["env"]}
     hook_names = "".join(p.read_text() for p in (REPO / "trainer_hook").glob("*.py"))
     assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_PASSWORD",
