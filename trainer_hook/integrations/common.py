@@ -1,0 +1,84 @@
+"""What the framework integrations share: optional imports, a deferred monitor, the data-wait clock."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from types import ModuleType
+from typing import Any, Mapping
+
+from .._torch import TENSOR_TYPES
+from ..monitor import TrainingMonitor
+
+log = logging.getLogger("trainer_hook")
+
+
+def require(integration: str, extra: str, *modules: str) -> ModuleType:
+    """The first of `modules` that imports, or an ImportError naming the extra to install."""
+    for name in modules:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"trainer_hook.integrations.{integration} needs {' or '.join(modules)}: "
+                      f"pip install 'dualtrack[{extra}]'")
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a batch (tensor, mapping or sequence); no sync."""
+    if isinstance(batch, TENSOR_TYPES):
+        return int(batch.shape[0]) if batch.dim() else None
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = batch_size(item)
+        if size is not None:
+            return size
+    return None
+
+
+class DeferredMonitor:
+    """A TrainingMonitor's arguments now, the monitor once the framework knows the rank and config.
+
+    The arguments are those of TrainingMonitor (checked here: a wrong name raises TypeError at once);
+    `rank_zero_only=True` creates the monitor on global rank 0 only.
+    """
+
+    def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
+        self._arguments = inspect.signature(TrainingMonitor).bind(*args, **kwargs).arguments
+        self.rank_zero_only = rank_zero_only
+        self.monitor: TrainingMonitor | None = None
+        self._batch_end: float | None = None
+        self._warned: set[str] = set()
+
+    def open(self, rank: int, config: Mapping[str, Any] | None = None) -> TrainingMonitor | None:
+        """Create the monitor (once) for `rank`, with the framework's `config` under the user's."""
+        if self.monitor is None and not (self.rank_zero_only and rank != 0):
+            arguments = dict(self._arguments)
+            arguments.setdefault("rank", rank)
+            mine = arguments.get("config")
+            if mine is not None and not isinstance(mine, Mapping):
+                mine = vars(mine)
+            arguments["config"] = {**(config or {}), **(mine or {})}
+            self.monitor = TrainingMonitor(**arguments)
+        return self.monitor
+
+    def close(self, failed: bool = False, reason: str | None = None) -> None:
+        if self.monitor is not None:
+            self.monitor.close(failed=failed, reason=reason)
+
+    def batch_ended(self) -> None:
+        """The framework is done with a batch (or with an evaluation/checkpoint in between)."""
+        self._batch_end = time.perf_counter()
+
+    def batch_started(self) -> float | None:
+        """Seconds since batch_ended(): the time the loop waited for this batch."""
+        if self._batch_end is None:
+            return None
+        waited, self._batch_end = time.perf_counter() - self._batch_end, None
+        return waited
+
+    def warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
