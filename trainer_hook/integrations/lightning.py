@@ -1,0 +1,115 @@
+"""PyTorch Lightning: `Trainer(..., callbacks=[DualtrackCallback(job="my-job")])`.
+
+Works with `lightning` (`lightning.pytorch.Trainer`) and the older `pytorch_lightning` package: the
+callback is an instance of whichever Callback classes are installed.
+
+Per optimizer step: the loss `training_step` returned (mean over accumulated batches), the grad
+norm after unscaling and before clipping (one fused read in `on_before_optimizer_step`; DeepSpeed's
+global norm; under FSDP the `grad_norm` your training_step returns), the learning rate, the epoch,
+samples and the time the loop waited for its batches. Nothing is read to the host on the training
+thread.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping
+
+from ..gradnorm import grad_norm
+from .common import DeferredMonitor, batch_size, require
+
+require("lightning", "lightning", "lightning.pytorch", "pytorch_lightning")
+
+
+def _callback_bases() -> tuple[type, ...]:
+    bases = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            bases.append(importlib.import_module(name).Callback)
+        except ImportError:
+            continue
+    return tuple(bases)
+
+
+#: Trainer settings exported as hyper-parameters, next to the LightningModule's hparams.
+TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "gradient_clip_val",
+                "precision", "world_size")
+
+
+class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[misc]
+    """Publishes a Lightning Trainer's steps through a TrainingMonitor (same arguments, plus
+    `rank_zero_only`). The monitor starts at `on_fit_start` with `trainer.global_rank` and the
+    module's `hparams` plus TRAINER_KEYS under your `config`."""
+
+    def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
+        DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
+        self._logged_step: int | None = None
+        self._step_reset()
+
+    def _step_reset(self) -> None:
+        self._loss = self._grad_norm = self._lr = self._samples = None
+        self._wait = 0.0
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        config = {key: getattr(trainer, key) for key in TRAINER_KEYS if hasattr(trainer, key)}
+        config["strategy"] = type(trainer.strategy).__name__
+        config.update(dict(getattr(pl_module, "hparams", None) or {}))
+        self.open(trainer.global_rank, config)
+        self._logged_step = trainer.global_step
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.batch_ended()
+
+    on_validation_end = on_train_epoch_start  # validation between batches is not waiting for data
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._wait += self.batch_started() or 0.0
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.monitor is None:
+            return
+        self._lr = optimizer.param_groups[0]["lr"]
+        strategy = type(trainer.strategy).__name__
+        if "DeepSpeed" in strategy:
+            return  # the engine's global norm is read after its step (on_train_batch_end)
+        if "FSDP" in strategy or "ModelParallel" in strategy:
+            self.warn_once("sharded", f"DualtrackCallback: under {strategy} this rank holds only a "
+                                      "shard of the gradients; return the global norm as 'grad_norm' "
+                                      "from training_step (e.g. clip_grad_norm_'s result) to report it")
+            return
+        self._grad_norm = grad_norm(pl_module.parameters())  # unscaled, not yet clipped
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.monitor is not None:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if loss is not None and hasattr(loss, "detach"):
+                # Lightning divides the loss by accumulate_grad_batches: the sum is the step's mean.
+                self._loss = loss if self._loss is None else self._loss + loss
+            if isinstance(outputs, Mapping) and outputs.get("grad_norm") is not None:
+                self._grad_norm = outputs["grad_norm"]
+            size = batch_size(batch)
+            if size is not None:
+                self._samples = (self._samples or 0) + size
+            if trainer.global_step != self._logged_step:  # the optimizer stepped
+                self._log_step(trainer)
+        self.batch_ended()
+
+    def _log_step(self, trainer: Any) -> None:
+        self._logged_step = trainer.global_step
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is not None:
+            self._grad_norm = engine.get_global_grad_norm()
+        values = {"epoch": trainer.current_epoch}
+        for key, value in (("loss", self._loss), ("grad_norm", self._grad_norm),
+                           ("learning_rate", self._lr)):
+            if value is not None:
+                values[key] = value
+        self.monitor.log(values, step=trainer.global_step, samples=self._samples,
+                         data_wait=self._wait)
+        self._step_reset()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.close(failed=True, reason=type(exception).__name__)
