@@ -4,9 +4,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 import time
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .._torch import TENSOR_TYPES
 from ..monitor import TrainingMonitor
@@ -37,6 +38,18 @@ def batch_size(batch: Any) -> int | None:
     return None
 
 
+def calling_instance(cls: type) -> Any:
+    """The nearest `self` up the call stack that is a `cls` (a framework calling its callbacks
+    passes no reference to itself), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 class DeferredMonitor:
     """A TrainingMonitor's arguments now, the monitor once the framework knows the rank and config.
 
@@ -50,6 +63,7 @@ class DeferredMonitor:
         self.monitor: TrainingMonitor | None = None
         self._batch_end: float | None = None
         self._warned: set[str] = set()
+        self._patched: list[tuple[Any, str]] = []
 
     def open(self, rank: int, config: Mapping[str, Any] | None = None) -> TrainingMonitor | None:
         """Create the monitor (once) for `rank`, with the framework's `config` under the user's."""
@@ -64,8 +78,28 @@ class DeferredMonitor:
         return self.monitor
 
     def close(self, failed: bool = False, reason: str | None = None) -> None:
+        """Close the monitor and remove the wrappers patch() installed."""
+        for owner, name in reversed(self._patched):
+            vars(owner).pop(name, None)
+        self._patched = []
         if self.monitor is not None:
             self.monitor.close(failed=failed, reason=reason)
+
+    def patch(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Wrap the method `name` of this one framework object (not its class) until close()."""
+        if name not in vars(owner):
+            setattr(owner, name, wrap(getattr(owner, name)))
+            self._patched.append((owner, name))
+
+    def capture_result(self, attribute: str) -> Callable[[Callable], Callable]:
+        """A patch() wrapper storing the method's return value (e.g. a grad norm) in `attribute`."""
+        def wrap(method: Callable) -> Callable:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                result = method(*args, **kwargs)
+                setattr(self, attribute, result)
+                return result
+            return wrapped
+        return wrap
 
     def batch_ended(self) -> None:
         """The framework is done with a batch (or with an evaluation/checkpoint in between)."""

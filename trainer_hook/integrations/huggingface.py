@@ -7,11 +7,10 @@ them. Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 from ..gradnorm import grad_norm
-from .common import DeferredMonitor, batch_size, require
+from .common import DeferredMonitor, batch_size, calling_instance, require
 
 transformers = require("huggingface", "huggingface", "transformers")
 
@@ -20,17 +19,6 @@ CONFIG_KEYS = ("learning_rate", "per_device_train_batch_size", "gradient_accumul
                "num_train_epochs", "max_steps", "weight_decay", "adam_beta1", "adam_beta2",
                "warmup_steps", "lr_scheduler_type", "optim", "max_grad_norm", "seed", "fp16", "bf16",
                "world_size")
-
-
-def _calling_trainer() -> Any:
-    """The Trainer whose callback handler is calling us (callbacks get no reference to it)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, transformers.Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
@@ -42,7 +30,6 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
 
     def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
         DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
-        self._patched: list[tuple[Any, str]] = []
         self._step_reset()
 
     def _step_reset(self) -> None:
@@ -56,27 +43,18 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
             config["model_type"] = model_type
         if self.open(args.process_index, config) is None:
             return
-        trainer = _calling_trainer()
+        trainer = calling_instance(transformers.Trainer)
         if trainer is None:
             self.warn_once("trainer", "DualtrackCallback: no Trainer found calling it; loss and grad "
                                       "norm are not reported")
             return
-        self._patch(trainer, "training_step", self._wrap_training_step)
+        self.patch(trainer, "training_step", self._wrap_training_step)
         if getattr(trainer, "accelerator", None) is not None:
-            self._patch(trainer.accelerator, "clip_grad_norm_", self._wrap_clip)
+            self.patch(trainer.accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
         self.batch_ended()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for owner, name in reversed(self._patched):
-            vars(owner).pop(name, None)
-        self._patched = []
         self.close()
-
-    def _patch(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
-        """Wrap a bound method on this instance only; on_train_end removes the wrapper."""
-        if name not in vars(owner):
-            setattr(owner, name, wrap(getattr(owner, name)))
-            self._patched.append((owner, name))
 
     def _wrap_training_step(self, training_step: Callable) -> Callable:
         def wrapped(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -90,13 +68,6 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
             if tokens is not None:
                 self._tokens = tokens if self._tokens is None else self._tokens + tokens
             return loss
-        return wrapped
-
-    def _wrap_clip(self, clip_grad_norm_: Callable) -> Callable:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            norm = clip_grad_norm_(*args, **kwargs)
-            self._grad_norm = norm
-            return norm
         return wrapped
 
     # ----------------------------------------------------------------- per step
