@@ -18,7 +18,7 @@ RUNBOOK = REPO / "docs" / "alerts.md"
 CONTRACT = {
     "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
-    "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown",
+    "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingStragglerRank",
 }
 
 
