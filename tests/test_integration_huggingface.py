@@ -75,12 +75,13 @@ def test_trainer_steps_reach_the_pushgateway_with_the_raw_nan_loss(tmp_path, sta
     for line in steps:
         logged, ours = history[line["step"]], line["values"]
         assert ours["grad_norm"] == pytest.approx(logged["grad_norm"], rel=1e-6)
-        assert ours["learning_rate"] == pytest.approx(logged["learning_rate"])
+        # The rate the step used (linear decay from 1e-3; some versions log the next step's).
+        assert ours["learning_rate"] == pytest.approx(1e-3 * (1 - (line["step"] - 1) / STEPS))
         if line["step"] == NAN_STEP:
             assert math.isfinite(logged["loss"])  # logging_nan_inf_filter replaced it
             assert ours["loss"] == "nan" and line["nonfinite"] == ["loss"]
         else:
-            assert ours["loss"] == pytest.approx(logged["loss"], rel=1e-6)
+            assert ours["loss"] == pytest.approx(logged["loss"], abs=1e-4)  # older versions round
     assert events[0]["rank"] == 0 and events[-1]["state"] == "finished"
 
 

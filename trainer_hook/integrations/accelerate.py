@@ -11,7 +11,8 @@ training_run_info, the rank is Accelerate's process index. Wrap the dataloader i
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from .common import DeferredMonitor, calling_instance, require
 
@@ -47,12 +48,13 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         return self.monitor
 
     def start(self) -> None:
-        """Called by `init_trackers`: capture the norms of the Accelerator's clip_grad_norm_."""
+        """Called by `init_trackers` (recent versions): capture the Accelerator's grad norms."""
         accelerator = calling_instance(accelerate.Accelerator)
         if accelerator is not None:
             self.patch(accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        self.start()  # older versions call only this one from init_trackers
         self._config.update(values)
         if self.monitor is not None:
             self.warn_once("config", "DualtrackTracker: configuration stored after the first log() "

@@ -6,8 +6,9 @@ import inspect
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .._torch import TENSOR_TYPES
 from ..monitor import TrainingMonitor

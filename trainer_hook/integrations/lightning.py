@@ -4,16 +4,18 @@ Works with `lightning` (`lightning.pytorch.Trainer`) and the older `pytorch_ligh
 callback is an instance of whichever Callback classes are installed.
 
 Per optimizer step: the loss `training_step` returned (mean over accumulated batches), the grad
-norm after unscaling and before clipping (one fused read in `on_before_optimizer_step`; DeepSpeed's
-global norm; under FSDP the `grad_norm` your training_step returns), the learning rate, the epoch,
-samples and the time the loop waited for its batches. Nothing is read to the host on the training
-thread.
+norm before clipping (the norm Lightning's clipping by norm computes; without it one fused read in
+`on_before_optimizer_step`; DeepSpeed's global norm; under FSDP the `grad_norm` your training_step
+returns), the learning rate, the epoch, samples and the time the loop waited for its batches.
+Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
+from .._torch import torch
 from ..gradnorm import grad_norm
 from .common import DeferredMonitor, batch_size, require
 
@@ -53,8 +55,21 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         config = {key: getattr(trainer, key) for key in TRAINER_KEYS if hasattr(trainer, key)}
         config["strategy"] = type(trainer.strategy).__name__
         config.update(dict(getattr(pl_module, "hparams", None) or {}))
-        self.open(trainer.global_rank, config)
         self._logged_step = trainer.global_step
+        if self.open(trainer.global_rank, config) is not None:
+            self._capture_clipping(trainer)
+
+    def _capture_clipping(self, trainer: Any) -> None:
+        """Keep the norm Lightning's gradient clipping by norm computes (and throws away)."""
+        plugin = trainer.strategy.precision_plugin
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        if (trainer.gradient_clip_val and (algorithm or "norm") == "norm"
+                and type(plugin).clip_grad_by_norm.__qualname__ == "Precision.clip_grad_by_norm"):
+
+            def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:  # Lightning's own, kept
+                self._grad_norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+            self.patch(plugin, "clip_grad_by_norm", lambda original: clip_grad_by_norm)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.batch_ended()
@@ -76,16 +91,18 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
                                       "shard of the gradients; return the global norm as 'grad_norm' "
                                       "from training_step (e.g. clip_grad_norm_'s result) to report it")
             return
-        self._grad_norm = grad_norm(pl_module.parameters())  # unscaled, not yet clipped
+        if not self._patched:  # no clipping to take the norm from: unscaled, not yet clipped
+            self._grad_norm = grad_norm(pl_module.parameters())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.monitor is not None:
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            mapping = isinstance(outputs, Mapping)
+            loss = outputs.get("loss") if mapping else outputs
             if loss is not None and hasattr(loss, "detach"):
                 # Lightning divides the loss by accumulate_grad_batches: the sum is the step's mean.
                 self._loss = loss if self._loss is None else self._loss + loss
-            if isinstance(outputs, Mapping) and outputs.get("grad_norm") is not None:
+            if mapping and outputs.get("grad_norm") is not None:
                 self._grad_norm = outputs["grad_norm"]
             size = batch_size(batch)
             if size is not None:
