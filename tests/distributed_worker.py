@@ -4,8 +4,8 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 - ddp: Lightning DDP, 2 ranks; one callback on every rank, one with rank_zero_only=True.
 - straggler: independent loops (no per-step collective); rank 1 is 3x slower; stops when DIR/stop
   exists.
-- fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result next to the norm of the full
-  (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
+- fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
+  norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer_hook import TrainingMonitor  # noqa: E402
+from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
 
 STEPS = 8
 
@@ -78,6 +78,7 @@ def fsdp(records: Path) -> None:
         for step in range(3):
             x, y = torch.randn(8, 16), torch.randn(8, 1)
             torch.nn.functional.mse_loss(model(x), y).backward()
+            fused = grad_norm(model.parameters())  # DTensor gradients: reduced over the mesh
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # global under FSDP
             shard = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(p.grad.to_local()) for p in model.parameters()]))
@@ -86,7 +87,8 @@ def fsdp(records: Path) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
             reference = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e6)
-            monitor.log({"grad_norm": norm.full_tensor(), "shard_grad_norm": shard,
+            monitor.log({"grad_norm": norm.full_tensor(), "fused_grad_norm": fused.full_tensor(),
+                         "shard_grad_norm": shard,
                          "full_grad_norm": reference}, step=step)
             model.zero_grad()
             full.zero_grad()

@@ -94,7 +94,7 @@ def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack
     finish(proc, tmp_path)
 
 
-def test_fsdp_clip_grad_norm_is_the_global_norm_not_the_shards(tmp_path):
+def test_fsdp_clip_grad_norm_and_fused_grad_norm_are_global_not_the_shards(tmp_path):
     run = run_id("fsdp")
     finish(torchrun("fsdp", tmp_path, run), tmp_path)
     zero, one = (record_lines(tmp_path / f"fsdp-{run}-rank{rank}.jsonl")[0] for rank in (0, 1))
@@ -102,6 +102,7 @@ def test_fsdp_clip_grad_norm_is_the_global_norm_not_the_shards(tmp_path):
     for a, b in zip(zero, one):
         for values in (a["values"], b["values"]):
             assert values["grad_norm"] == pytest.approx(values["full_grad_norm"], rel=1e-5)
+            assert values["fused_grad_norm"] == pytest.approx(values["full_grad_norm"], rel=1e-5)
             assert values["shard_grad_norm"] < values["grad_norm"] * 0.999  # what a shard alone says
         shards = math.hypot(a["values"]["shard_grad_norm"], b["values"]["shard_grad_norm"])
         assert shards == pytest.approx(a["values"]["grad_norm"], rel=1e-5)
