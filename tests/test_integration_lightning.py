@@ -59,11 +59,11 @@ def loader(load_delay: float = 0.0, nan_batch: int | None = None):
     return torch.utils.data.DataLoader(Slow(x, y), batch_size=BATCH)
 
 
-def fit(package: str, callbacks: list, **data) -> object:
+def fit(package: str, callbacks: list, clip: float | None = 0.5, **data) -> object:
     pl = importlib.import_module(package)
     model = module_class(package)()
     trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, accumulate_grad_batches=ACCUMULATE,
-                         gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+                         gradient_clip_val=clip, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(model, loader(**data))
     return model
@@ -99,14 +99,17 @@ def test_lightning_steps_reach_the_pushgateway(tmp_path, start_service):
     assert events[-1]["state"] == "finished"
 
 
-def test_pytorch_lightning_import_name_and_no_device_sync(tmp_path):
+def test_pytorch_lightning_import_name_without_clipping_and_no_device_sync(tmp_path):
+    """No clipping: the grad norm is the callback's own fused read; it adds no device sync."""
     pytest.importorskip("pytorch_lightning")
     counts = []
     for callbacks in ([], [DualtrackCallback(job="pl-test", run="sync", pushgateway=False,
                                              record_path=tmp_path / "r.jsonl")]):
         with SyncCounter() as syncs:
-            fit("pytorch_lightning", callbacks)
+            model = fit("pytorch_lightning", callbacks, clip=None)
         counts.append(syncs.count)
     assert counts[1] == counts[0]
     steps, events = record_lines(tmp_path / "r.jsonl")
-    assert len(steps) == STEPS and events[-1]["state"] == "finished"
+    assert [line["values"]["grad_norm"] for line in steps] == pytest.approx(
+        [float(norm) for norm in model.norms], rel=1e-5)
+    assert events[-1]["state"] == "finished"
