@@ -1,8 +1,6 @@
 """The Accelerate tracker: a real Accelerator (CPU) runs a small training loop."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("accelerate")
@@ -10,8 +8,8 @@ import accelerate  # noqa: E402
 import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
-from tests.hook_support import record_lines, run_id, wait_pushed  # noqa: E402
-from tests.integration_support import SyncCounter  # noqa: E402
+from tests.hook_support import record_lines, run_id  # noqa: E402
+from tests.integration_support import SyncCounter, final_pushed, slow_loader  # noqa: E402
 from trainer_hook.integrations.accelerate import DualtrackTracker  # noqa: E402
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
@@ -27,14 +25,7 @@ def train(tracker: DualtrackTracker | None, *, load_delay: float = 0.0,
     x, y = torch.randn(BATCH * STEPS, 16), torch.randn(BATCH * STEPS, 1)
     if nan_step is not None:
         x[nan_step * BATCH] = float("nan")
-
-    class Slow(torch.utils.data.TensorDataset):
-        def __getitem__(self, index):
-            if index % BATCH == 0:
-                time.sleep(load_delay)  # a slow input pipeline, once per batch
-            return super().__getitem__(index)
-
-    data = torch.utils.data.DataLoader(Slow(x, y), batch_size=BATCH)
+    data = slow_loader(x, y, BATCH, load_delay)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     accelerator.init_trackers("accelerate-test", config={"lr": 0.05, "batch_size": BATCH})
     norms = []
@@ -58,20 +49,21 @@ def test_tracker_steps_reach_the_pushgateway(tmp_path, start_service):
                                record_path=tmp_path / "r.jsonl")
     norms = train(tracker, load_delay=LOAD_DELAY, nan_step=NAN_STEP)
 
-    assert wait_pushed(pgw.url, "training_run_state", run, lambda v: v == 1, state="finished")
-    assert wait_pushed(pgw.url, "training_steps_total", run, lambda v: True) == STEPS
-    assert wait_pushed(pgw.url, "training_samples_total", run, lambda v: True) == STEPS * BATCH
-    assert wait_pushed(pgw.url, "training_last_nonfinite_step", run, lambda v: True) == NAN_STEP
-    assert wait_pushed(pgw.url, "training_data_wait_seconds_total", run,
-                       lambda v: True) >= STEPS * LOAD_DELAY
-    assert wait_pushed(pgw.url, "training_run_info", run, lambda v: True, lr="0.05", batch_size="8")
+    pushed = final_pushed(pgw.url, run, "training_steps_total", "training_samples_total",
+                          "training_last_nonfinite_step", "training_data_wait_seconds_total",
+                          "training_learning_rate")
+    assert pushed["training_steps_total"] == STEPS
+    assert pushed["training_samples_total"] == STEPS * BATCH
+    assert pushed["training_last_nonfinite_step"] == NAN_STEP
+    assert pushed["training_data_wait_seconds_total"] >= STEPS * LOAD_DELAY
+    assert pushed["training_learning_rate"] == 0.05  # logged as "lr"
+    assert final_pushed(pgw.url, run, "training_run_info", lr="0.05", batch_size="8")["training_run_info"]
 
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert [line["step"] for line in steps] == list(range(STEPS))
     for line, norm in zip(steps[:NAN_STEP], norms):  # clip_grad_norm_'s own (pre-clip) figures
         assert line["values"]["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
     assert set(steps[NAN_STEP]["nonfinite"]) == {"loss", "grad_norm"}
-    assert wait_pushed(pgw.url, "training_learning_rate", run, lambda v: True) == 0.05  # from "lr"
     assert events[0]["rank"] == 0 and events[-1]["state"] == "finished"
 
 

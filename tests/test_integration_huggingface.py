@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
-from tests.hook_support import record_lines, run_id, wait_pushed  # noqa: E402
-from tests.integration_support import SyncCounter  # noqa: E402
+from tests.hook_support import record_lines, run_id  # noqa: E402
+from tests.integration_support import SyncCounter, final_pushed  # noqa: E402
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY = 4, 16, 6, 4, 0.02
@@ -55,18 +55,19 @@ def test_trainer_steps_reach_the_pushgateway_with_the_raw_nan_loss(tmp_path, sta
     trainer.train()
     elapsed = time.perf_counter() - started
 
-    assert wait_pushed(pgw.url, "training_run_state", run, lambda v: v == 1, state="finished")
-    assert wait_pushed(pgw.url, "training_steps_total", run, lambda v: True) == STEPS
-    assert wait_pushed(pgw.url, "training_samples_total", run, lambda v: True) == STEPS * BATCH
-    assert wait_pushed(pgw.url, "training_tokens_total", run, lambda v: True) == STEPS * BATCH * SEQ
-    assert wait_pushed(pgw.url, "training_last_nonfinite_step", run, lambda v: True) == NAN_STEP
-    assert wait_pushed(pgw.url, "training_epoch", run, lambda v: True) == pytest.approx(
-        trainer.state.epoch)
+    pushed = final_pushed(pgw.url, run, "training_steps_total", "training_samples_total",
+                          "training_tokens_total", "training_last_nonfinite_step", "training_epoch",
+                          "training_data_wait_seconds_total")
+    assert pushed["training_steps_total"] == STEPS
+    assert pushed["training_samples_total"] == STEPS * BATCH
+    assert pushed["training_tokens_total"] == STEPS * BATCH * SEQ
+    assert pushed["training_last_nonfinite_step"] == NAN_STEP
+    assert pushed["training_epoch"] == pytest.approx(trainer.state.epoch)
     # Every batch took LOAD_DELAY to load; the steps themselves are not counted as waiting.
-    wait = wait_pushed(pgw.url, "training_data_wait_seconds_total", run, lambda v: True)
+    wait = pushed["training_data_wait_seconds_total"]
     assert STEPS * LOAD_DELAY <= wait < elapsed / 2 + STEPS * LOAD_DELAY
-    assert wait_pushed(pgw.url, "training_run_info", run, lambda v: True, model_type="gpt2",
-                       learning_rate="0.001", gradient_accumulation_steps="1", dataset="random")
+    assert final_pushed(pgw.url, run, "training_run_info", model_type="gpt2", learning_rate="0.001",
+                        gradient_accumulation_steps="1", dataset="random")["training_run_info"]
 
     # Step by step, the record holds the Trainer's own figures, except the NaN it hides.
     steps, events = record_lines(tmp_path / "r.jsonl")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import time
 
 import pytest
 
@@ -10,8 +9,8 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
-from tests.hook_support import record_lines, run_id, wait_pushed  # noqa: E402
-from tests.integration_support import SyncCounter  # noqa: E402
+from tests.hook_support import record_lines, run_id  # noqa: E402
+from tests.integration_support import SyncCounter, final_pushed, slow_loader  # noqa: E402
 from trainer_hook.integrations.lightning import DualtrackCallback  # noqa: E402
 
 BATCH, ACCUMULATE, STEPS, NAN_BATCH, LOAD_DELAY = 8, 2, 5, 9, 0.02  # NaN in the last batch
@@ -49,14 +48,7 @@ def loader(load_delay: float = 0.0, nan_batch: int | None = None):
     x, y = torch.randn(BATCH * ACCUMULATE * STEPS, 16), torch.randn(BATCH * ACCUMULATE * STEPS, 1)
     if nan_batch is not None:
         x[nan_batch * BATCH] = float("nan")
-
-    class Slow(torch.utils.data.TensorDataset):
-        def __getitem__(self, index):
-            if index % BATCH == 0:
-                time.sleep(load_delay)  # a slow input pipeline, once per batch
-            return super().__getitem__(index)
-
-    return torch.utils.data.DataLoader(Slow(x, y), batch_size=BATCH)
+    return slow_loader(x, y, BATCH, load_delay)
 
 
 def fit(package: str, callbacks: list, clip: float | None = 0.5, **data) -> object:
@@ -77,14 +69,15 @@ def test_lightning_steps_reach_the_pushgateway(tmp_path, start_service):
                                  record_path=tmp_path / "r.jsonl")
     model = fit("lightning.pytorch", [callback], load_delay=LOAD_DELAY, nan_batch=NAN_BATCH)
 
-    assert wait_pushed(pgw.url, "training_run_state", run, lambda v: v == 1, state="finished")
-    assert wait_pushed(pgw.url, "training_steps_total", run, lambda v: True) == STEPS
-    assert wait_pushed(pgw.url, "training_samples_total", run, lambda v: True) == STEPS * ACCUMULATE * BATCH
-    assert wait_pushed(pgw.url, "training_last_nonfinite_step", run, lambda v: True) == NAN_BATCH // ACCUMULATE + 1
-    assert wait_pushed(pgw.url, "training_data_wait_seconds_total", run,
-                       lambda v: True) >= STEPS * ACCUMULATE * LOAD_DELAY * 0.9  # one batch is prefetched
-    assert wait_pushed(pgw.url, "training_run_info", run, lambda v: True, lr="0.05", width="16",
-                       accumulate_grad_batches="2", gradient_clip_val="0.5")
+    pushed = final_pushed(pgw.url, run, "training_steps_total", "training_samples_total",
+                          "training_last_nonfinite_step", "training_data_wait_seconds_total")
+    assert pushed["training_steps_total"] == STEPS
+    assert pushed["training_samples_total"] == STEPS * ACCUMULATE * BATCH
+    assert pushed["training_last_nonfinite_step"] == NAN_BATCH // ACCUMULATE + 1
+    # One batch is prefetched before the loop starts its clock.
+    assert pushed["training_data_wait_seconds_total"] >= (STEPS * ACCUMULATE - 1) * LOAD_DELAY
+    assert final_pushed(pgw.url, run, "training_run_info", lr="0.05", width="16",
+                        accumulate_grad_batches="2", gradient_clip_val="0.5")["training_run_info"]
 
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert [line["step"] for line in steps] == list(range(1, STEPS + 1))

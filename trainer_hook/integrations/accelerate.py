@@ -10,7 +10,6 @@ training_run_info, the rank is Accelerate's process index. Wrap the dataloader i
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -40,7 +39,6 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         GeneralTracker.__init__(self)
         self._config: dict[str, Any] = {}
         self._grad_norm: Any = None
-        self._wait = 0.0
 
     @property
     def tracker(self) -> Any:
@@ -60,20 +58,18 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
             self.warn_once("config", "DualtrackTracker: configuration stored after the first log() "
                                      "is not exported")
 
+    def _monitor(self) -> Any:
+        """The monitor, started on first use with this process's rank and the stored config."""
+        return self.monitor or self.open(accelerate.PartialState().process_index, self._config)
+
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """Yield from `iterable`, timing each wait for an item (reported with the next log())."""
-        iterator = iter(iterable)
-        while True:
-            started = time.perf_counter()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            self._wait += time.perf_counter() - started
-            yield item
+        """Yield from `iterable`, adding the time spent waiting for each item to data-wait
+        (`TrainingMonitor.loader`; call it after `init_trackers`)."""
+        monitor = self._monitor()
+        return iter(iterable) if monitor is None else monitor.loader(iterable)
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        monitor = self.monitor or self.open(accelerate.PartialState().process_index, self._config)
+        monitor = self._monitor()
         if monitor is None:
             return
         values = dict(values)
@@ -81,8 +77,7 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         if self._grad_norm is not None and not {"grad_norm", "gradnorm", "total_grad_norm"} & values.keys():
             values["grad_norm"] = self._grad_norm
         self._grad_norm = None
-        monitor.log(values, step=step, data_wait=self._wait, **counts)
-        self._wait = 0.0
+        monitor.log(values, step=step, **counts)
 
     def finish(self) -> None:
         """Called by `accelerator.end_training()`."""

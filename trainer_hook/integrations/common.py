@@ -78,6 +78,15 @@ class DeferredMonitor:
             self.monitor = TrainingMonitor(**arguments)
         return self.monitor
 
+    def log_step(self, step: int, epoch: Any, loss: Any, grad_norm: Any, learning_rate: Any,
+                 **counts: Any) -> None:
+        """One optimizer step to the monitor; values the framework did not give are left out."""
+        values = {"epoch": epoch}
+        for key, value in (("loss", loss), ("grad_norm", grad_norm), ("learning_rate", learning_rate)):
+            if value is not None:
+                values[key] = value
+        self.monitor.log(values, step=step, **counts)
+
     def close(self, failed: bool = False, reason: str | None = None) -> None:
         """Close the monitor and remove the wrappers patch() installed."""
         for owner, name in reversed(self._patched):

@@ -89,13 +89,8 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
-            values = {"epoch": state.epoch}
-            for key, value in (("loss", self._loss), ("grad_norm", self._grad_norm),
-                               ("learning_rate", self._lr)):
-                if value is not None:
-                    values[key] = value
-            self.monitor.log(values, step=state.global_step, samples=self._samples,
-                             tokens=self._tokens, data_wait=self._wait)
+            self.log_step(state.global_step, state.epoch, self._loss, self._grad_norm, self._lr,
+                          samples=self._samples, tokens=self._tokens, data_wait=self._wait)
         self._step_reset()
         self.batch_ended()
 

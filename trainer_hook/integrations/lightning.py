@@ -116,13 +116,8 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         engine = getattr(trainer.strategy, "deepspeed_engine", None)
         if engine is not None:
             self._grad_norm = engine.get_global_grad_norm()
-        values = {"epoch": trainer.current_epoch}
-        for key, value in (("loss", self._loss), ("grad_norm", self._grad_norm),
-                           ("learning_rate", self._lr)):
-            if value is not None:
-                values[key] = value
-        self.monitor.log(values, step=trainer.global_step, samples=self._samples,
-                         data_wait=self._wait)
+        self.log_step(trainer.global_step, trainer.current_epoch, self._loss, self._grad_norm,
+                      self._lr, samples=self._samples, data_wait=self._wait)
         self._step_reset()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
