@@ -86,14 +86,19 @@ def test_trainer_steps_reach_the_pushgateway_with_the_raw_nan_loss(tmp_path, sta
     assert events[0]["rank"] == 0 and events[-1]["state"] == "finished"
 
 
-def test_the_callback_adds_no_device_sync(tmp_path):
+def test_the_callback_adds_no_device_sync_and_serves_a_second_train(tmp_path):
     """The Trainer reads the loss for its NaN filter each step; the callback reads nothing more."""
+    callback = DualtrackCallback(job="hf-test", run=run_id("hf-sync"), pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
     counts = []
-    for callbacks in ([], [DualtrackCallback(job="hf-test", run=run_id("hf-sync"), pushgateway=False,
-                                             record_path=tmp_path / "r.jsonl")]):
+    for callbacks in ([], [callback]):
         trainer = make_trainer(tmp_path, callbacks, logging_steps=1000)
         with SyncCounter() as syncs:
             trainer.train()
         counts.append(syncs.count)
     assert counts[0] >= STEPS  # the counter sees the Trainer's own reads
     assert counts[1] == counts[0]
+    make_trainer(tmp_path, [callback], logging_steps=1000).train()  # the same callback again
+    steps, events = record_lines(tmp_path / "r.jsonl")
+    assert len(steps) == 2 * STEPS
+    assert [event["event"] for event in events] == ["start", "end", "start", "end"]

@@ -88,12 +88,14 @@ class DeferredMonitor:
         self.monitor.log(values, step=step, **counts)
 
     def close(self, failed: bool = False, reason: str | None = None) -> None:
-        """Close the monitor and remove the wrappers patch() installed."""
+        """Close the monitor and remove the wrappers patch() installed; a later open() (another
+        `fit`/`train` with the same callback) starts a new monitor."""
         for owner, name in reversed(self._patched):
             vars(owner).pop(name, None)
         self._patched = []
-        if self.monitor is not None:
-            self.monitor.close(failed=failed, reason=reason)
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.close(failed=failed, reason=reason)
 
     def patch(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
         """Wrap the method `name` of this one framework object (not its class) until close()."""
