@@ -4,6 +4,8 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 - ddp: Lightning DDP, 2 ranks; one callback on every rank, one with rank_zero_only=True.
 - straggler: independent loops (no per-step collective); rank 1 is 3x slower; stops when DIR/stop
   exists.
+- frameworks: a Hugging Face Trainer, then an Accelerate loop logging through the tracker on every
+  rank (DDP, gloo).
 - fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
   norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
 """
@@ -47,6 +49,43 @@ def ddp(records: Path) -> None:
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)
     trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def frameworks(records: Path) -> None:
+    import accelerate
+    import transformers
+
+    from trainer_hook.integrations.accelerate import DualtrackTracker
+    from trainer_hook.integrations.huggingface import DualtrackCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16))]
+    args = transformers.TrainingArguments(
+        output_dir=str(records / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
+                         callbacks=[DualtrackCallback(job="hf", record_path=records)]).train()
+
+    tracker = DualtrackTracker(job="accelerate", record_path=records)
+    accelerator = accelerate.Accelerator(cpu=True, log_with=[tracker])
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1)), batch_size=8)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    accelerator.init_trackers("accelerate", config={"lr": 0.05})
+    for step, (x, y) in enumerate(tracker.loader(data)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.log({"loss": loss.detach(), "grad_norm": norm, "samples": len(x)}, step=step)
+        if step + 1 == STEPS:
+            break
+    accelerator.end_training()
 
 
 def straggler(records: Path) -> None:
@@ -96,4 +135,5 @@ def fsdp(records: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"ddp": ddp, "straggler": straggler, "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))
+    {"ddp": ddp, "frameworks": frameworks, "straggler": straggler,
+     "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))

@@ -75,6 +75,19 @@ def test_ddp_ranks_share_one_run_in_prometheus_and_record_one_file_each(stack, t
     assert [a["values"]["loss"] for a in zero] != [b["values"]["loss"] for b in one]
 
 
+def test_hugging_face_and_accelerate_report_every_rank(tmp_path):
+    run = run_id("fw")
+    finish(torchrun("frameworks", tmp_path, run), tmp_path)
+    for job in ("hf", "accelerate"):
+        zero, one = (record_lines(tmp_path / f"{job}-{run}-rank{rank}.jsonl") for rank in (0, 1))
+        assert (zero[1][0]["rank"], one[1][0]["rank"]) == (0, 1)
+        assert len(zero[0]) == len(one[0]) == 8
+        for a, b in zip(zero[0], one[0]):  # all-reduced gradients: one norm; each rank its loss
+            assert a["values"]["grad_norm"] == pytest.approx(b["values"]["grad_norm"], rel=1e-6)
+        assert [a["values"]["loss"] for a in zero[0]] != [b["values"]["loss"] for b in one[0]]
+    assert record_lines(tmp_path / f"hf-{run}-rank1.jsonl")[1][0]["config"]["world_size"] == "2"
+
+
 def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack, tmp_path):
     pgw, prom = stack
     run = run_id("strag")
