@@ -5,7 +5,7 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 - straggler: independent loops (no per-step collective); rank 1 is 3x slower; stops when DIR/stop
   exists.
 - frameworks: a Hugging Face Trainer, then an Accelerate loop logging through the tracker on every
-  rank (DDP, gloo).
+  rank (DDP, gloo); no job given: the integrations' defaults.
 - fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
   norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
 """
@@ -66,9 +66,9 @@ def frameworks(records: Path) -> None:
         output_dir=str(records / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
     transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
-                         callbacks=[DualtrackCallback(job="hf", record_path=records)]).train()
+                         callbacks=[DualtrackCallback(record_path=records)]).train()  # job: "hf"
 
-    tracker = DualtrackTracker(job="accelerate", record_path=records)
+    tracker = DualtrackTracker(record_path=records)  # job: "accelerate"
     accelerator = accelerate.Accelerator(cpu=True, log_with=[tracker])
     model = torch.nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -60,7 +60,8 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
 
     def _monitor(self) -> Any:
         """The monitor, started on first use with this process's rank and the stored config."""
-        return self.monitor or self.open(accelerate.PartialState().process_index, self._config)
+        return self.monitor or self.open(accelerate.PartialState().process_index, self._config,
+                                         "accelerate")
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from `iterable`, adding the time spent waiting for each item to data-wait

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 from .._torch import TENSOR_TYPES
 from ..monitor import TrainingMonitor
+from ..settings import ENV_JOB
 
 log = logging.getLogger("trainer_hook")
 
@@ -66,11 +68,17 @@ class DeferredMonitor:
         self._warned: set[str] = set()
         self._patched: list[tuple[Any, str]] = []
 
-    def open(self, rank: int, config: Mapping[str, Any] | None = None) -> TrainingMonitor | None:
-        """Create the monitor (once) for `rank`, with the framework's `config` under the user's."""
+    def open(self, rank: int, config: Mapping[str, Any] | None = None,
+             job: str = "training") -> TrainingMonitor | None:
+        """Create the monitor (once) for `rank`, with the framework's `config` under the user's.
+
+        `job`: the framework's name for the run, used when neither `job=` nor $DUALTRACK_JOB is set.
+        """
         if self.monitor is None and not (self.rank_zero_only and rank != 0):
             arguments = dict(self._arguments)
             arguments.setdefault("rank", rank)
+            if arguments.get("job") is None and not os.environ.get(ENV_JOB):
+                arguments["job"] = job
             mine = arguments.get("config")
             if mine is not None and not isinstance(mine, Mapping):
                 mine = vars(mine)

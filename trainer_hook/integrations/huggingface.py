@@ -7,6 +7,7 @@ them. Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from ..gradnorm import grad_norm
@@ -41,7 +42,8 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type:
             config["model_type"] = model_type
-        if self.open(args.process_index, config) is None:
+        job = args.run_name or Path(args.output_dir or "huggingface").name
+        if self.open(args.process_index, config, job) is None:
             return
         trainer = calling_instance(transformers.Trainer)
         if trainer is None:

@@ -56,7 +56,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         config["strategy"] = type(trainer.strategy).__name__
         config.update(dict(getattr(pl_module, "hparams", None) or {}))
         self._logged_step = trainer.global_step
-        if self.open(trainer.global_rank, config) is not None:
+        if self.open(trainer.global_rank, config, type(pl_module).__name__) is not None:
             self._capture_clipping(trainer)
 
     def _capture_clipping(self, trainer: Any) -> None:
