@@ -16,7 +16,14 @@ from tests.hook_support import record_lines, run_id  # noqa: E402
 from tests.integration_support import SyncCounter, final_pushed  # noqa: E402
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 
-BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY = 4, 16, 6, 4, 0.02
+BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1
+
+
+class SlowLogging(transformers.TrainerCallback):
+    """Logging (an evaluation, a checkpoint) that takes a while between two steps."""
+
+    def on_log(self, *args, **kwargs) -> None:
+        time.sleep(LOG_DELAY)
 
 
 def make_trainer(tmp_path, callbacks, *, load_delay: float = 0.0, nan_step: int | None = None,
@@ -50,10 +57,8 @@ def test_trainer_steps_reach_the_pushgateway_with_the_raw_nan_loss(tmp_path, sta
     run = run_id("hf")
     callback = DualtrackCallback(job="hf-test", run=run, pushgateway=pgw.url, push_interval=0.2,
                                  record_path=tmp_path / "r.jsonl", config={"dataset": "random"})
-    trainer = make_trainer(tmp_path, [callback], load_delay=LOAD_DELAY, nan_step=NAN_STEP)
-    started = time.perf_counter()
+    trainer = make_trainer(tmp_path, [SlowLogging(), callback], load_delay=LOAD_DELAY, nan_step=NAN_STEP)
     trainer.train()
-    elapsed = time.perf_counter() - started
 
     pushed = final_pushed(pgw.url, run, "training_steps_total", "training_samples_total",
                           "training_tokens_total", "training_last_nonfinite_step", "training_epoch",
@@ -63,9 +68,8 @@ def test_trainer_steps_reach_the_pushgateway_with_the_raw_nan_loss(tmp_path, sta
     assert pushed["training_tokens_total"] == STEPS * BATCH * SEQ
     assert pushed["training_last_nonfinite_step"] == NAN_STEP
     assert pushed["training_epoch"] == pytest.approx(trainer.state.epoch)
-    # Every batch took LOAD_DELAY to load; the steps themselves are not counted as waiting.
-    wait = pushed["training_data_wait_seconds_total"]
-    assert STEPS * LOAD_DELAY <= wait < elapsed / 2 + STEPS * LOAD_DELAY
+    # Every batch took LOAD_DELAY to load; the logging after each step (LOG_DELAY) is not waiting.
+    assert STEPS * LOAD_DELAY <= pushed["training_data_wait_seconds_total"] < STEPS * (LOAD_DELAY + LOG_DELAY / 2)
     assert final_pushed(pgw.url, run, "training_run_info", model_type="gpt2", learning_rate="0.001",
                         gradient_accumulation_steps="1", dataset="random")["training_run_info"]
 
