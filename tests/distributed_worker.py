@@ -126,7 +126,7 @@ def fsdp(records: Path) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
             reference = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e6)
-            monitor.log({"grad_norm": norm.full_tensor(), "fused_grad_norm": fused.full_tensor(),
+            monitor.log({"grad_norm": norm, "fused_grad_norm": fused,  # DTensors, read as they are
                          "shard_grad_norm": shard,
                          "full_grad_norm": reference}, step=step)
             model.zero_grad()
