@@ -28,7 +28,10 @@ def stack(tmp_path, start_service):
 
 
 def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1"}
+    # DUALTRACK_DELETE_AFTER=none: the final state stays on this test's own Pushgateway, and no
+    # rank waits at exit to delete its group.
+    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1",
+           "DUALTRACK_DELETE_AFTER": "none"}
     env.pop("DUALTRACK_PUSHGATEWAY", None)
     if pushgateway:
         env["DUALTRACK_PUSHGATEWAY"] = pushgateway
