@@ -45,6 +45,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
     def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
         DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
         self._logged_step: int | None = None
+        self._norm_from = "fused"
         self._step_reset()
 
     def _step_reset(self) -> None:
@@ -57,10 +58,20 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         config.update(dict(getattr(pl_module, "hparams", None) or {}))
         self._logged_step = trainer.global_step
         if self.open(trainer.global_rank, config, type(pl_module).__name__) is not None:
-            self._capture_clipping(trainer)
+            self._norm_from = self._grad_norm_source(trainer)
 
-    def _capture_clipping(self, trainer: Any) -> None:
-        """Keep the norm Lightning's gradient clipping by norm computes (and throws away)."""
+    def _grad_norm_source(self, trainer: Any) -> str:
+        """Where this run's total grad norm comes from: "deepspeed" (the engine's global norm),
+        "clipping" (Lightning's clipping by norm, kept), "fused" (one read), or "returned" (only
+        a `grad_norm` training_step returns: a sharded strategy, where a rank has a shard)."""
+        strategy = type(trainer.strategy).__name__
+        if "DeepSpeed" in strategy:
+            return "deepspeed"
+        if "FSDP" in strategy or "ModelParallel" in strategy:
+            self.warn_once("sharded", f"DualtrackCallback: under {strategy} this rank holds only a "
+                                      "shard of the gradients; return the global norm as 'grad_norm' "
+                                      "from training_step (e.g. clip_grad_norm_'s result) to report it")
+            return "returned"
         plugin = trainer.strategy.precision_plugin
         algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
         if (trainer.gradient_clip_val and (algorithm or "norm") == "norm"
@@ -70,6 +81,8 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
                 self._grad_norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
             self.patch(plugin, "clip_grad_by_norm", lambda original: clip_grad_by_norm)
+            return "clipping"
+        return "fused"
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.batch_ended()
@@ -83,15 +96,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         if self.monitor is None:
             return
         self._lr = optimizer.param_groups[0]["lr"]
-        strategy = type(trainer.strategy).__name__
-        if "DeepSpeed" in strategy:
-            return  # the engine's global norm is read after its step (on_train_batch_end)
-        if "FSDP" in strategy or "ModelParallel" in strategy:
-            self.warn_once("sharded", f"DualtrackCallback: under {strategy} this rank holds only a "
-                                      "shard of the gradients; return the global norm as 'grad_norm' "
-                                      "from training_step (e.g. clip_grad_norm_'s result) to report it")
-            return
-        if not self._patched:  # no clipping to take the norm from: unscaled, not yet clipped
+        if self._norm_from == "fused":  # unscaled, not yet clipped
             self._grad_norm = grad_norm(pl_module.parameters())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
@@ -113,9 +118,8 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
 
     def _log_step(self, trainer: Any) -> None:
         self._logged_step = trainer.global_step
-        engine = getattr(trainer.strategy, "deepspeed_engine", None)
-        if engine is not None:
-            self._grad_norm = engine.get_global_grad_norm()
+        if self._norm_from == "deepspeed":  # computed by the engine's step
+            self._grad_norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
         self.log_step(trainer.global_step, trainer.current_epoch, self._loss, self._grad_norm,
                       self._lr, samples=self._samples, data_wait=self._wait)
         self._step_reset()
