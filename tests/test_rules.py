@@ -20,7 +20,7 @@ CONTRACT = {
     "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
-    "TrainingLossScaleCollapse",
+    "TrainingLossScaleCollapse", "TrainingStragglerRank",
 }
 RUNBOOKS_LABEL = "dualtrack_runbooks_url"
 

@@ -107,12 +107,18 @@ class TrainingMonitor:
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
-            samples: Any = None, batch_id: Any = None, tokens: Any = None) -> None:
-        """Record one training step. No network I/O, no device sync; never raises unless strict."""
+            samples: Any = None, batch_id: Any = None, tokens: Any = None,
+            data_wait: float | None = None) -> None:
+        """Record one training step. No network I/O, no device sync; never raises unless strict.
+
+        `data_wait`: seconds this step waited for its batch (for loops that do not use `loader()`).
+        """
         now = time.perf_counter()
         if self._closed:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
+        if data_wait is not None:
+            self._data_wait += data_wait
         kept: dict[Any, Any] = {}
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping

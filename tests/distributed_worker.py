@@ -1,0 +1,139 @@
+"""One rank of the distributed tests, started by torchrun (gloo, CPU): `distributed_worker.py MODE DIR`.
+
+The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRACK_PUSHGATEWAY).
+- ddp: Lightning DDP, 2 ranks; one callback on every rank, one with rank_zero_only=True.
+- straggler: independent loops (no per-step collective); rank 1 is 3x slower; stops when DIR/stop
+  exists.
+- frameworks: a Hugging Face Trainer, then an Accelerate loop logging through the tracker on every
+  rank (DDP, gloo); no job given: the integrations' defaults.
+- fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
+  norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
+
+STEPS = 8
+
+
+def ddp(records: Path) -> None:
+    import lightning.pytorch as pl
+
+    from trainer_hook.integrations.lightning import DualtrackCallback
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
+    callbacks = [DualtrackCallback(job="ddp", push_interval=0.2, record_path=records),
+                 DualtrackCallback(job="ddp-rank0", push_interval=0.2, record_path=records,
+                                   rank_zero_only=True)]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def frameworks(records: Path) -> None:
+    import accelerate
+    import transformers
+
+    from trainer_hook.integrations.accelerate import DualtrackTracker
+    from trainer_hook.integrations.huggingface import DualtrackCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16))]
+    args = transformers.TrainingArguments(
+        output_dir=str(records / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
+                         callbacks=[DualtrackCallback(record_path=records)]).train()  # job: "hf"
+
+    tracker = DualtrackTracker(record_path=records)  # job: "accelerate"
+    accelerator = accelerate.Accelerator(cpu=True, log_with=[tracker])
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1)), batch_size=8)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    accelerator.init_trackers("accelerate", config={"lr": 0.05})
+    for step, (x, y) in enumerate(tracker.loader(data)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.log({"loss": loss.detach(), "grad_norm": norm, "samples": len(x)}, step=step)
+        if step + 1 == STEPS:
+            break
+    accelerator.end_training()
+
+
+def straggler(records: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pause = 0.02 if rank == 0 else 0.06
+    with TrainingMonitor(job="straggler", push_interval=0.5, record_path=records) as monitor:
+        step = 0
+        while not (records / "stop").exists():
+            time.sleep(pause)  # the rank's "compute"
+            monitor.log({"loss": 1.0 / (step + 1)}, step=step)
+            step += 1
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fsdp(records: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    full = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    full.load_state_dict(model.state_dict())
+    fully_shard(model)
+    torch.manual_seed(1 + rank)  # each rank its own data
+    with TrainingMonitor(job="fsdp", push_interval=0.5, record_path=records) as monitor:
+        for step in range(3):
+            x, y = torch.randn(8, 16), torch.randn(8, 1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            fused = grad_norm(model.parameters())  # DTensor gradients: reduced over the mesh
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # global under FSDP
+            shard = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad.to_local()) for p in model.parameters()]))
+            torch.nn.functional.mse_loss(full(x), y).backward()
+            for p in full.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            reference = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e6)
+            monitor.log({"grad_norm": norm, "fused_grad_norm": fused,  # DTensors, read as they are
+                         "shard_grad_norm": shard,
+                         "full_grad_norm": reference}, step=step)
+            model.zero_grad()
+            full.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"ddp": ddp, "frameworks": frameworks, "straggler": straggler,
+     "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))

@@ -1,0 +1,43 @@
+"""Shared pieces of the framework-integration tests."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.hook_support import pushed_value, wait_pushed
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts device-to-host reads (`aten._local_scalar_dense`: .item(), float(), `if tensor`)
+    made on this thread while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def final_pushed(pushgateway_url: str, run: str, *names: str, **labels: str) -> dict[str, float | None]:
+    """The values `run` pushed last, once it pushed its finished state (one push holds them all)."""
+    wait_pushed(pushgateway_url, "training_run_state", run, lambda v: v == 1, state="finished")
+    return {name: pushed_value(pushgateway_url, name, run, **labels) for name in names}
+
+
+def slow_loader(x: torch.Tensor, y: torch.Tensor, batch: int, delay: float = 0.0) -> DataLoader:
+    """A DataLoader over (x, y) whose every batch takes `delay` seconds to load."""
+
+    class Slow(TensorDataset):
+        def __getitem__(self, index: int):
+            if index % batch == 0:
+                time.sleep(delay)  # a slow input pipeline, once per batch
+            return super().__getitem__(index)
+
+    return DataLoader(Slow(x, y), batch_size=batch)

@@ -1,0 +1,124 @@
+"""Real torchrun launches (2 ranks, gloo on CPU) through a real Pushgateway and Prometheus."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stack import processes
+from tests.hook_support import pushed_value, record_lines, run_id
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.e2e
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+@pytest.fixture
+def stack(tmp_path, start_service):
+    """A Pushgateway and a Prometheus (the repo's rules) scraping it every second."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    config = processes.render_prometheus_config(tmp_path, {processes.PUSHGATEWAY_JOB: [pgw.address]},
+                                                scrape_interval="1s", evaluation_interval="1s")
+    return pgw, start_service(processes.prometheus(tmp_path, config))
+
+
+def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None) -> subprocess.Popen:
+    # DUALTRACK_DELETE_AFTER=none: the final state stays on this test's own Pushgateway, and no
+    # rank waits at exit to delete its group.
+    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1",
+           "DUALTRACK_DELETE_AFTER": "none"}
+    env.pop("DUALTRACK_PUSHGATEWAY", None)
+    if pushgateway:
+        env["DUALTRACK_PUSHGATEWAY"] = pushgateway
+    log = open(records / f"torchrun-{mode}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", str(WORKER), mode, str(records)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, records: Path, timeout: float = 240) -> None:
+    try:
+        assert proc.wait(timeout) == 0, (records / f"torchrun-{proc.args[-2]}.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+
+
+def ranks(result: list[dict]) -> dict[str, float]:
+    return {series["metric"]["rank"]: float(series["value"][1]) for series in result}
+
+
+def test_ddp_ranks_share_one_run_in_prometheus_and_record_one_file_each(stack, tmp_path):
+    pgw, prom = stack
+    run = run_id("ddp")
+    finish(torchrun("ddp", tmp_path, run, pgw.url), tmp_path)
+
+    steps = processes.wait_for_series(prom.url, f'training_steps_total{{job="ddp",run="{run}"}}',
+                                      predicate=lambda r: ranks(r) == {"0": 8, "1": 8})
+    assert {series["metric"]["instance"] for series in steps} == {os.uname().nodename}
+    # rank_zero_only: rank 0 reported, rank 1 never pushed nor wrote a record.
+    processes.wait_for_series(prom.url, f'training_steps_total{{job="ddp-rank0",run="{run}"}}',
+                              predicate=lambda r: ranks(r) == {"0": 8})
+    assert pushed_value(pgw.url, "training_steps_total", run, job="ddp-rank0", rank="1") is None
+    assert sorted(path.name for path in tmp_path.glob("*.jsonl")) == sorted(
+        [f"ddp-{run}-rank0.jsonl", f"ddp-{run}-rank1.jsonl", f"ddp-rank0-{run}-rank0.jsonl"])
+
+    per_rank = {rank: record_lines(tmp_path / f"ddp-{run}-rank{rank}.jsonl") for rank in (0, 1)}
+    for rank, (lines, events) in per_rank.items():
+        assert events[0]["rank"] == rank and events[0]["config"]["world_size"] == "2"
+        assert [line["step"] for line in lines] == list(range(1, 9))
+    # Gradients are all-reduced before the optimizer step: one global norm, different local losses.
+    zero, one = per_rank[0][0], per_rank[1][0]
+    for a, b in zip(zero, one):
+        assert a["values"]["grad_norm"] == pytest.approx(b["values"]["grad_norm"], rel=1e-6)
+    assert [a["values"]["loss"] for a in zero] != [b["values"]["loss"] for b in one]
+
+
+def test_hugging_face_and_accelerate_report_every_rank(tmp_path):
+    run = run_id("fw")
+    finish(torchrun("frameworks", tmp_path, run), tmp_path)
+    for job in ("hf", "accelerate"):
+        zero, one = (record_lines(tmp_path / f"{job}-{run}-rank{rank}.jsonl") for rank in (0, 1))
+        assert (zero[1][0]["rank"], one[1][0]["rank"]) == (0, 1)
+        assert len(zero[0]) == len(one[0]) == 8
+        for a, b in zip(zero[0], one[0]):  # all-reduced gradients: one norm; each rank its loss
+            assert a["values"]["grad_norm"] == pytest.approx(b["values"]["grad_norm"], rel=1e-6)
+        assert [a["values"]["loss"] for a in zero[0]] != [b["values"]["loss"] for b in one[0]]
+    assert record_lines(tmp_path / f"hf-{run}-rank1.jsonl")[1][0]["config"]["world_size"] == "2"
+
+
+def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack, tmp_path):
+    pgw, prom = stack
+    run = run_id("strag")
+    proc = torchrun("straggler", tmp_path, run, pgw.url)
+    try:
+        spread = (f'job_run:training_steps:rate5m_max{{run="{run}"}}'
+                  f' / job_run:training_steps:rate5m_min{{run="{run}"}}')
+        processes.wait_for_series(prom.url, spread, timeout=90,
+                                  predicate=lambda r: r and float(r[0]["value"][1]) > 2)
+        rates = ranks(processes.query(prom.url, f'rate(training_steps_total{{run="{run}"}}[5m])'))
+        assert rates["1"] < rates["0"] / 2
+        pending = processes.wait_for_series(
+            prom.url, f'ALERTS{{alertname="TrainingStragglerRank",run="{run}"}}', timeout=30)
+        assert [(a["metric"]["rank"], a["metric"]["alertstate"]) for a in pending] == [("1", "pending")]
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path)
+
+
+def test_fsdp_clip_grad_norm_and_fused_grad_norm_are_global_not_the_shards(tmp_path):
+    run = run_id("fsdp")
+    finish(torchrun("fsdp", tmp_path, run), tmp_path)
+    zero, one = (record_lines(tmp_path / f"fsdp-{run}-rank{rank}.jsonl")[0] for rank in (0, 1))
+    assert len(zero) == len(one) == 3
+    for a, b in zip(zero, one):
+        for values in (a["values"], b["values"]):
+            assert values["grad_norm"] == pytest.approx(values["full_grad_norm"], rel=1e-5)
+            assert values["fused_grad_norm"] == pytest.approx(values["full_grad_norm"], rel=1e-5)
+            assert values["shard_grad_norm"] < values["grad_norm"] * 0.999  # what a shard alone says
+        shards = math.hypot(a["values"]["shard_grad_norm"], b["values"]["shard_grad_norm"])
+        assert shards == pytest.approx(a["values"]["grad_norm"], rel=1e-5)

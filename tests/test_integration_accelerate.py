@@ -1,0 +1,78 @@
+"""The Accelerate tracker: a real Accelerator (CPU) runs a small training loop."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+import accelerate  # noqa: E402
+import torch  # noqa: E402
+
+from stack import processes  # noqa: E402
+from tests.hook_support import record_lines, run_id  # noqa: E402
+from tests.integration_support import SyncCounter, final_pushed, slow_loader  # noqa: E402
+from trainer_hook.integrations.accelerate import DualtrackTracker  # noqa: E402
+
+BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
+
+
+def train(tracker: DualtrackTracker | None, *, load_delay: float = 0.0,
+          nan_step: int | None = None) -> list[torch.Tensor]:
+    """The Accelerate README loop with clipping, logging every step; returns the clipped norms."""
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True, log_with=[tracker] if tracker else None)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(BATCH * STEPS, 16), torch.randn(BATCH * STEPS, 1)
+    if nan_step is not None:
+        x[nan_step * BATCH] = float("nan")
+    data = slow_loader(x, y, BATCH, load_delay)
+    model, optimizer, data = accelerator.prepare(model, optimizer, data)
+    accelerator.init_trackers("accelerate-test", config={"lr": 0.05, "batch_size": BATCH})
+    norms = []
+    for step, (inputs, targets) in enumerate(tracker.loader(data) if tracker else data):
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        accelerator.backward(loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"loss": loss.detach(), "lr": 0.05, "epoch": 0, "samples": len(inputs)},
+                        step=step)
+    accelerator.end_training()
+    return norms
+
+
+@pytest.mark.e2e
+def test_tracker_steps_reach_the_pushgateway(tmp_path, start_service):
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = run_id("acc")
+    tracker = DualtrackTracker(job="acc-test", run=run, pushgateway=pgw.url, push_interval=0.2,
+                               record_path=tmp_path / "r.jsonl")
+    norms = train(tracker, load_delay=LOAD_DELAY, nan_step=NAN_STEP)
+
+    pushed = final_pushed(pgw.url, run, "training_steps_total", "training_samples_total",
+                          "training_last_nonfinite_step", "training_data_wait_seconds_total",
+                          "training_learning_rate")
+    assert pushed["training_steps_total"] == STEPS
+    assert pushed["training_samples_total"] == STEPS * BATCH
+    assert pushed["training_last_nonfinite_step"] == NAN_STEP
+    assert pushed["training_data_wait_seconds_total"] >= STEPS * LOAD_DELAY
+    assert pushed["training_learning_rate"] == 0.05  # logged as "lr"
+    assert final_pushed(pgw.url, run, "training_run_info", lr="0.05", batch_size="8")["training_run_info"]
+
+    steps, events = record_lines(tmp_path / "r.jsonl")
+    assert [line["step"] for line in steps] == list(range(STEPS))
+    for line, norm in zip(steps[:NAN_STEP], norms):  # clip_grad_norm_'s own (pre-clip) figures
+        assert line["values"]["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+    assert set(steps[NAN_STEP]["nonfinite"]) == {"loss", "grad_norm"}
+    assert events[0]["rank"] == 0 and events[-1]["state"] == "finished"
+
+
+def test_tracker_adds_no_device_sync(tmp_path):
+    counts = []
+    for tracker in (None, DualtrackTracker(job="acc-test", run="sync", pushgateway=False,
+                                           record_path=tmp_path / "r.jsonl")):
+        with SyncCounter() as syncs:
+            train(tracker)
+        counts.append(syncs.count)
+    assert counts[1] == counts[0]
+    assert len(record_lines(tmp_path / "r.jsonl")[0]) == STEPS

@@ -1,0 +1,85 @@
+"""Accelerate: `Accelerator(log_with=[DualtrackTracker(job="my-job")])`.
+
+What `accelerator.log(values, step=step)` receives goes to a TrainingMonitor: loss, learning rate
+(`lr` or `learning_rate`), `epoch` and any other number, as tensors or numbers (tensors are not read
+on the training thread); `samples`, `tokens` and `batch_id` keys become the step's counts. The grad
+norm is the one `accelerator.clip_grad_norm_` returned since the previous log (global under FSDP
+and DeepSpeed), unless you log `grad_norm` yourself. `init_trackers(..., config=...)` becomes
+training_run_info, the rank is Accelerate's process index. Wrap the dataloader in
+`tracker.loader(...)` to report data wait.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from .common import DeferredMonitor, calling_instance, require
+
+accelerate = require("accelerate", "accelerate", "accelerate")
+from accelerate.tracking import GeneralTracker  # noqa: E402
+
+#: log() keys that are counts of the step rather than metrics.
+STEP_COUNTS = ("samples", "tokens", "batch_id")
+
+
+class DualtrackTracker(GeneralTracker, DeferredMonitor):
+    """An Accelerate tracker publishing through a TrainingMonitor (same arguments, plus
+    `rank_zero_only`).
+
+    `Accelerator.log` runs on the main process only: for every rank, call `tracker.log(...)`
+    yourself on each one (the monitor starts on the first call, with that process's rank).
+    """
+
+    name = "dualtrack"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
+        DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
+        GeneralTracker.__init__(self)
+        self._config: dict[str, Any] = {}
+        self._grad_norm: Any = None
+
+    @property
+    def tracker(self) -> Any:
+        """The TrainingMonitor (None before the first log() or on a rank that does not report)."""
+        return self.monitor
+
+    def start(self) -> None:
+        """Called by `init_trackers` (recent versions): capture the Accelerator's grad norms."""
+        accelerator = calling_instance(accelerate.Accelerator)
+        if accelerator is not None:
+            self.patch(accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        self.start()  # older versions call only this one from init_trackers
+        self._config.update(values)
+        if self.monitor is not None:
+            self.warn_once("config", "DualtrackTracker: configuration stored after the first log() "
+                                     "is not exported")
+
+    def _monitor(self) -> Any:
+        """The monitor, started on first use with this process's rank and the stored config."""
+        return self.monitor or self.open(accelerate.PartialState().process_index, self._config,
+                                         "accelerate")
+
+    def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield from `iterable`, adding the time spent waiting for each item to data-wait
+        (`TrainingMonitor.loader`; call it after `init_trackers`)."""
+        monitor = self._monitor()
+        return iter(iterable) if monitor is None else monitor.loader(iterable)
+
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        monitor = self._monitor()
+        if monitor is None:
+            return
+        values = dict(values)
+        counts = {key: values.pop(key) for key in STEP_COUNTS if key in values}
+        if self._grad_norm is not None and not {"grad_norm", "gradnorm", "total_grad_norm"} & values.keys():
+            values["grad_norm"] = self._grad_norm
+        self._grad_norm = None
+        monitor.log(values, step=step, **counts)
+
+    def finish(self) -> None:
+        """Called by `accelerator.end_training()`."""
+        self.close()

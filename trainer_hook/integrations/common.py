@@ -1,0 +1,138 @@
+"""What the framework integrations share: optional imports, a deferred monitor, the data-wait clock."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, Callable
+
+from .._torch import TENSOR_TYPES
+from ..monitor import TrainingMonitor
+from ..settings import ENV_JOB
+
+log = logging.getLogger("trainer_hook")
+
+
+def require(integration: str, extra: str, *modules: str) -> ModuleType:
+    """The first of `modules` that imports, or an ImportError naming the extra to install."""
+    for name in modules:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"trainer_hook.integrations.{integration} needs {' or '.join(modules)}: "
+                      f"pip install 'dualtrack[{extra}]'")
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a batch (tensor, mapping or sequence); no sync."""
+    if isinstance(batch, TENSOR_TYPES):
+        return int(batch.shape[0]) if batch.dim() else None
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = batch_size(item)
+        if size is not None:
+            return size
+    return None
+
+
+def calling_instance(cls: type) -> Any:
+    """The nearest `self` up the call stack that is a `cls` (a framework calling its callbacks
+    passes no reference to itself), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class DeferredMonitor:
+    """A TrainingMonitor's arguments now, the monitor once the framework knows the rank and config.
+
+    The arguments are those of TrainingMonitor (checked here: a wrong name raises TypeError at once);
+    `rank_zero_only=True` creates the monitor on global rank 0 only.
+    """
+
+    def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
+        self._arguments = inspect.signature(TrainingMonitor).bind(*args, **kwargs).arguments
+        self.rank_zero_only = rank_zero_only
+        self.monitor: TrainingMonitor | None = None
+        self._batch_end: float | None = None
+        self._warned: set[str] = set()
+        self._patched: list[tuple[Any, str]] = []
+
+    def open(self, rank: int, config: Mapping[str, Any] | None = None,
+             job: str = "training") -> TrainingMonitor | None:
+        """Create the monitor (once) for `rank`, with the framework's `config` under the user's.
+
+        `job`: the framework's name for the run, used when neither `job=` nor $DUALTRACK_JOB is set.
+        """
+        if self.monitor is None and not (self.rank_zero_only and rank != 0):
+            arguments = dict(self._arguments)
+            arguments.setdefault("rank", rank)
+            if arguments.get("job") is None and not os.environ.get(ENV_JOB):
+                arguments["job"] = job
+            mine = arguments.get("config")
+            if mine is not None and not isinstance(mine, Mapping):
+                mine = vars(mine)
+            arguments["config"] = {**(config or {}), **(mine or {})}
+            self.monitor = TrainingMonitor(**arguments)
+        return self.monitor
+
+    def log_step(self, step: int, epoch: Any, loss: Any, grad_norm: Any, learning_rate: Any,
+                 **counts: Any) -> None:
+        """One optimizer step to the monitor; values the framework did not give are left out."""
+        values = {"epoch": epoch}
+        for key, value in (("loss", loss), ("grad_norm", grad_norm), ("learning_rate", learning_rate)):
+            if value is not None:
+                values[key] = value
+        self.monitor.log(values, step=step, **counts)
+
+    def close(self, failed: bool = False, reason: str | None = None) -> None:
+        """Close the monitor and remove the wrappers patch() installed; a later open() (another
+        `fit`/`train` with the same callback) starts a new monitor."""
+        for owner, name in reversed(self._patched):
+            vars(owner).pop(name, None)
+        self._patched = []
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.close(failed=failed, reason=reason)
+
+    def patch(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Wrap the method `name` of this one framework object (not its class) until close()."""
+        if name not in vars(owner):
+            setattr(owner, name, wrap(getattr(owner, name)))
+            self._patched.append((owner, name))
+
+    def capture_result(self, attribute: str) -> Callable[[Callable], Callable]:
+        """A patch() wrapper storing the method's return value (e.g. a grad norm) in `attribute`."""
+        def wrap(method: Callable) -> Callable:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                result = method(*args, **kwargs)
+                setattr(self, attribute, result)
+                return result
+            return wrapped
+        return wrap
+
+    def batch_ended(self) -> None:
+        """The framework is done with a batch (or with an evaluation/checkpoint in between)."""
+        self._batch_end = time.perf_counter()
+
+    def batch_started(self) -> float | None:
+        """Seconds since batch_ended(): the time the loop waited for this batch."""
+        if self._batch_end is None:
+            return None
+        waited, self._batch_end = time.perf_counter() - self._batch_end, None
+        return waited
+
+    def warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
