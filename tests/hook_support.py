@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import requests
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
@@ -117,3 +118,17 @@ def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int]) -> Iterator[s
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts device->host value reads (`aten._local_scalar_dense`: .item(), int(), float(), bool())
+    made on the thread that enters it (dispatch modes are thread-local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))

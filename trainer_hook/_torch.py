@@ -11,5 +11,9 @@ TENSOR_TYPES: tuple[type, ...] = (torch.Tensor,) if torch is not None else ()
 
 
 def cuda_ready() -> bool:
-    """CUDA is present and already initialised by the training code (we never initialise it)."""
-    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    """CUDA is already initialised by the training code.
+
+    Only `torch.cuda.is_initialized()` is asked: it reads a flag, where `is_available()` may
+    query the driver, which must not happen before a DataLoader forks its workers.
+    """
+    return torch is not None and torch.cuda.is_initialized()

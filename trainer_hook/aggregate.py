@@ -30,7 +30,7 @@ class Entry(NamedTuple):
 
     time: float
     duration: float | None
-    step: int
+    step: Any  # int, a 0-d tensor (read here), or None: the previous step + 1
     batch_id: Any
     samples: Any
     tokens: Any
@@ -108,7 +108,7 @@ class Aggregator:
             state.gauges[name] = value
             if name in WINDOW_MAX_KEYS and not math.isnan(value):
                 _raise_max(self._window, name, value)
-        state.step = entry.step
+        state.step = self._resolve_step(extra.get("step"))
         state.steps_total += 1
         state.last_update = entry.time
         if samples is not None and math.isfinite(samples):
@@ -118,22 +118,32 @@ class Aggregator:
         if entry.duration is not None:
             self._counts[bisect.bisect_left(STEP_BUCKETS, entry.duration)] += 1
             state.duration_sum += entry.duration
-        line: dict[str, Any] = {"time": round(entry.time, 6), "step": entry.step,
+        line: dict[str, Any] = {"time": round(entry.time, 6), "step": state.step,
                                 "batch_id": batch_id, "samples": json_number(samples),
                                 "tokens": json_number(tokens),
                                 "duration_seconds": None if entry.duration is None else round(entry.duration, 9),
                                 "values": {str(k): json_number(v) for k, v in values.items()}}
         if nonfinite:
             state.nonfinite_steps_total += 1
-            state.last_nonfinite_step = entry.step
+            state.last_nonfinite_step = state.step
             state.last_nonfinite_batch_id = _numeric_id(batch_id)
             line["nonfinite"] = [str(key) for key in nonfinite]
             if not self._warned_nonfinite:
                 self._warned_nonfinite = True
                 shown = ", ".join(f"{k}={values[k]}" for k in nonfinite)
                 log.warning("first non-finite value at step %s (batch_id %r): %s",
-                            entry.step, batch_id, shown)
+                            state.step, batch_id, shown)
         return line
+
+    def _resolve_step(self, step: Any) -> int:
+        if step is None:
+            return self._state.step + 1
+        if type(step) is int:
+            return step
+        if not math.isfinite(step):  # a NaN or infinite step tensor
+            self._state.dropped["not_numeric"] = self._state.dropped.get("not_numeric", 0) + 1
+            return self._state.step + 1
+        return int(step)
 
     def publish(self, dropped: dict[str, int], **extra: Any) -> Snapshot:
         """A copy of the state; starts a new window for the *_max series.
@@ -177,7 +187,7 @@ def _read_tensors(entries: list[Entry], dropped: dict[str, int]) -> list[tuple[d
 
     One stack + copy per (device, dtype) for the whole batch of entries: one sync each.
     """
-    rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id})
+    rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id, "step": e.step})
             for e in entries]
     if torch is None:
         return rows

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from prometheus_client import start_http_server
 
 from . import lifecycle
-from ._torch import cuda_ready, torch
+from ._torch import TENSOR_TYPES, cuda_ready, torch
 from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
@@ -69,7 +69,6 @@ class TrainingMonitor:
         self._stash: dict[str, Any] = {}
         self._hooks: list[Any] = []
         self._data_wait = 0.0
-        self._last_step = -1
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
@@ -137,9 +136,8 @@ class TrainingMonitor:
             for key, value in self._stash.items():
                 kept.setdefault(key, value)
             self._stash = {}
-        if type(step) is not int:
+        if step is not None and type(step) is not int:
             step = self._step(step)
-        self._last_step = step
         if samples is not None and type(samples) is not int:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
@@ -210,14 +208,19 @@ class TrainingMonitor:
             self._warned.add((str(key), reason))
             log.warning(message)
 
-    def _step(self, step: Any) -> int:
-        if step is None:
-            return self._last_step + 1
-        try:  # a step tensor is read here (a sync on a GPU): the step numbers later steps
+    def _step(self, step: Any) -> Any:
+        """An int, a tensor copy read later on the worker (no sync here), or None (previous + 1)."""
+        if isinstance(step, TENSOR_TYPES):
+            step = scalar(step)
+            if type(step) is Dropped:
+                self._drop("step", Dropped("not_numeric"))
+                return None
+            return step
+        try:
             return int(step)
-        except (TypeError, ValueError, OverflowError, RuntimeError):  # RuntimeError: meta, complex
+        except (TypeError, ValueError, OverflowError):
             self._drop("step", Dropped("not_numeric"))
-            return self._last_step + 1
+            return None
 
     def _optional(self, key: str, value: Any) -> Any:
         value = scalar(value)
