@@ -37,6 +37,15 @@ class Entry(NamedTuple):
     values: dict[str, Any]
 
 
+class ProcessIdentity(NamedTuple):
+    """The pushing process (training_local_rank, training_world_size, training_process_info)."""
+
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    hostname: str = ""
+
+
 @dataclass
 class Snapshot:
     """The state published once per push interval (what both push and pull expose)."""
@@ -63,6 +72,7 @@ class Snapshot:
     run_labels: dict[str, str] = field(default_factory=dict)
     gpus: tuple[tuple[str, str], ...] = ()
     cuda: dict[str, float] | None = None
+    process: ProcessIdentity = ProcessIdentity()
 
 
 def json_number(value: float | None) -> float | str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import deque
@@ -13,7 +14,7 @@ from prometheus_client import start_http_server
 
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, torch
-from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
+from .aggregate import Aggregator, Entry, ProcessIdentity, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
@@ -42,6 +43,7 @@ class TrainingMonitor:
     def __init__(self, job: str | None = None, run: str | None = None,
                  pushgateway: str | bool | None = None, push_interval: float = 5.0,
                  config: Mapping[str, Any] | Any = None, *, rank: int | None = None,
+                 local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,
                  gpu_uuid: str | Iterable[str] | None = None, strict: bool = False,
                  listen_port: int | None = None, listen_address: str = "127.0.0.1",
@@ -55,7 +57,8 @@ class TrainingMonitor:
             config = vars(config)
         self.settings = s = resolve(
             job=job, run=run, pushgateway=pushgateway, push_interval=push_interval,
-            push_timeout=push_timeout, rank=rank, instance=instance, listen_port=listen_port,
+            push_timeout=push_timeout, rank=rank, local_rank=local_rank, world_size=world_size,
+            instance=instance, listen_port=listen_port,
             listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
             basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
             tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold)
@@ -72,6 +75,7 @@ class TrainingMonitor:
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
+        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()
@@ -89,8 +93,7 @@ class TrainingMonitor:
             except OSError as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
-        self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
-                            "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
+        self.record.write([self._start_line()])
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         if self._pusher:
@@ -101,6 +104,13 @@ class TrainingMonitor:
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
         self._worker.start()
         lifecycle.register(self)
+
+    def _start_line(self) -> dict[str, Any]:
+        """The record's first line: who wrote it (format 2 adds local_rank, world_size and pid)."""
+        s = self.settings
+        return {"event": "start", "format": 2, "time": self._start_time, "job": s.job, "run": s.run,
+                "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size,
+                "instance": s.instance, "pid": self._pid, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
@@ -263,7 +273,7 @@ class TrainingMonitor:
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=self._pusher.failures if self._pusher else 0,
-            gpus=self._gpus(), cuda=self._cuda_stats())
+            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
     def _gpus(self) -> tuple[tuple[str, str], ...]:
         uuids = self.settings.gpu_uuids

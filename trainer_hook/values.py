@@ -25,10 +25,13 @@ RESERVED = frozenset({
     "dropped_values_total", "push_failures_total", "record_failures_total",
     "last_update_timestamp_seconds", "start_timestamp_seconds", "run_state",
     "cuda_memory_allocated_bytes", "cuda_memory_reserved_bytes", "cuda_alloc_retries_total",
-    "cuda_ooms_total",
+    "cuda_ooms_total", "local_rank", "world_size", "process_info", "logged_value_sum",
+    "logged_value_count", "nonfinite_values_total", "first_nonfinite_step",
+    "first_nonfinite_batch_id", "loss_max_step", "grad_norm_max_step", "skipped_steps_total",
     # counters' family names, which would clash with a gauge of the same name
     "steps", "samples", "tokens", "data_wait_seconds", "nonfinite_steps", "dropped_values",
-    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms",
+    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms", "logged_value",
+    "nonfinite_values", "skipped_steps",
 })
 RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"})
 
