@@ -80,6 +80,24 @@ def pushed_value(pushgateway_url: str, name: str, run: str, *, http: dict | None
     return None
 
 
+def pulled(monitor: TrainingMonitor, name: str, **labels: str) -> float | None:
+    """A sample's value as a pull-mode monitor serves it (None if absent)."""
+    text = requests.get(f"http://127.0.0.1:{monitor.listen_port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def wait_pulled(monitor: TrainingMonitor, name: str, predicate: Callable[[float], bool],
+                timeout: float = 10.0, **labels: str) -> float:
+    def probe():
+        value = pulled(monitor, name, **labels)
+        return value is not None and predicate(value) and (value,)
+    return processes.wait_until(probe, timeout, what=f"{name} served by the monitor")[0]
+
+
 def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[float], bool],
                 timeout: float = 15.0, *, http: dict | None = None, **labels: str) -> float:
     def probe():

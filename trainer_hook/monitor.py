@@ -71,7 +71,8 @@ class TrainingMonitor:
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
         self._hooks: list[Any] = []
-        self._data_wait = 0.0
+        self._data_wait = 0.0  # total, published (only grows)
+        self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
@@ -114,8 +115,13 @@ class TrainingMonitor:
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
-            samples: Any = None, batch_id: Any = None, tokens: Any = None) -> None:
-        """Record one training step. No network I/O, no device sync; never raises unless strict."""
+            samples: Any = None, batch_id: Any = None, tokens: Any = None,
+            data_wait: float | None = None) -> None:
+        """Record one training step. No network I/O, no device sync; never raises unless strict.
+
+        `data_wait`: seconds this step waited for its batch, for loops whose framework owns the
+        data loader (added to what loader() measured).
+        """
         now = time.perf_counter()
         if self._closed:
             self._warn_once("log", "closed", "log() after close() is ignored")
@@ -152,9 +158,12 @@ class TrainingMonitor:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
             tokens = self._optional("tokens", tokens)
+        waited, self._waited = self._waited, 0.0
+        if data_wait is not None:
+            waited += self._wait_seconds(data_wait)
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept))
+                                   batch_id, samples, tokens, kept, waited))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
@@ -170,7 +179,9 @@ class TrainingMonitor:
                 item = next(iterator)
             except StopIteration:
                 return
-            self._data_wait += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self._data_wait += waited
+            self._waited += waited
             yield item
 
     def watch(self, model: Any = None, optimizer: Any = None) -> "TrainingMonitor":
@@ -231,6 +242,18 @@ class TrainingMonitor:
         except (TypeError, ValueError, OverflowError):
             self._drop("step", Dropped("not_numeric"))
             return None
+
+    def _wait_seconds(self, value: Any) -> float:
+        seconds = value if type(value) is float else scalar(value)
+        if isinstance(seconds, TENSOR_TYPES):
+            seconds = Dropped("not_numeric")  # a duration is measured on the host, not a device
+        elif type(seconds) is not Dropped and not 0.0 <= seconds < float("inf"):
+            seconds = Dropped("out_of_range")
+        if type(seconds) is Dropped:
+            self._drop("data_wait", seconds)
+            return 0.0
+        self._data_wait += seconds
+        return seconds
 
     def _optional(self, key: str, value: Any) -> Any:
         value = scalar(value)
@@ -329,9 +352,7 @@ class TrainingMonitor:
         self.record.close()
         if self._pusher:
             unpushed = self._pusher.stop(self.settings.push_timeout)
-            if unpushed is not None:
-                merge_maxima(unpushed, final)
-            self._pusher.push(final)
+            self._pusher.push(final if unpushed is None else merge_maxima(unpushed, final))
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
