@@ -21,6 +21,7 @@ from .push import Pusher, make_handler
 from .record import Record
 from .settings import resolve
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
+from .watch import ScalerWatch, on_step, sharding
 
 log = logging.getLogger("trainer_hook")
 
@@ -70,7 +71,8 @@ class TrainingMonitor:
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # removed on close()
+        self._scaler: ScalerWatch | None = None
         self._data_wait = 0.0  # total, published (only grows)
         self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
@@ -161,9 +163,12 @@ class TrainingMonitor:
         waited, self._waited = self._waited, 0.0
         if data_wait is not None:
             waited += self._wait_seconds(data_wait)
+        skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
+        if scale is not None:
+            scale = scalar(scale)  # updated in place by the scaler: copied on its device
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept, waited))
+                                   batch_id, samples, tokens, kept, waited, skipped, scale))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
@@ -184,30 +189,47 @@ class TrainingMonitor:
             self._waited += waited
             yield item
 
-    def watch(self, model: Any = None, optimizer: Any = None) -> "TrainingMonitor":
-        """Capture the total grad norm (before each optimizer step) and the learning rate.
+    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
+        """Capture the total grad norm (before each optimizer step) and the learning rate; with a
+        GradScaler, count the steps it skips (overflow) and export its loss scale.
 
-        The values join the next `log()` call (keys given to `log()` win).
+        The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
+        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
         """
-        if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
-            raise ValueError("watch() needs a torch.optim.Optimizer")
+        if optimizer is None and scaler is None:
+            raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
+        if optimizer is not None:
+            if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+                raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
+            self._watch_optimizer(model, optimizer)
+        if scaler is not None:
+            self._scaler = ScalerWatch(scaler)
+            self._hooks.append(self._scaler)
+        return self
+
+    def _watch_optimizer(self, model: Any, optimizer: Any) -> None:
         params = [p for p in (model.parameters() if model is not None else
                               (p for group in optimizer.param_groups for p in group["params"]))
                   if p.requires_grad]
-        for key in ("grad_norm", "learning_rate"):
+        sharded = sharding(params, optimizer)
+        if sharded:
+            self._warn_once("watch", "sharded", f"watch(): {sharded}, so the norm of this process's "
+                            "gradients is not the total: grad_norm is not captured (log the "
+                            "framework's global norm as grad_norm instead)")
+        for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
 
         def before_step(opt: Any, args: Any, kwargs: Any) -> None:
             try:
-                self._stash["grad_norm"] = grad_norm(params)
+                if not sharded:
+                    self._stash["grad_norm"] = grad_norm(params)
                 lr = scalar(opt.param_groups[0]["lr"])
                 if type(lr) is not Dropped:
                     self._stash["learning_rate"] = lr
             except Exception as exc:  # noqa: BLE001 - never break the optimizer step
                 self._warn_once("watch", "error", f"watch() could not read the gradients: {exc!r}")
 
-        self._hooks.append(optimizer.register_step_pre_hook(before_step))
-        return self
+        self._hooks.append(on_step(optimizer, before_step))
 
     # ------------------------------------------------------------------ input problems
     def _learn(self, key: Any) -> str:
