@@ -165,6 +165,7 @@ def test_exception_in_the_loop_pushes_failed_state_and_flushes_record(pgw, tmp_p
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert len(steps) == 30
     assert events[-1]["state"] == "failed" and events[-1]["reason"] == type(error).__name__
+    assert events[-1]["message"] == str(error)
 
 
 TRAINING_SCRIPT = """
@@ -209,6 +210,8 @@ def test_process_end_without_close_still_pushes_and_flushes(pgw, tmp_path, mode,
     assert pushed_value(pgw.url, "training_run_state", run, state=state) == 1
     if mode == "sigterm":
         assert events[-1]["reason"] == "SIGTERM"
+    if mode == "exception":
+        assert (events[-1]["reason"], events[-1]["message"]) == ("RuntimeError", "boom")
 
 
 class Opaque:

@@ -30,6 +30,8 @@ log = logging.getLogger("trainer_hook")
 SOFT_PENDING = 4096
 HARD_PENDING = 65536
 _STEP_KEY = "step"
+#: Characters of an exception's text kept in the record's end line.
+MAX_MESSAGE = 2000
 
 
 class TrainingMonitor:
@@ -310,7 +312,11 @@ class TrainingMonitor:
             count = len(self._pending)
             if count:
                 entries = [self._pending.popleft() for _ in range(count)]
-                self.record.write(self._aggregator.drain(entries))
+                lines = self._aggregator.drain(entries)
+                cuda = self._cuda_stats()
+                if cuda is not None:
+                    lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+                self.record.write(lines)
 
     def _publish(self, state: str) -> Snapshot:
         return self._aggregator.publish(
@@ -347,8 +353,10 @@ class TrainingMonitor:
                 "retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
 
     # ------------------------------------------------------------------ shutdown
-    def close(self, failed: bool = False, reason: str | None = None) -> None:
+    def close(self, failed: bool = False, reason: str | None = None, message: str | None = None) -> None:
         """Flush the record, push the final state (`finished`, or `failed`). Idempotent.
+
+        `reason` and `message` (e.g. the exception's class name and text) go into the record's end line.
 
         Does nothing in a forked child process: only the process that created the monitor closes it.
         """
@@ -370,6 +378,8 @@ class TrainingMonitor:
         end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}
         if reason:
             end["reason"] = reason
+        if message:
+            end["message"] = message[:MAX_MESSAGE]
         self.record.write([end])
         self.record.close()
         if self._pusher:
@@ -389,5 +399,5 @@ class TrainingMonitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(failed=exc_type is not None,
-                   reason=None if exc_type is None else exc_type.__name__)
+        self.close(failed=exc_type is not None, reason=None if exc_type is None else exc_type.__name__,
+                   message=None if exc is None else str(exc))
