@@ -145,8 +145,10 @@ class SyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.syncs = 0
+        self.ops: list[str] = []  # every aten op, by name
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.syncs += 1
+        self.ops.append(func.__name__)
         return func(*args, **(kwargs or {}))

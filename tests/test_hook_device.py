@@ -38,3 +38,26 @@ def test_a_step_tensor_is_read_on_the_worker_not_the_training_thread(tmp_path):
     assert counter.syncs == 0
     steps, _ = record_lines(tmp_path / "record.jsonl")
     assert [x["step"] for x in steps] == [5, 6, 9, 10]
+
+
+def test_a_steps_tensors_are_copied_once_per_dtype_and_keep_their_logged_values(tmp_path):
+    """One on-device copy (a stack) per (device, dtype) per log(), not one per tensor; in-place
+    updates after log() do not change what was logged; dtypes are not mixed into one copy."""
+    losses = {f"loss{i}": torch.tensor(float(i), requires_grad=True) * 2 for i in range(30)}
+    counter = SyncCounter()
+    with monitor(tmp_path) as m:
+        with counter:
+            m.log(losses, step=0)
+        assert counter.syncs == 0
+        copies = [op for op in counter.ops if op.split(".")[0] in ("clone", "stack", "cat", "_to_copy", "copy_")]
+        assert copies == ["stack.default"], counter.ops
+        counter = SyncCounter()
+        tokens = torch.tensor(123_456_789)  # not representable in float16
+        with counter:
+            m.log({"half": torch.tensor(0.5, dtype=torch.float16), "tokens_seen": tokens,
+                   "vector": torch.ones(2)}, step=1)
+        assert counter.syncs == 0
+        tokens += 1  # in place, after log()
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert steps[0]["values"] == {f"loss{i}": 2.0 * i for i in range(30)}
+    assert steps[1]["values"] == {"half": 0.5, "tokens_seen": 123_456_789.0}

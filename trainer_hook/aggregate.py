@@ -16,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._torch import TENSOR_TYPES, torch
+from . import tensors
+from .tensors import Stack
 
 log = logging.getLogger("trainer_hook")
 
@@ -41,6 +42,8 @@ class Entry(NamedTuple):
     data_wait: float = 0.0  # seconds waited for this step's batch
     skipped: int = 0  # optimizer steps the GradScaler skipped (overflow) since the previous entry
     loss_scale: Any = None  # the GradScaler's scale after this step (a tensor copy), if watched
+    stacks: tuple[Stack, ...] = ()  # the values' tensors, copied on their device (see tensors.py)
+    events: tuple[tuple[Any, Any], ...] = ()  # (device, CUDA event) marking those copies ready
 
 
 class ProcessIdentity(NamedTuple):
@@ -124,7 +127,11 @@ class Aggregator:
         Returns one record line (a JSON-ready dict) per entry, in order.
         """
         with self._lock:
-            rows = _read_tensors(entries, self._state.dropped)
+            rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id,
+                                "step": e.step, "loss_scale": e.loss_scale}) for e in entries]
+            tensors.read(tensors.tensor_slots(m for row in rows for m in row),
+                         [(e.values, stack) for e in entries for stack in e.stacks],
+                         [event for e in entries for event in e.events], self._state.dropped)
             return [self._fold(entry, values, extra) for entry, (values, extra) in zip(entries, rows)]
 
     def _fold(self, entry: Entry, values: dict[Any, float], extra: dict[str, Any]) -> dict[str, Any]:
@@ -240,48 +247,3 @@ def _raise_max(maxima: dict[str, tuple[float, int]], name: str, value: float, st
     """Keep the larger value and its step (the earlier step on a tie)."""
     if name not in maxima or value > maxima[name][0]:
         maxima[name] = (value, step)
-
-
-def _read_tensors(entries: list[Entry], dropped: dict[str, int]) -> list[tuple[dict, dict]]:
-    """Per entry (values, {"samples", "tokens", "batch_id"}) with every tensor replaced by a float.
-
-    One stack + copy per (device, dtype) for the whole batch of entries: one sync each.
-    """
-    rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id, "step": e.step,
-                        "loss_scale": e.loss_scale})
-            for e in entries]
-    if torch is None:
-        return rows
-    groups: dict[tuple[Any, Any] | None, list[tuple[dict, Any, Any]]] = {}
-    for mappings in rows:
-        for mapping in mappings:
-            for key, value in mapping.items():
-                if isinstance(value, TENSOR_TYPES):
-                    # A multi-element tensor (batch_id is not checked in log()) is unreadable; kept
-                    # out of the stack, it cannot push its whole group onto one read per tensor.
-                    where = (value.device, value.dtype) if value.numel() == 1 else None
-                    groups.setdefault(where, []).append((mapping, key, value))
-    for where, group in groups.items():
-        try:
-            if where is None:
-                numbers = [None] * len(group)
-            else:
-                with torch.no_grad():
-                    stacked = torch.stack([tensor.reshape(()) for _, _, tensor in group])
-                    numbers = stacked.cpu().to(torch.float64).tolist()  # cast on the host
-        except Exception:  # noqa: BLE001 - an odd tensor must not cost the others their values
-            numbers = [_item(tensor) for _, _, tensor in group]
-        for (mapping, key, _), number in zip(group, numbers):
-            if number is None:
-                dropped["unreadable"] = dropped.get("unreadable", 0) + 1
-                del mapping[key]
-            else:
-                mapping[key] = number
-    return rows
-
-
-def _item(tensor: Any) -> float | None:
-    try:
-        return float(tensor.item())
-    except Exception:  # noqa: BLE001
-        return None

@@ -20,6 +20,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import Record
 from .settings import resolve
+from .tensors import Stack, capture, ready_events
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
 from .watch import ScalerWatch, on_step, sharding
 
@@ -27,6 +28,8 @@ log = logging.getLogger("trainer_hook")
 
 #: Pending entries that wake the background thread early, and that make log() drain by itself
 #: (only if the background thread cannot keep up): memory stays bounded and nothing is lost.
+#: Exact tensor types taken by log()'s fast path (subclasses go through scalar()'s checks).
+_TENSORS = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
 SOFT_PENDING = 4096
 HARD_PENDING = 65536
 _STEP_KEY = "step"
@@ -86,6 +89,8 @@ class TrainingMonitor:
         self._wake = threading.Event()
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
+        # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
+        self._cuda_possible = torch is not None and torch.version.cuda is not None
         self._aggregator = Aggregator(self._names, s.max_hold)
         self.record = Record(s.record_path)
         self._server = None
@@ -131,11 +136,14 @@ class TrainingMonitor:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
         kept: dict[Any, Any] = {}
+        stacks: list[Stack] = []
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
             values = None
         if values:
             names = self._names
+            tensor_keys: list[Any] = []
+            tensor_values: list[Any] = []
             for key, value in values.items():
                 name = names.get(key)
                 if name is None:
@@ -144,12 +152,20 @@ class TrainingMonitor:
                     if key != _STEP_KEY:
                         self._drop(key, name)
                     continue
-                if type(value) is not float:
+                kind = type(value)
+                if kind is float:
+                    kept[key] = value
+                elif kind in _TENSORS:
+                    tensor_keys.append(key)
+                    tensor_values.append(value)
+                else:
                     value = scalar(value)
                     if type(value) is Dropped:
                         self._drop(key, value)
-                        continue
-                kept[key] = value
+                    else:
+                        kept[key] = value
+            if tensor_values:
+                stacks = capture(tensor_keys, tensor_values, self._drop)
             if step is None and _STEP_KEY in values:
                 step = values[_STEP_KEY]
         if self._stash:
@@ -168,9 +184,11 @@ class TrainingMonitor:
         skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
+        events = self._events(stacks, step, scale) if self._cuda_possible else ()
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept, waited, skipped, scale))
+                                   batch_id, samples, tokens, kept, waited, skipped, scale,
+                                   tuple(stacks), events))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
@@ -252,6 +270,13 @@ class TrainingMonitor:
         if (str(key), reason) not in self._warned:
             self._warned.add((str(key), reason))
             log.warning(message)
+
+    @staticmethod
+    def _events(stacks: list[Stack], *copies: Any) -> tuple:
+        """CUDA events marking this step's on-device copies ready (none for CPU tensors)."""
+        made = [stack.tensor for stack in stacks]
+        made += [copy for copy in copies if isinstance(copy, TENSOR_TYPES)]
+        return ready_events(made) if made else ()
 
     def _step(self, step: Any) -> Any:
         """An int, a tensor copy read later on the worker (no sync here), or None (previous + 1)."""

@@ -67,10 +67,9 @@ def scalar(value: Any) -> Any:
     Tensors stay on their device: nothing here reads their value, so nothing syncs.
     """
     if isinstance(value, TENSOR_TYPES):
-        if value.numel() != 1:
-            return Dropped("not_scalar")
-        if value.is_meta or value.is_complex() or value.is_sparse:
-            return Dropped("unreadable")
+        reason = check_tensor(value)
+        if reason is not None:
+            return reason
         # A copy keeps the value of this step even if the caller updates the tensor in place later.
         return value.detach().clone()
     if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
@@ -81,6 +80,15 @@ def scalar(value: Any) -> Any:
         return Dropped("out_of_range")
     except (ValueError, TypeError):
         return Dropped("not_numeric")
+
+
+def check_tensor(tensor: Any) -> Dropped | None:
+    """Why a tensor is not a loggable scalar, or None if it is (nothing is read from the device)."""
+    if tensor.numel() != 1:
+        return Dropped("not_scalar")
+    if tensor.is_meta or tensor.is_complex() or tensor.is_sparse:
+        return Dropped("unreadable")
+    return None
 
 
 def label_name(key: object) -> str:
