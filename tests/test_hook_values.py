@@ -13,7 +13,6 @@ from tests.hook_support import pulled, record_lines, wait_pulled
 from trainer_hook import TrainingMonitor
 from trainer_hook.aggregate import Snapshot
 from trainer_hook.push import Pusher, make_handler
-from trainer_hook.settings import resolve
 
 NAN = float("nan")
 
@@ -87,11 +86,9 @@ def test_data_wait_argument_adds_to_the_counter_and_the_record(tmp_path):
 
 def test_a_snapshot_is_never_changed_after_it_was_published(tmp_path):
     """Pull mode may be serving the snapshot that a failed push carries its maxima into."""
-    settings = resolve(job="j", run="r", pushgateway=f"http://127.0.0.1:{free_port()}",
-                       push_interval=1.0, push_timeout=0.5, rank=0, local_rank=None, world_size=None,
-                       instance="i", listen_port=None, listen_address="127.0.0.1", record_path=False,
-                       gpu_uuid=None, basic_auth=None, bearer_token=None, ca_file=None, tls_verify=True,
-                       client_cert=None, strict=False, max_hold=0.0)
+    with TrainingMonitor(job="j", run="r", pushgateway=f"http://127.0.0.1:{free_port()}",
+                         push_timeout=0.5, record_path=False, max_hold=0.0) as m:
+        settings = m.settings
     pusher = Pusher(settings, make_handler(settings))
     try:
         assert not pusher.push(Snapshot(maxima={"grad_norm": 9.0}, max_steps={"grad_norm": 3}))

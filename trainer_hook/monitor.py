@@ -57,17 +57,13 @@ class TrainingMonitor:
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
                  max_hold: float = 30.0) -> None:
+        arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
+        del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
                 raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
             config = vars(config)
-        self.settings = s = resolve(
-            job=job, run=run, pushgateway=pushgateway, push_interval=push_interval,
-            push_timeout=push_timeout, rank=rank, local_rank=local_rank, world_size=world_size,
-            instance=instance, listen_port=listen_port,
-            listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
-            basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
-            tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold)
+        self.settings = s = resolve(arguments)
         handler = make_handler(s) if s.pushgateway else None
         self._run_labels = config_labels(config)
         self._start_time = time.time()

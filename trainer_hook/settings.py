@@ -9,6 +9,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from ._torch import torch
@@ -202,41 +203,43 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
     return uuids
 
 
-def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, local_rank, world_size,
-            instance, listen_port,
-            listen_address, record_path, gpu_uuid, basic_auth, bearer_token, ca_file, tls_verify,
-            client_cert, strict, max_hold) -> Settings:
-    """Validate the constructor arguments (falling back to the environment); raise ValueError."""
-    job = _name("job", job, ENV_JOB)
-    run = _run(run)
-    rank, local_rank, world_size = _identity(rank, local_rank, world_size)
-    instance = _name("instance", instance, "DUALTRACK_INSTANCE", default=socket.gethostname())
+def resolve(arguments: Mapping[str, Any]) -> Settings:
+    """Settings from TrainingMonitor's arguments (by name; None falls back to the environment).
+
+    Arguments that need no checking go through unchanged: a new constructor argument is a new
+    Settings field (plus its check here, if any). Raises ValueError with one clear message.
+    """
+    a = dict(arguments)
+    a["job"] = job = _name("job", a["job"], ENV_JOB)
+    a["run"] = run = _run(a["run"])
+    a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
+    a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
+    listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
+    basic_auth = a["basic_auth"]
     if basic_auth is None and os.environ.get(ENV_USERNAME):
         basic_auth = (os.environ[ENV_USERNAME], os.environ.get(ENV_PASSWORD, ""))
     if basic_auth is not None and (len(basic_auth) != 2 or not all(isinstance(p, str) for p in basic_auth)):
         raise ValueError("basic_auth must be a (username, password) pair of strings")
-    bearer_token = bearer_token if bearer_token is not None else os.environ.get(ENV_TOKEN) or None
-    if basic_auth and bearer_token:
+    a["basic_auth"] = tuple(basic_auth) if basic_auth else None
+    a["bearer_token"] = a["bearer_token"] if a["bearer_token"] is not None else os.environ.get(ENV_TOKEN) or None
+    if basic_auth and a["bearer_token"]:
         raise ValueError("give either basic_auth or bearer_token, not both")
-    ca_file = ca_file if ca_file is not None else os.environ.get(ENV_CA_FILE) or None
+    a["ca_file"] = ca_file = a["ca_file"] if a["ca_file"] is not None else os.environ.get(ENV_CA_FILE) or None
     if ca_file is not None and not Path(ca_file).is_file():
         raise ValueError(f"ca_file {ca_file!r} does not exist")
+    client_cert = a["client_cert"]
     if client_cert is not None and (len(client_cert) != 2
                                     or not all(Path(p).is_file() for p in client_cert)):
         raise ValueError("client_cert must be a (certfile, keyfile) pair of existing files")
-    return Settings(
-        job=job, run=run, rank=rank, local_rank=local_rank, world_size=world_size, instance=instance,
-        pushgateway=_pushgateway_url(pushgateway),
-        push_interval=_positive("push_interval", push_interval),
-        push_timeout=_positive("push_timeout", push_timeout),
-        listen_port=listen_port, listen_address=listen_address,
-        record_path=_record_path(record_path, job, run, rank),
-        gpu_uuids=_gpu_uuids(gpu_uuid),
-        basic_auth=tuple(basic_auth) if basic_auth else None, bearer_token=bearer_token,
-        ca_file=ca_file, tls_verify=bool(tls_verify),
-        client_cert=tuple(client_cert) if client_cert else None, strict=bool(strict),
-        max_hold=0.0 if max_hold == 0 else _positive("max_hold", max_hold),
-    )
+    a["client_cert"] = tuple(client_cert) if client_cert else None
+    a["pushgateway"] = _pushgateway_url(a["pushgateway"])
+    a["push_interval"] = _positive("push_interval", a["push_interval"])
+    a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
+    a["record_path"] = _record_path(a["record_path"], job, run, a["rank"])
+    a["gpu_uuids"] = _gpu_uuids(a.pop("gpu_uuid"))
+    a["tls_verify"], a["strict"] = bool(a["tls_verify"]), bool(a["strict"])
+    a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
+    return Settings(**a)
