@@ -61,3 +61,41 @@ def test_a_steps_tensors_are_copied_once_per_dtype_and_keep_their_logged_values(
     steps, _ = record_lines(tmp_path / "record.jsonl")
     assert steps[0]["values"] == {f"loss{i}": 2.0 * i for i in range(30)}
     assert steps[1]["values"] == {"half": 0.5, "tokens_seen": 123_456_789.0}
+
+
+@pytest.mark.parametrize("name, uuid, visible, expected", [
+    ("NVIDIA H100 80GB HBM3", "8d3c2b1a-0000-1111-2222-333344445555", "",
+     "GPU-8d3c2b1a-0000-1111-2222-333344445555"),
+    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "5b1c0f3e-aaaa-bbbb-cccc-ddddeeeeffff", "",
+     "MIG-5b1c0f3e-aaaa-bbbb-cccc-ddddeeeeffff"),
+    ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "5b1c0f3e-aaaa-bbbb-cccc-ddddeeeeffff",
+     "MIG-5b1c0f3e-aaaa-bbbb-cccc-ddddeeeeffff", "MIG-5b1c0f3e-aaaa-bbbb-cccc-ddddeeeeffff"),
+    ("NVIDIA H100 80GB HBM3", "GPU-8d3c2b1a-0000-1111-2222-333344445555", "0",
+     "GPU-8d3c2b1a-0000-1111-2222-333344445555"),
+], ids=["whole-device", "mig-by-name", "mig-visible-devices", "already-prefixed"])
+def test_gpu_info_spells_uuids_as_nvidia_smi_does(name, uuid, visible, expected):
+    assert _torch.device_uuid(name, uuid, visible) == expected
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_logged_values_wait_for_their_stream_and_nothing_syncs(tmp_path):
+    """A value made on a side stream by a long kernel is read only once that kernel is done; the
+    training thread makes no device read; gpu_info carries nvidia-smi's UUID; the record has cuda."""
+    import subprocess
+    torch.cuda.init()
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    side = torch.cuda.Stream()
+    big = torch.randn(8192, 8192, device="cuda")
+    counter = SyncCounter()
+    with monitor(tmp_path, push_interval=0.05, listen_port=0) as m:
+        with counter:
+            for step in range(5):
+                with torch.cuda.stream(side):
+                    value = (big @ big).sum() * 0 + step  # slow to compute: step only when done
+                    m.log({"loss": value}, step=torch.tensor(step, device="cuda"))
+        assert counter.syncs == 0
+        assert m._gpus() == (("0", smi),)
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert [(x["step"], x["values"]["loss"]) for x in steps] == [(s, float(s)) for s in range(5)]
+    assert any(x.get("cuda", {}).get("allocated", 0) > 0 for x in steps)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from prometheus_client import start_http_server
 
 from . import lifecycle
-from ._torch import TENSOR_TYPES, cuda_ready, torch
+from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry, ProcessIdentity, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
@@ -85,6 +85,7 @@ class TrainingMonitor:
         self._wake = threading.Event()
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
+        self._gpu: tuple[tuple[str, str], ...] | None = None
         # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
         self._cuda_possible = torch is not None and torch.version.cuda is not None
         self._aggregator = Aggregator(self._names, s.max_hold)
@@ -356,8 +357,9 @@ class TrainingMonitor:
         device = self._cuda_index()
         if device is None:
             return ()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        return ((str(device), uuid if uuid.startswith("GPU-") else "GPU-" + uuid),)
+        if self._gpu is None:  # a device's identity does not change: asked once
+            self._gpu = ((str(device), cuda_uuid(device)),)
+        return self._gpu
 
     def _cuda_index(self) -> int | None:
         if self._cuda_device is None and cuda_ready():
