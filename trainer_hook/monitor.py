@@ -181,7 +181,7 @@ class TrainingMonitor:
         skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
-        events = self._events(stacks, step, scale) if self._cuda_possible else ()
+        events = self._events(stacks, step, scale, *kept.values()) if self._cuda_possible else ()
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
                                    batch_id, samples, tokens, kept, waited, skipped, scale,
@@ -270,7 +270,8 @@ class TrainingMonitor:
 
     @staticmethod
     def _events(stacks: list[Stack], *copies: Any) -> tuple:
-        """CUDA events marking this step's on-device copies ready (none for CPU tensors)."""
+        """CUDA events marking this step's device values ready: the copies made here and the values
+        made earlier on the same stream (watch()'s grad norm); none for CPU tensors."""
         made = [stack.tensor for stack in stacks]
         made += [copy for copy in copies if isinstance(copy, TENSOR_TYPES)]
         return ready_events(made) if made else ()
