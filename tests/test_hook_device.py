@@ -99,3 +99,18 @@ def test_on_a_gpu_logged_values_wait_for_their_stream_and_nothing_syncs(tmp_path
     steps, _ = record_lines(tmp_path / "record.jsonl")
     assert [(x["step"], x["values"]["loss"]) for x in steps] == [(s, float(s)) for s in range(5)]
     assert any(x.get("cuda", {}).get("allocated", 0) > 0 for x in steps)
+
+
+def test_a_key_that_changes_kind_between_steps_keeps_its_values(tmp_path):
+    """The same keys as the previous step take a shortcut; a change of type or dtype leaves it."""
+    with monitor(tmp_path) as m:
+        m.log({"loss": torch.tensor(1.0), "acc": torch.tensor(0.5)})
+        m.log({"loss": torch.tensor(2.0), "acc": torch.tensor(0.25)})
+        m.log({"loss": torch.tensor(3.0), "acc": 0.125})
+        m.log({"loss": torch.tensor(4.0), "acc": torch.tensor(7, dtype=torch.int64)})
+        m.log({"loss": torch.tensor(5.0), "acc": torch.ones(2)})
+        m.log({"loss": torch.tensor(6.0), "acc": torch.tensor(0.5)})
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert [x["values"] for x in steps] == [
+        {"loss": 1.0, "acc": 0.5}, {"loss": 2.0, "acc": 0.25}, {"loss": 3.0, "acc": 0.125},
+        {"loss": 4.0, "acc": 7.0}, {"loss": 5.0}, {"loss": 6.0, "acc": 0.5}]

@@ -20,7 +20,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import Record
 from .settings import resolve
-from .tensors import Stack, capture, ready_events
+from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
 from .watch import ScalerWatch, on_step, sharding
 
@@ -28,8 +28,6 @@ log = logging.getLogger("trainer_hook")
 
 #: Pending entries that wake the background thread early, and that make log() drain by itself
 #: (only if the background thread cannot keep up): memory stays bounded and nothing is lost.
-#: Exact tensor types taken by log()'s fast path (subclasses go through scalar()'s checks).
-_TENSORS = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
 SOFT_PENDING = 4096
 HARD_PENDING = 65536
 _STEP_KEY = "step"
@@ -72,6 +70,7 @@ class TrainingMonitor:
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
+        self._tensor_keys: tuple[Any, ...] | None = None  # keys of the last all-tensor log() call
         self._hooks: list[Any] = []  # removed on close()
         self._scaler: ScalerWatch | None = None
         self._data_wait = 0.0  # total, published (only grows)
@@ -133,11 +132,15 @@ class TrainingMonitor:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
         kept: dict[Any, Any] = {}
-        stacks: list[Stack] = []
+        stacks: list[Stack] | None = None
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
             values = None
         if values:
+            keys = tuple(values)
+            if keys == self._tensor_keys:  # the usual loop: the same tensor keys as last time
+                stacks = capture_same(keys, list(values.values()))
+        if values and stacks is None:
             names = self._names
             tensor_keys: list[Any] = []
             tensor_values: list[Any] = []
@@ -152,7 +155,7 @@ class TrainingMonitor:
                 kind = type(value)
                 if kind is float:
                     kept[key] = value
-                elif kind in _TENSORS:
+                elif kind in PLAIN_TENSORS:
                     tensor_keys.append(key)
                     tensor_values.append(value)
                 else:
@@ -161,8 +164,11 @@ class TrainingMonitor:
                         self._drop(key, value)
                     else:
                         kept[key] = value
-            if tensor_values:
-                stacks = capture(tensor_keys, tensor_values, self._drop)
+            stacks = capture(tensor_keys, tensor_values, self._drop) if tensor_values else []
+            # Every key a readable tensor of one stack: next time, the same keys take capture_same().
+            whole = len(stacks) == 1 and len(stacks[0].keys) == len(keys)
+            self._tensor_keys = keys if whole else None
+        if values:
             if step is None and _STEP_KEY in values:
                 step = values[_STEP_KEY]
         if self._stash:
@@ -181,6 +187,7 @@ class TrainingMonitor:
         skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
+        stacks = stacks or []
         events = self._events(stacks, step, scale, *kept.values()) if self._cuda_possible else ()
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,

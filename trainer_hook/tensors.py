@@ -14,6 +14,10 @@ from ._torch import TENSOR_TYPES, torch
 from .values import Dropped, check_tensor
 
 
+#: Exact tensor types log() stacks without further checks (subclasses go through values.scalar()).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+
+
 class Stack(NamedTuple):
     """The values of `keys` (in order) as one 1-D tensor on their device."""
 
@@ -43,6 +47,19 @@ def capture(keys: list[Any], tensors: list[Any], drop: Callable[[Any, Dropped], 
         group[0].append(key)
         group[1].append(tensor.reshape(()))
     return [Stack(group_keys, _stack(group_tensors)) for group_keys, group_tensors in groups.values()]
+
+
+def capture_same(keys: tuple[Any, ...], tensors: list[Any]) -> list[Stack] | None:
+    """capture() for a step whose keys are those of the previous one, all tensors then: one Stack,
+    or None when that no longer holds (a key now has a number, another dtype, ...)."""
+    dtype = getattr(tensors[0], "dtype", None)
+    for tensor in tensors:
+        if type(tensor) not in PLAIN_TENSORS or tensor.dtype is not dtype:
+            return None
+    stacked = None if dtype.is_complex else _stack(tensors)
+    if stacked is None or stacked.numel() != len(tensors) or stacked.is_meta or stacked.is_sparse:
+        return None
+    return [Stack(list(keys), stacked if stacked.dim() == 1 else stacked.reshape(-1))]
 
 
 def _stack(tensors: list[Any]) -> Any:
