@@ -3,7 +3,6 @@ and their steps, data wait, and snapshots that never change once published."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 CPU), sharded parameters, and no device sync added on the training thread."""
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
