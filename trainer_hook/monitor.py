@@ -173,7 +173,8 @@ class TrainingMonitor:
                 step = values[_STEP_KEY]
         if self._stash:
             for key, value in self._stash.items():
-                kept.setdefault(key, value)
+                if key not in kept and not (values and key in values):  # log()'s own keys win
+                    kept[key] = value
             self._stash = {}
         if step is not None and type(step) is not int:
             step = self._step(step)
