@@ -136,7 +136,7 @@ class TrainingMonitor:
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
             values = None
-        if values:
+        if values and self._tensor_keys is not None:
             keys = tuple(values)
             if keys == self._tensor_keys:  # the usual loop: the same tensor keys as last time
                 stacks = capture_same(keys, list(values.values()))
@@ -164,10 +164,10 @@ class TrainingMonitor:
                         self._drop(key, value)
                     else:
                         kept[key] = value
-            stacks = capture(tensor_keys, tensor_values, self._drop) if tensor_values else []
+            stacks = capture(tensor_keys, tensor_values, self._drop) if tensor_values else None
             # Every key a readable tensor of one stack: next time, the same keys take capture_same().
-            whole = len(stacks) == 1 and len(stacks[0].keys) == len(keys)
-            self._tensor_keys = keys if whole else None
+            whole = stacks is not None and len(stacks) == 1 and len(stacks[0].keys) == len(values)
+            self._tensor_keys = tuple(values) if whole else None
         if values:
             if step is None and _STEP_KEY in values:
                 step = values[_STEP_KEY]
@@ -188,7 +188,7 @@ class TrainingMonitor:
         skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
-        stacks = stacks or []
+        stacks = stacks or ()
         events = self._events(stacks, step, scale, *kept.values()) if self._cuda_possible else ()
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
