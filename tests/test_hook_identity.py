@@ -10,8 +10,9 @@ import sys
 import pytest
 import requests
 
+from stack import processes
 from stack.processes import REPO, wait_until
-from tests.hook_support import record_lines
+from tests.hook_support import pushed_value, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "LOCAL_RANK",
@@ -138,3 +139,22 @@ def test_every_rank_of_a_torchrun_launch_shares_one_run_and_launches_differ(tmp_
         assert len({s["run"] for s in starts}) == 1
         runs.append(starts[0]["run"])
     assert runs[0] != runs[1]
+
+
+def test_a_resumed_run_continues_the_same_group_and_record(tmp_path, bare_env, start_service):
+    """Restarted from a checkpoint under the same run id: one Pushgateway group, the step goes on,
+    counters restart from 0 (a counter reset for rate()), the record gets a second start line."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = run_id("resume")
+    for first, last in ((0, 9), (10, 14)):
+        with TrainingMonitor(job="identity", run=run, pushgateway=pgw.url, rank=0,
+                             record_path=tmp_path / "r.jsonl", push_interval=60) as m:
+            for step in range(first, last + 1):
+                m.log({"loss": 1.0}, step=step)
+    assert pushed_value(pgw.url, "training_step", run) == 14
+    assert pushed_value(pgw.url, "training_steps_total", run) == 5
+    groups = requests.get(pgw.url + "/api/v1/metrics", timeout=5).json()["data"]
+    assert len([g for g in groups if g["labels"].get("run") == run]) == 1
+    steps, events = record_lines(tmp_path / "r.jsonl")
+    assert [x["step"] for x in steps] == list(range(15))
+    assert [e["event"] for e in events] == ["start", "end", "start", "end"]
