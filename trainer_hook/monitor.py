@@ -339,15 +339,18 @@ class TrainingMonitor:
                     log.exception("trainer_hook internal error; training continues")
 
     def _drain(self) -> None:
-        with self._drain_lock:
+        with self._drain_lock:  # no drained entry or line outlives the lock (held in no local)
             count = len(self._pending)
             if count:
-                entries = [self._pending.popleft() for _ in range(count)]
-                lines = self._aggregator.drain(entries)
-                cuda = self._cuda_stats()
-                if cuda is not None:
-                    lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
-                self.record.write(lines)
+                self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
+
+    def _lines(self, entries: list[Entry]) -> list[dict[str, Any]]:
+        """Record lines for `entries`; the last carries the CUDA allocator's state, if any."""
+        lines = self._aggregator.drain(entries)
+        cuda = self._cuda_stats()
+        if cuda is not None:
+            lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+        return lines
 
     def _publish(self, state: str) -> Snapshot:
         return self._aggregator.publish(
