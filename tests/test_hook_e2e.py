@@ -136,15 +136,16 @@ def test_rate_of_sum_over_rate_of_count_is_the_exact_mean_of_the_logged_values(s
     sel = f'key="loss",run="{run}"'
     with TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=0.3,
                          record_path=tmp_path / "r.jsonl") as monitor:
-        # Train until Prometheus holds 8 s of a growing count (~8 scrapes, ~25 pushes).
+        # Train until Prometheus holds 10 s of a growing count (~10 scrapes, ~30 pushes).
         while not (trainer.step % 50 == 0 and processes.query(
-                prom.url, f"count_over_time(training_logged_value_count{{{sel}}}[8s]) >= 8")):
+                prom.url, f"count_over_time(training_logged_value_count{{{sel}}}[10s]) >= 10")):
             trainer.train_step(monitor, loss_scale=float("nan") if trainer.step % 97 == 5 else 1.0)
         at = processes.query(prom.url, f"timestamp(training_logged_value_count{{{sel}}})")[0]["value"][1]
     window = "4s"
     samples = processes.query(prom.url, f"training_logged_value_count{{{sel}}}[{window}]", at=at)[0]["values"]
     first, last = int(float(samples[0][1])), int(float(samples[-1][1]))
-    assert last - first > 20 and first > last - first  # a real window, away from the series' start
+    # A real window, away from the series' start (where rate() would clamp its extrapolation at 0).
+    assert last - first > 20 and 2 * first > last - first
     mean = float(processes.query(prom.url, f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
                                            f"rate(training_logged_value_count{{{sel}}}[{window}])", at=at)[0]["value"][1])
     steps, _ = record_lines(tmp_path / "r.jsonl")
