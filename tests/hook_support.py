@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import requests
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
@@ -79,6 +80,24 @@ def pushed_value(pushgateway_url: str, name: str, run: str, *, http: dict | None
     return None
 
 
+def pulled(monitor: TrainingMonitor, name: str, **labels: str) -> float | None:
+    """A sample's value as a pull-mode monitor serves it (None if absent)."""
+    text = requests.get(f"http://127.0.0.1:{monitor.listen_port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def wait_pulled(monitor: TrainingMonitor, name: str, predicate: Callable[[float], bool],
+                timeout: float = 10.0, **labels: str) -> float:
+    def probe():
+        value = pulled(monitor, name, **labels)
+        return value is not None and predicate(value) and (value,)
+    return processes.wait_until(probe, timeout, what=f"{name} served by the monitor")[0]
+
+
 def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[float], bool],
                 timeout: float = 15.0, *, http: dict | None = None, **labels: str) -> float:
     def probe():
@@ -123,3 +142,19 @@ def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes =
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts device->host value reads (`aten._local_scalar_dense`: .item(), int(), float(), bool())
+    made on the thread that enters it (dispatch modes are thread-local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+        self.ops: list[str] = []  # every aten op, by name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -125,3 +125,33 @@ def test_pushgateway_killed_and_restarted_empty_mid_run(stack, tmp_path, caplog)
     assert len(outage_warnings) == 1, [r.getMessage() for r in caplog.records]
     assert any("works again" in r.getMessage() for r in caplog.records)
     wait_value(prom, f'training_run_state{{run="{run}",state="finished"}}', lambda v: v == 1)
+
+
+def test_rate_of_sum_over_rate_of_count_is_the_exact_mean_of_the_logged_values(stack, tmp_path):
+    """Whatever the push and scrape intervals, the PromQL mean over a range equals the mean of the
+    finite values logged in it (the local record), NaN steps excluded."""
+    pgw, prom = stack
+    run = run_id("mean")
+    trainer = Trainer()
+    sel = f'key="loss",run="{run}"'
+    with TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=0.3,
+                         record_path=tmp_path / "r.jsonl") as monitor:
+        # Train until Prometheus holds 10 s of a growing count (~10 scrapes, ~30 pushes).
+        while not (trainer.step % 50 == 0 and processes.query(
+                prom.url, f"count_over_time(training_logged_value_count{{{sel}}}[10s]) >= 10")):
+            trainer.train_step(monitor, loss_scale=float("nan") if trainer.step % 97 == 5 else 1.0)
+        at = processes.query(prom.url, f"timestamp(training_logged_value_count{{{sel}}})")[0]["value"][1]
+    window = "4s"
+    samples = processes.query(prom.url, f"training_logged_value_count{{{sel}}}[{window}]", at=at)[0]["values"]
+    first, last = int(float(samples[0][1])), int(float(samples[-1][1]))
+    # A real window, away from the series' start (where rate() would clamp its extrapolation at 0).
+    assert last - first > 20 and 2 * first > last - first
+    mean = float(processes.query(prom.url, f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
+                                           f"rate(training_logged_value_count{{{sel}}}[{window}])", at=at)[0]["value"][1])
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    finite = [x["values"]["loss"] for x in steps if isinstance(x["values"]["loss"], float)]
+    assert len(finite) < len(steps)  # NaN steps were logged, and are not in the count
+    expected = sum(finite[first:last]) / (last - first)
+    assert mean == pytest.approx(expected, rel=1e-6)
+    assert mean != pytest.approx(finite[last - 1], rel=1e-6)  # not just the last value
+    wait_value(prom, f'training_nonfinite_values_total{{{sel}}}', lambda v: v == len(steps) - len(finite))

@@ -6,6 +6,7 @@ fast: what matters is that many pushes fail in a row, and push_interval is 0.2-0
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -97,6 +98,7 @@ def test_memory_stays_bounded_while_pushes_fail(tmp_path):
         try:
             def held() -> int:
                 monitor._drain()
+                gc.collect()  # a full collection also empties CPython's free lists of freed tuples
                 snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*trainer_hook*")])
                 return sum(stat.size for stat in snap.statistics("filename"))
 
@@ -165,6 +167,7 @@ def test_exception_in_the_loop_pushes_failed_state_and_flushes_record(pgw, tmp_p
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert len(steps) == 30
     assert events[-1]["state"] == "failed" and events[-1]["reason"] == type(error).__name__
+    assert events[-1]["message"] == str(error)
 
 
 TRAINING_SCRIPT = """
@@ -210,6 +213,8 @@ def test_process_end_without_close_still_pushes_and_flushes(pgw, tmp_path, mode,
     assert pushed_value(pgw.url, "training_run_state", run, state=state) == 1
     if mode == "sigterm":
         assert events[-1]["reason"] == "SIGTERM"
+    if mode == "exception":
+        assert (events[-1]["reason"], events[-1]["message"]) == ("RuntimeError", "boom")
 
 
 class Opaque:

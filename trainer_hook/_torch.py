@@ -1,6 +1,8 @@
 """torch is optional: the hook works with Python numbers when it is not installed."""
 from __future__ import annotations
 
+import os
+
 try:
     import torch
 except ImportError:  # pragma: no cover - exercised only without the `torch` extra
@@ -11,5 +13,28 @@ TENSOR_TYPES: tuple[type, ...] = (torch.Tensor,) if torch is not None else ()
 
 
 def cuda_ready() -> bool:
-    """CUDA is present and already initialised by the training code (we never initialise it)."""
-    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    """CUDA is already initialised by the training code.
+
+    Only `torch.cuda.is_initialized()` is asked: it reads a flag, where `is_available()` may
+    query the driver, which must not happen before a DataLoader forks its workers.
+    """
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def cuda_uuid(index: int) -> str:
+    """nvidia-smi's spelling of CUDA device `index`'s UUID (what the exporter's `uuid` label holds)."""
+    props = torch.cuda.get_device_properties(index)
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return device_uuid(props.name, str(props.uuid), visible[index] if index < len(visible) else "")
+
+
+def device_uuid(name: str, uuid: str, visible: str = "") -> str:
+    """`GPU-<uuid>` for a GPU, `MIG-<uuid>` for a MIG instance (CUDA names those "<GPU> MIG 1g.10gb").
+
+    `visible`: the device's CUDA_VISIBLE_DEVICES entry; a `MIG-…` entry names the instance exactly.
+    """
+    if visible.startswith("MIG-"):
+        return visible
+    if uuid.startswith(("GPU-", "MIG-")):
+        return uuid
+    return ("MIG-" if "MIG" in name.split() else "GPU-") + uuid

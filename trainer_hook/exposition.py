@@ -5,7 +5,7 @@ import functools
 from typing import Iterable, Iterator
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    Metric)
+                                    Metric, SummaryMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
 from .aggregate import STEP_BUCKETS, Snapshot
@@ -18,6 +18,7 @@ KNOWN_GAUGES = {
     "learning_rate": "Learning rate at the last logged step (first parameter group with watch()).",
     "grad_norm": "Total L2 gradient norm at the last logged step.",
     "epoch": "Epoch at the last logged step.",
+    "loss_scale": "Loss scale of the watched GradScaler after the last logged step.",
 }
 
 
@@ -38,6 +39,19 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name, value in sorted(snap.maxima.items()):
         yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least "
                 "since the previous push (NaN ignored).", value)
+        yield g(f"{name}_max_step", f"Step at which training_{name}_max was seen.", snap.max_steps[name])
+    keys = sorted({*snap.value_counts, *snap.nonfinite_values})
+    summary = SummaryMetricFamily(PREFIX + "logged_value", "Finite logged values per key: "
+                                  "rate(_sum)/rate(_count) is their exact mean over any range.",
+                                  labels=[*const, "key"])
+    nonfinite = CounterMetricFamily(PREFIX + "nonfinite_values", "NaN or infinite logged values per "
+                                    "key (never in training_logged_value_sum).", labels=[*const, "key"])
+    for key in keys:
+        summary.add_metric([*const.values(), key], snap.value_counts.get(key, 0),
+                           snap.value_sums.get(key, 0.0))
+        nonfinite.add_metric([*const.values(), key], snap.nonfinite_values.get(key, 0))
+    yield summary
+    yield nonfinite
     yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)
     yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
     if snap.tokens_total is not None:
@@ -47,13 +61,22 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     bounds = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
     hist.add_metric(list(const.values()), list(zip(bounds, snap.bucket_counts)), snap.duration_sum)
     yield hist
-    yield c("data_wait_seconds", "Time the training loop waited for the next batch of loader().",
-            snap.data_wait_seconds)
-    yield c("nonfinite_steps", "Steps with a NaN or infinite logged value.", snap.nonfinite_steps_total)
+    yield c("data_wait_seconds", "Time the training loop waited for its batches (loader(), "
+            "log(data_wait=)).", snap.data_wait_seconds)
+    yield c("nonfinite_steps", "Steps with a NaN or infinite logged value (not counting a "
+            "GradScaler overflow).", snap.nonfinite_steps_total)
+    yield g("first_nonfinite_step", "First step of the current (or latest) streak of non-finite "
+            "steps; -1 until one happens.", snap.first_nonfinite_step)
+    yield g("first_nonfinite_batch_id", "batch_id of training_first_nonfinite_step; -1 until one "
+            "happens (or when not numeric).", snap.first_nonfinite_batch_id)
     yield g("last_nonfinite_step", "Step of the last non-finite value; -1 until one happens.",
             snap.last_nonfinite_step)
     yield g("last_nonfinite_batch_id", "batch_id of the last non-finite value; -1 until one happens.",
             snap.last_nonfinite_batch_id)
+    skipped = CounterMetricFamily(PREFIX + "skipped_steps", "Optimizer steps the watched GradScaler "
+                                  "skipped.", labels=[*const, "reason"])
+    skipped.add_metric([*const.values(), "overflow"], snap.skipped_steps_total)
+    yield skipped
     yield g("last_update_timestamp_seconds", "Unix time of the last log() call.", snap.last_update)
     yield g("start_timestamp_seconds", "Unix time the monitor was created.", snap.start_time)
     state = GaugeMetricFamily(PREFIX + "run_state", "1 for the run's current state.",
@@ -69,6 +92,11 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
         for gpu, uuid in snap.gpus:
             info.add_metric([*const.values(), gpu, uuid], 1)
         yield info
+    yield g("local_rank", "Rank of this process on its node (picks the GPU).", snap.process.local_rank)
+    yield g("world_size", "Processes in the run.", snap.process.world_size)
+    yield _single(GaugeMetricFamily, "process_info", "The process that publishes these series (join "
+                  "nvml_gpu_process_* on pid).", 1,
+                  {**const, "pid": str(snap.process.pid), "hostname": snap.process.hostname})
     dropped = CounterMetricFamily(PREFIX + "dropped_values", "Logged values that were not kept.",
                                   labels=[*const, "reason"])
     for reason in DROP_REASONS:

@@ -10,7 +10,7 @@ import weakref
 from typing import Any
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_state = {"unhandled": False, "sigterm_installed": False, "excepthook_installed": False}
+_state: dict[str, Any] = {"unhandled": None, "sigterm_installed": False, "excepthook_installed": False}
 
 
 def register(monitor: Any) -> None:
@@ -21,9 +21,9 @@ def register(monitor: Any) -> None:
         _state["excepthook_installed"] = True
         previous = sys.excepthook
 
-        def excepthook(*args: Any) -> None:
-            _state["unhandled"] = True
-            previous(*args)
+        def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+            _state["unhandled"] = exc_type, exc
+            previous(exc_type, exc, tb)
 
         sys.excepthook = excepthook
     _install_sigterm()
@@ -39,7 +39,11 @@ def unregister(monitor: Any) -> None:
 def _close_at_exit(ref: "weakref.ref[Any]") -> None:
     monitor = ref()
     if monitor is not None:
-        monitor.close(failed=_state["unhandled"])
+        unhandled = _state["unhandled"]
+        if unhandled is None:
+            monitor.close()
+        else:
+            monitor.close(failed=True, reason=unhandled[0].__name__, message=str(unhandled[1]))
 
 
 def _install_sigterm() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import deque
@@ -12,14 +13,16 @@ from typing import Any, Iterable, Iterator, Mapping
 from prometheus_client import start_http_server
 
 from . import lifecycle
-from ._torch import cuda_ready, torch
-from .aggregate import Aggregator, Entry, Snapshot, merge_maxima
+from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
+from .aggregate import Aggregator, Entry, ProcessIdentity, Snapshot, merge_maxima
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
-from .settings import resolve
+from .settings import DEFAULT_DELETE_AFTER, resolve
+from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
+from .watch import ScalerWatch, on_step, sharding
 
 log = logging.getLogger("trainer_hook")
 
@@ -28,6 +31,8 @@ log = logging.getLogger("trainer_hook")
 SOFT_PENDING = 4096
 HARD_PENDING = 65536
 _STEP_KEY = "step"
+#: Characters of an exception's text kept in the record's end line.
+MAX_MESSAGE = 2000
 
 
 class TrainingMonitor:
@@ -42,6 +47,7 @@ class TrainingMonitor:
     def __init__(self, job: str | None = None, run: str | None = None,
                  pushgateway: str | bool | None = None, push_interval: float = 5.0,
                  config: Mapping[str, Any] | Any = None, *, rank: int | None = None,
+                 local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,
                  gpu_uuid: str | Iterable[str] | None = None, strict: bool = False,
                  listen_port: int | None = None, listen_address: str = "127.0.0.1",
@@ -49,18 +55,14 @@ class TrainingMonitor:
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
-                 delete_after: float | None = 30.0) -> None:
+                 delete_after: float | None = DEFAULT_DELETE_AFTER) -> None:
+        arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
+        del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
                 raise ValueError(f"config must be a mapping (or an argparse.Namespace), got {config!r}")
             config = vars(config)
-        self.settings = s = resolve(
-            job=job, run=run, pushgateway=pushgateway, push_interval=push_interval,
-            push_timeout=push_timeout, rank=rank, instance=instance, listen_port=listen_port,
-            listen_address=listen_address, record_path=record_path, gpu_uuid=gpu_uuid,
-            basic_auth=basic_auth, bearer_token=bearer_token, ca_file=ca_file,
-            tls_verify=tls_verify, client_cert=client_cert, strict=strict, max_hold=max_hold,
-            delete_after=delete_after)
+        self.settings = s = resolve(arguments)
         handler = make_handler(s) if s.pushgateway else None
         self._run_labels = config_labels(config)
         self._start_time = time.time()
@@ -69,19 +71,25 @@ class TrainingMonitor:
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
-        self._hooks: list[Any] = []
-        self._data_wait = 0.0
-        self._last_step = -1
+        self._tensor_keys: tuple[Any, ...] | None = None  # keys of the last all-tensor log() call
+        self._hooks: list[Any] = []  # removed on close()
+        self._scaler: ScalerWatch | None = None
+        self._data_wait = 0.0  # total, published (only grows)
+        self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
+        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()
         self._stopping = False
         self._cuda_device = torch.cuda.current_device() if cuda_ready() else None
+        self._gpu: tuple[tuple[str, str], ...] | None = None
+        # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
+        self._cuda_possible = torch is not None and torch.version.cuda is not None
         self._aggregator = Aggregator(self._names, s.max_hold)
-        self.record = Record(s.record_path, record_max_bytes)
+        self.record = Record(s.record_path, s.record_max_bytes)
         self._server = None
         self._latest = Snapshot()  # until the first publish, a few lines below
         if s.listen_port is not None:
@@ -92,8 +100,7 @@ class TrainingMonitor:
             except OSError as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
-        self.record.write([{"event": "start", "time": self._start_time, "job": s.job, "run": s.run,
-                            "rank": s.rank, "instance": s.instance, "config": self._run_labels}])
+        self.record.write([self._start_line()])
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         if self._pusher:
@@ -105,13 +112,21 @@ class TrainingMonitor:
         self._worker.start()
         lifecycle.register(self)
 
+    def _start_line(self) -> dict[str, Any]:
+        """The record's first line: who wrote it (format 2 adds local_rank, world_size and pid)."""
+        s = self.settings
+        return {"event": "start", "format": 2, "time": self._start_time, "job": s.job, "run": s.run,
+                "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size,
+                "instance": s.instance, "pid": self._pid, "config": self._run_labels}
+
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
             samples: Any = None, batch_id: Any = None, tokens: Any = None,
             data_wait: float | None = None) -> None:
         """Record one training step. No network I/O, no device sync; never raises unless strict.
 
-        `data_wait`: seconds this step waited for its batch (for loops that do not use `loader()`).
+        `data_wait`: seconds this step waited for its batch, for loops whose framework owns the
+        data loader (added to what loader() measured).
         """
         now = time.perf_counter()
         if self._closed:
@@ -120,11 +135,18 @@ class TrainingMonitor:
         if data_wait is not None:
             self._data_wait += data_wait
         kept: dict[Any, Any] = {}
+        stacks: list[Stack] | None = None
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
             values = None
-        if values:
+        if values and self._tensor_keys is not None:
+            keys = tuple(values)
+            if keys == self._tensor_keys:  # the usual loop: the same tensor keys as last time
+                stacks = capture_same(keys, list(values.values()))
+        if values and stacks is None:
             names = self._names
+            tensor_keys: list[Any] = []
+            tensor_values: list[Any] = []
             for key, value in values.items():
                 name = names.get(key)
                 if name is None:
@@ -133,28 +155,48 @@ class TrainingMonitor:
                     if key != _STEP_KEY:
                         self._drop(key, name)
                     continue
-                if type(value) is not float:
+                kind = type(value)
+                if kind is float:
+                    kept[key] = value
+                elif kind in PLAIN_TENSORS:
+                    tensor_keys.append(key)
+                    tensor_values.append(value)
+                else:
                     value = scalar(value)
                     if type(value) is Dropped:
                         self._drop(key, value)
-                        continue
-                kept[key] = value
+                    else:
+                        kept[key] = value
+            stacks = capture(tensor_keys, tensor_values, self._drop) if tensor_values else None
+            # Every key a readable tensor of one stack: next time, the same keys take capture_same().
+            whole = stacks is not None and len(stacks) == 1 and len(stacks[0].keys) == len(values)
+            self._tensor_keys = tuple(values) if whole else None
+        if values:
             if step is None and _STEP_KEY in values:
                 step = values[_STEP_KEY]
         if self._stash:
             for key, value in self._stash.items():
-                kept.setdefault(key, value)
+                if key not in kept and not (values and key in values):  # log()'s own keys win
+                    kept[key] = value
             self._stash = {}
-        if type(step) is not int:
+        if step is not None and type(step) is not int:
             step = self._step(step)
-        self._last_step = step
         if samples is not None and type(samples) is not int:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
             tokens = self._optional("tokens", tokens)
+        waited, self._waited = self._waited, 0.0
+        if data_wait is not None:
+            waited += self._wait_seconds(data_wait)
+        skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
+        if scale is not None:
+            scale = scalar(scale)  # updated in place by the scaler: copied on its device
+        stacks = stacks or ()
+        events = self._events(stacks, step, scale, *kept.values()) if self._cuda_possible else ()
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept))
+                                   batch_id, samples, tokens, kept, waited, skipped, scale,
+                                   tuple(stacks), events))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
@@ -170,33 +212,52 @@ class TrainingMonitor:
                 item = next(iterator)
             except StopIteration:
                 return
-            self._data_wait += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self._data_wait += waited
+            self._waited += waited
             yield item
 
-    def watch(self, model: Any = None, optimizer: Any = None) -> "TrainingMonitor":
-        """Capture the total grad norm (before each optimizer step) and the learning rate.
+    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
+        """Capture the total grad norm (before each optimizer step) and the learning rate; with a
+        GradScaler, count the steps it skips (overflow) and export its loss scale.
 
-        The values join the next `log()` call (keys given to `log()` win).
+        The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
+        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
         """
-        if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
-            raise ValueError("watch() needs a torch.optim.Optimizer")
+        if optimizer is None and scaler is None:
+            raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
+        if optimizer is not None:
+            if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+                raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
+            self._watch_optimizer(model, optimizer)
+        if scaler is not None:
+            self._scaler = ScalerWatch(scaler)
+            self._hooks.append(self._scaler)
+        return self
+
+    def _watch_optimizer(self, model: Any, optimizer: Any) -> None:
         params = [p for p in (model.parameters() if model is not None else
                               (p for group in optimizer.param_groups for p in group["params"]))
                   if p.requires_grad]
-        for key in ("grad_norm", "learning_rate"):
+        sharded = sharding(params, optimizer)
+        if sharded:
+            self._warn_once("watch", "sharded", f"watch(): {sharded}, so the norm of this process's "
+                            "gradients is not the total: grad_norm is not captured (log the "
+                            "framework's global norm as grad_norm instead)")
+        for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
 
         def before_step(opt: Any, args: Any, kwargs: Any) -> None:
             try:
-                self._stash["grad_norm"] = grad_norm(params)
+                if not sharded:
+                    self._stash["grad_norm"] = grad_norm(params)
                 lr = scalar(opt.param_groups[0]["lr"])
                 if type(lr) is not Dropped:
                     self._stash["learning_rate"] = lr
             except Exception as exc:  # noqa: BLE001 - never break the optimizer step
                 self._warn_once("watch", "error", f"watch() could not read the gradients: {exc!r}")
 
-        self._hooks.append(optimizer.register_step_pre_hook(before_step))
-        return self
+        self._hooks.append(on_step(optimizer, before_step))
 
     # ------------------------------------------------------------------ input problems
     def _learn(self, key: Any) -> str:
@@ -218,14 +279,39 @@ class TrainingMonitor:
             self._warned.add((str(key), reason))
             log.warning(message)
 
-    def _step(self, step: Any) -> int:
-        if step is None:
-            return self._last_step + 1
-        try:  # a step tensor is read here (a sync on a GPU): the step numbers later steps
+    @staticmethod
+    def _events(stacks: list[Stack], *copies: Any) -> tuple:
+        """CUDA events marking this step's device values ready: the copies made here and the values
+        made earlier on the same stream (watch()'s grad norm); none for CPU tensors."""
+        made = [stack.tensor for stack in stacks]
+        made += [copy for copy in copies if isinstance(copy, TENSOR_TYPES)]
+        return ready_events(made) if made else ()
+
+    def _step(self, step: Any) -> Any:
+        """An int, a tensor copy read later on the worker (no sync here), or None (previous + 1)."""
+        if isinstance(step, TENSOR_TYPES):
+            step = scalar(step)
+            if type(step) is Dropped:
+                self._drop("step", Dropped("not_numeric"))
+                return None
+            return step
+        try:
             return int(step)
-        except (TypeError, ValueError, OverflowError, RuntimeError):  # RuntimeError: meta, complex
+        except (TypeError, ValueError, OverflowError):
             self._drop("step", Dropped("not_numeric"))
-            return self._last_step + 1
+            return None
+
+    def _wait_seconds(self, value: Any) -> float:
+        seconds = value if type(value) is float else scalar(value)
+        if isinstance(seconds, TENSOR_TYPES):
+            seconds = Dropped("not_numeric")  # a duration is measured on the host, not a device
+        elif type(seconds) is not Dropped and not 0.0 <= seconds < float("inf"):
+            seconds = Dropped("out_of_range")
+        if type(seconds) is Dropped:
+            self._drop("data_wait", seconds)
+            return 0.0
+        self._data_wait += seconds
+        return seconds
 
     def _optional(self, key: str, value: Any) -> Any:
         value = scalar(value)
@@ -256,11 +342,18 @@ class TrainingMonitor:
                     log.exception("trainer_hook internal error; training continues")
 
     def _drain(self) -> None:
-        with self._drain_lock:
+        with self._drain_lock:  # no drained entry or line outlives the lock (held in no local)
             count = len(self._pending)
             if count:
-                entries = [self._pending.popleft() for _ in range(count)]
-                self.record.write(self._aggregator.drain(entries))
+                self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
+
+    def _lines(self, entries: list[Entry]) -> list[dict[str, Any]]:
+        """Record lines for `entries`; the last carries the CUDA allocator's state, if any."""
+        lines = self._aggregator.drain(entries)
+        cuda = self._cuda_stats()
+        if cuda is not None:
+            lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+        return lines
 
     def _publish(self, state: str) -> Snapshot:
         return self._aggregator.publish(
@@ -268,7 +361,7 @@ class TrainingMonitor:
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=self._pusher.failures if self._pusher else 0,
-            gpus=self._gpus(), cuda=self._cuda_stats())
+            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
     def _gpus(self) -> tuple[tuple[str, str], ...]:
         uuids = self.settings.gpu_uuids
@@ -279,8 +372,9 @@ class TrainingMonitor:
         device = self._cuda_index()
         if device is None:
             return ()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        return ((str(device), uuid if uuid.startswith("GPU-") else "GPU-" + uuid),)
+        if self._gpu is None:  # a device's identity does not change: asked once
+            self._gpu = ((str(device), cuda_uuid(device)),)
+        return self._gpu
 
     def _cuda_index(self) -> int | None:
         if self._cuda_device is None and cuda_ready():
@@ -297,8 +391,10 @@ class TrainingMonitor:
                 "retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
 
     # ------------------------------------------------------------------ shutdown
-    def close(self, failed: bool = False, reason: str | None = None) -> None:
+    def close(self, failed: bool = False, reason: str | None = None, message: str | None = None) -> None:
         """Flush the record, push the final state (`finished`, or `failed`). Idempotent.
+
+        `reason` and `message` (e.g. the exception's class name and text) go into the record's end line.
 
         Does nothing in a forked child process: only the process that created the monitor closes it.
         """
@@ -320,12 +416,13 @@ class TrainingMonitor:
         end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}
         if reason:
             end["reason"] = reason
+        if message:
+            end["message"] = message[:MAX_MESSAGE]
         self.record.write([end])
         self.record.close()
         if self._pusher:
             unpushed = self._pusher.stop(self.settings.push_timeout)
-            if unpushed is not None:
-                merge_maxima(unpushed, final)
+            final = final if unpushed is None else merge_maxima(unpushed, final)
             self._pusher.push_final(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
             self._server.shutdown()
@@ -341,5 +438,5 @@ class TrainingMonitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(failed=exc_type is not None,
-                   reason=None if exc_type is None else exc_type.__name__)
+        self.close(failed=exc_type is not None, reason=None if exc_type is None else exc_type.__name__,
+                   message=None if exc is None else str(exc))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import dataclasses
 import logging
 import os
 import ssl
@@ -157,7 +158,7 @@ class Pusher:
         """Hand over a snapshot; an older one not yet pushed is replaced (its maxima kept)."""
         with self._cond:
             if self._pending is not None:
-                merge_maxima(self._pending, snapshot)
+                snapshot = merge_maxima(self._pending, snapshot)
             self._pending = snapshot
             self._cond.notify()
 
@@ -177,9 +178,9 @@ class Pusher:
     def push(self, snapshot: Snapshot) -> bool:
         """One PUT of the whole state (so a Pushgateway restarted empty is refilled at once)."""
         if self._carry is not None:
-            merge_maxima(self._carry, snapshot)
+            snapshot = merge_maxima(self._carry, snapshot)
             self._carry = None
-        snapshot.push_failures = self.failures
+        snapshot = dataclasses.replace(snapshot, push_failures=self.failures)  # never change a published one
         try:
             push_to_gateway(self.settings.pushgateway, job=self.settings.job,
                             registry=registry_for(lambda: snapshot),

@@ -1,15 +1,21 @@
 """Constructor arguments and environment resolved into validated settings."""
 from __future__ import annotations
 
+import logging
 import os
 import re
+import secrets
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from ._torch import torch
+from .values import label_value
+
+log = logging.getLogger("trainer_hook")
 
 ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"
 ENV_JOB = "DUALTRACK_JOB"
@@ -22,6 +28,14 @@ ENV_CA_FILE = "DUALTRACK_PUSHGATEWAY_CA_FILE"
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
 DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
+#: (rank, local rank, world size) variables per launcher, the innermost launcher first: torchrun
+#: started by srun sees both its own and Slurm's, and its own are the ones that describe the process.
+LAUNCHERS = (
+    ("torchrun", "RANK", "LOCAL_RANK", "WORLD_SIZE"),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE"),
+    ("Slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,7 @@ class Settings:
     run: str
     rank: int
     local_rank: int
+    world_size: int
     instance: str
     pushgateway: str | None
     push_interval: float
@@ -48,6 +63,7 @@ class Settings:
     strict: bool
     max_hold: float
     delete_after: float | None
+    record_max_bytes: int | None
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -96,19 +112,77 @@ def _name(what: str, value: str | None, env: str, default: str | None = None) ->
     return value.strip()
 
 
-def _rank(rank: int | None) -> tuple[int, int]:
-    """(rank, local_rank) from the argument, torchrun's environment or torch.distributed."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if rank is not None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        return rank, local_rank
-    if os.environ.get("RANK", "").isdigit():
-        return int(os.environ["RANK"]), local_rank
+def _run(run: str | None) -> str:
+    """The explicit run id, else one shared by every rank of the launch, as a legal label value."""
+    if run is None:
+        run = os.environ.get(ENV_RUN) or _launch_id()
+    if not isinstance(run, str) or not label_value(run).strip():
+        raise ValueError(f"run must be a non-empty string (argument or ${ENV_RUN}), got {run!r}")
+    return label_value(run).strip()
+
+
+def _launch_id() -> str:
+    """torchrun's run id, else Slurm's job[.step] id, else the start time and a random suffix."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if elastic and elastic != "none":
+        return elastic
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"{job}.{step}" if step else job
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def _count(name: str, value: int | None, minimum: int) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _identity(rank: int | None, local_rank: int | None,
+              world_size: int | None) -> tuple[int, int, int]:
+    """(rank, local rank, world size): arguments, else torch.distributed (when initialised),
+    else the innermost launcher's environment (torchrun, Open MPI, PMI, Slurm), else (0, 0, 1).
+
+    Sources that disagree with the one used are named in one warning.
+    """
+    given = {"rank": _count("rank", rank, 0), "local_rank": _count("local_rank", local_rank, 0),
+             "world_size": _count("world_size", world_size, 1)}
+    candidates: dict[str, list[tuple[str, int]]] = {field: [] for field in given}
+    for field, value in given.items():
+        if value is not None:
+            candidates[field].append(("argument", value))
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), local_rank
-    return 0, local_rank
+        candidates["rank"].append(("torch.distributed", dist.get_rank()))
+        candidates["world_size"].append(("torch.distributed", dist.get_world_size()))
+    for _, *names in LAUNCHERS:
+        if _env_int(names[0]) is None:
+            continue
+        for field, name in zip(given, names):
+            if (value := _env_int(name)) is not None:
+                candidates[field].append((f"${name}", value))
+        break  # the innermost launcher only: an outer one describes its own tasks
+    chosen = {field: found[0] if found else ("default", {"world_size": 1}.get(field, 0))
+              for field, found in candidates.items()}
+    conflicts = [f"{field}={value} from {source}"
+                 for field, found in candidates.items() for source, value in found[1:]
+                 if value != chosen[field][1]]
+    rank, local, size = (chosen[field][1] for field in given)
+    if rank >= size:  # unknown (default) or contradicted: at least rank + 1 processes exist
+        if chosen["world_size"][0] != "default":
+            conflicts.append(f"world_size={size} from {chosen['world_size'][0]} is not above the rank")
+        size = rank + 1
+    if conflicts:
+        used = ", ".join(f"{field}={value} from {source}" for field, (source, value) in chosen.items())
+        log.warning("trainer_hook: contradictory rank settings; using %s (ignored: %s)",
+                    used, "; ".join(conflicts))
+    return rank, local, size
 
 
 def _record_path(value: str | os.PathLike | bool | None, job: str, run: str, rank: int) -> Path | None:
@@ -133,44 +207,47 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
     return uuids
 
 
-def resolve(*, job, run, pushgateway, push_interval, push_timeout, rank, instance, listen_port,
-            listen_address, record_path, gpu_uuid, basic_auth, bearer_token, ca_file, tls_verify,
-            client_cert, strict, max_hold, delete_after=DEFAULT_DELETE_AFTER) -> Settings:
-    """Validate the constructor arguments (falling back to the environment); raise ValueError."""
-    job = _name("job", job, ENV_JOB)
-    run = _name("run", run, ENV_RUN, default=time.strftime("%Y%m%d-%H%M%S"))
-    rank, local_rank = _rank(rank)
-    instance = _name("instance", instance, "DUALTRACK_INSTANCE", default=socket.gethostname())
+def resolve(arguments: Mapping[str, Any]) -> Settings:
+    """Settings from TrainingMonitor's arguments (by name; None falls back to the environment).
+
+    Arguments that need no checking go through unchanged: a new constructor argument is a new
+    Settings field (plus its check here, if any). Raises ValueError with one clear message.
+    """
+    a = dict(arguments)
+    a["job"] = job = _name("job", a["job"], ENV_JOB)
+    a["run"] = run = _run(a["run"])
+    a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
+    a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
+    listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
+    basic_auth = a["basic_auth"]
     if basic_auth is None and os.environ.get(ENV_USERNAME):
         basic_auth = (os.environ[ENV_USERNAME], os.environ.get(ENV_PASSWORD, ""))
     if basic_auth is not None and (len(basic_auth) != 2 or not all(isinstance(p, str) for p in basic_auth)):
         raise ValueError("basic_auth must be a (username, password) pair of strings")
-    bearer_token = bearer_token if bearer_token is not None else os.environ.get(ENV_TOKEN) or None
-    if basic_auth and bearer_token:
+    a["basic_auth"] = tuple(basic_auth) if basic_auth else None
+    a["bearer_token"] = a["bearer_token"] if a["bearer_token"] is not None else os.environ.get(ENV_TOKEN) or None
+    if basic_auth and a["bearer_token"]:
         raise ValueError("give either basic_auth or bearer_token, not both")
-    ca_file = ca_file if ca_file is not None else os.environ.get(ENV_CA_FILE) or None
+    a["ca_file"] = ca_file = a["ca_file"] if a["ca_file"] is not None else os.environ.get(ENV_CA_FILE) or None
     if ca_file is not None and not Path(ca_file).is_file():
         raise ValueError(f"ca_file {ca_file!r} does not exist")
+    client_cert = a["client_cert"]
     if client_cert is not None and (len(client_cert) != 2
                                     or not all(Path(p).is_file() for p in client_cert)):
         raise ValueError("client_cert must be a (certfile, keyfile) pair of existing files")
-    return Settings(
-        job=job, run=run, rank=rank, local_rank=local_rank, instance=instance,
-        pushgateway=_pushgateway_url(pushgateway),
-        push_interval=_positive("push_interval", push_interval),
-        push_timeout=_positive("push_timeout", push_timeout),
-        listen_port=listen_port, listen_address=listen_address,
-        record_path=_record_path(record_path, job, run, rank),
-        gpu_uuids=_gpu_uuids(gpu_uuid),
-        basic_auth=tuple(basic_auth) if basic_auth else None, bearer_token=bearer_token,
-        ca_file=ca_file, tls_verify=bool(tls_verify),
-        client_cert=tuple(client_cert) if client_cert else None, strict=bool(strict),
-        max_hold=0.0 if max_hold == 0 else _positive("max_hold", max_hold),
-        delete_after=_delete_after(delete_after),
-    )
+    a["client_cert"] = tuple(client_cert) if client_cert else None
+    a["pushgateway"] = _pushgateway_url(a["pushgateway"])
+    a["push_interval"] = _positive("push_interval", a["push_interval"])
+    a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
+    a["record_path"] = _record_path(a["record_path"], job, run, a["rank"])
+    a["gpu_uuids"] = _gpu_uuids(a.pop("gpu_uuid"))
+    a["tls_verify"], a["strict"] = bool(a["tls_verify"]), bool(a["strict"])
+    a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
+    a["delete_after"] = _delete_after(a["delete_after"])
+    return Settings(**a)
 
 
 def _delete_after(value: float | None) -> float | None:

@@ -25,10 +25,13 @@ RESERVED = frozenset({
     "dropped_values_total", "push_failures_total", "record_failures_total",
     "last_update_timestamp_seconds", "start_timestamp_seconds", "run_state",
     "cuda_memory_allocated_bytes", "cuda_memory_reserved_bytes", "cuda_alloc_retries_total",
-    "cuda_ooms_total",
+    "cuda_ooms_total", "local_rank", "world_size", "process_info", "logged_value_sum",
+    "logged_value_count", "nonfinite_values_total", "first_nonfinite_step",
+    "first_nonfinite_batch_id", "loss_max_step", "grad_norm_max_step", "skipped_steps_total",
     # counters' family names, which would clash with a gauge of the same name
     "steps", "samples", "tokens", "data_wait_seconds", "nonfinite_steps", "dropped_values",
-    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms",
+    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms", "logged_value",
+    "nonfinite_values", "skipped_steps",
 })
 RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"})
 
@@ -64,10 +67,9 @@ def scalar(value: Any) -> Any:
     Tensors stay on their device: nothing here reads their value, so nothing syncs.
     """
     if isinstance(value, TENSOR_TYPES):
-        if value.numel() != 1:
-            return Dropped("not_scalar")
-        if value.is_meta or value.is_complex() or value.is_sparse:
-            return Dropped("unreadable")
+        reason = check_tensor(value)
+        if reason is not None:
+            return reason
         # A copy keeps the value of this step even if the caller updates the tensor in place later.
         return value.detach().clone()
     if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
@@ -78,6 +80,15 @@ def scalar(value: Any) -> Any:
         return Dropped("out_of_range")
     except (ValueError, TypeError):
         return Dropped("not_numeric")
+
+
+def check_tensor(tensor: Any) -> Dropped | None:
+    """Why a tensor is not a loggable scalar, or None if it is (nothing is read from the device)."""
+    if tensor.numel() != 1:
+        return Dropped("not_scalar")
+    if tensor.is_meta or tensor.is_complex() or tensor.is_sparse:
+        return Dropped("unreadable")
+    return None
 
 
 def label_name(key: object) -> str:

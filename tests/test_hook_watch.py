@@ -1,0 +1,173 @@
+"""watch(): grad norm and learning rate for any optimizer, GradScaler overflows (a real fp16 run on
+CPU), sharded parameters, and no device sync added on the training thread."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stack.processes import REPO, free_port
+from tests.hook_support import SyncCounter, pulled, record_lines, wait_pulled
+from trainer_hook import TrainingMonitor
+
+
+def monitor(tmp_path, **kwargs) -> TrainingMonitor:
+    kwargs.setdefault("job", "watch")
+    kwargs.setdefault("run", "r1")
+    kwargs.setdefault("pushgateway", False)
+    kwargs.setdefault("record_path", tmp_path / "record.jsonl")
+    kwargs.setdefault("push_interval", 0.1)
+    kwargs.setdefault("listen_port", 0)
+    return TrainingMonitor(**kwargs)
+
+
+class Fp16Run:
+    """A real mixed-precision loop: fp16 autocast on CPU with a GradScaler whose initial scale
+    overflows the fp16 gradients, so it skips steps and backs off, then grows and overflows again."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=5)
+        self.x, self.y = torch.randn(64, 32), torch.randn(64, 1)
+
+    def step(self, loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y) * loss_factor
+        self.optimizer.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach(), norm
+
+
+def reference_skips(steps: int) -> tuple[list[bool], list[float]]:
+    """Which steps the scaler skipped, and its scale after each, read without a monitor."""
+    run, skipped, scales = Fp16Run(), [], []
+    for _ in range(steps):
+        before = [p.detach().clone() for p in run.model.parameters()]
+        run.step()
+        skipped.append(all(torch.equal(a, p) for a, p in zip(before, run.model.parameters())))
+        scales.append(run.scaler.get_scale())
+    return skipped, scales
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["watched-norm", "norm-logged-by-hand"])
+def test_gradscaler_overflow_is_a_skipped_step_not_a_nonfinite_one(tmp_path, by_hand):
+    skipped, scales = reference_skips(30)
+    assert 3 <= sum(skipped) < 30  # the run overflows now and then, and trains in between
+    run = Fp16Run()
+    with monitor(tmp_path) as m:
+        m.watch(None if by_hand else run.model, None if by_hand else run.optimizer, scaler=run.scaler)
+        for step in range(30):
+            loss, norm = run.step()
+            m.log({"loss": loss, "grad_norm": norm} if by_hand else {"loss": loss}, step=step)
+        wait_pulled(m, "training_steps_total", lambda v: v == 30)
+        assert pulled(m, "training_skipped_steps_total", reason="overflow") == sum(skipped)
+        assert pulled(m, "training_nonfinite_steps_total") == 0
+        assert pulled(m, "training_first_nonfinite_step") == -1
+        assert pulled(m, "training_loss_scale") == scales[-1]
+        assert pulled(m, "training_grad_norm_max") < 1e3  # an overflow is not a gradient explosion
+        run.step(loss_factor=float("nan"))  # a NaN loss is still non-finite (and skipped)
+        m.log({"loss": run.step(loss_factor=float("nan"))[0]}, step=30)
+        wait_pulled(m, "training_nonfinite_steps_total", lambda v: v == 1)
+        assert pulled(m, "training_first_nonfinite_step") == 30
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert [x.get("skipped") == "overflow" for x in steps[:30]] == skipped
+    assert [x["loss_scale"] for x in steps[:30]] == scales
+    assert "nonfinite" not in steps[0] and steps[30]["nonfinite"] == ["loss"]
+
+
+def test_watching_a_scaler_adds_no_device_sync_to_the_training_thread(tmp_path):
+    def syncs(with_monitor: bool) -> int:
+        run, counter = Fp16Run(), SyncCounter()
+        with monitor(tmp_path, listen_port=None) as m:
+            if with_monitor:
+                m.watch(run.model, run.optimizer, scaler=run.scaler)
+            with counter:
+                for step in range(10):
+                    loss, _ = run.step()
+                    if with_monitor:
+                        m.log({"loss": loss}, step=torch.tensor(step))
+        return counter.syncs
+
+    assert syncs(True) == syncs(False) > 0  # only the scaler's own read of its inf check
+
+
+class PlainSGD:
+    """An optimizer that is not a torch.optim.Optimizer (like DeepSpeed's): param_groups and step()."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.param_groups = [{"params": list(params), "lr": lr}]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_watch_accepts_any_optimizer_with_param_groups(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = PlainSGD(model.parameters(), lr=0.05)
+    expected = []
+    with monitor(tmp_path, listen_port=None) as m:
+        m.watch(model, optimizer)
+        for step in range(3):
+            model.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            expected.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+            optimizer.step()
+            m.log({"loss": 1.0}, step=step)
+    assert "step" not in vars(optimizer)  # close() restored the optimizer's own step
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert [x["values"]["grad_norm"] for x in steps] == pytest.approx(expected, rel=1e-5)
+    assert all(x["values"]["learning_rate"] == 0.05 for x in steps)
+    with pytest.raises(ValueError, match="param_groups"):
+        m.watch(model, object())
+
+
+SHARDED_SCRIPT = """
+import logging, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from trainer_hook import TrainingMonitor
+logging.basicConfig()
+rank, port, record_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+optimizer = torch.optim.SGD([weight], lr=0.1)
+with TrainingMonitor(job="sharded", run="r", pushgateway=False, record_path=record_dir) as monitor:
+    monitor.watch(None, optimizer)
+    for step in range(2):
+        weight.grad = distribute_tensor(torch.full((4, 3), 2.0), mesh, [Shard(0)])
+        optimizer.step()
+        monitor.log({"loss": 1.0}, step=step)
+    monitor.log({"loss": 1.0, "grad_norm": 7.0}, step=2)  # the framework's global norm, by hand
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_parameters_warn_once_instead_of_exporting_a_shards_norm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SHARDED_SCRIPT, str(rank), port, str(tmp_path)],
+                              cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for rank, stderr in enumerate(outputs):
+        assert stderr.count("not the total") == 1, stderr
+        steps, _ = record_lines(tmp_path / f"sharded-r-rank{rank}.jsonl")
+        assert [x["values"].get("grad_norm") for x in steps] == [None, None, 7.0]
+        assert steps[0]["values"]["learning_rate"] == pytest.approx(0.1)
