@@ -132,8 +132,6 @@ class TrainingMonitor:
         if self._closed:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
-        if data_wait is not None:
-            self._data_wait += data_wait
         kept: dict[Any, Any] = {}
         stacks: list[Stack] | None = None
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
