@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-uuid", default=None,
                         help="GPU UUID this run trains on, for simulated GPUs (on CUDA the hook finds it)")
     parser.add_argument("--record-path", default=None, help="local JSON-lines record")
+    parser.add_argument("--grad-scaler", action="store_true",
+                        help="train through a torch.amp.GradScaler (watched: loss scale, skipped overflow steps)")
     args = parser.parse_args(argv)
     first, _, last = args.input_bound.partition(":")
     args.input_bound = (float(first), float(last)) if args.input_bound else (0.0, 0.0)
@@ -90,6 +92,9 @@ def train(args: argparse.Namespace) -> None:
     with TrainingMonitor(job=args.job, run=args.run, pushgateway=args.pushgateway,
                          push_interval=args.push_interval, config=config,
                          gpu_uuid=args.gpu_uuid, record_path=args.record_path) as monitor:
+        scaler = torch.amp.GradScaler(device.type) if args.grad_scaler else None
+        if scaler is not None:
+            monitor.watch(model, optimizer, scaler=scaler)
         step, exploded = 0, False
         checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
         run_started = time.monotonic()
@@ -106,9 +111,16 @@ def train(args: argparse.Namespace) -> None:
             loss = torch.nn.functional.mse_loss(model(x), y)
             if args.leak and len(kept) < LEAK_CAP:
                 kept.append(x)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-            optimizer.step()
+            if scaler is None:
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                optimizer.step()
+            else:  # an overflow (after the explosion) makes the scaler skip the step and halve its scale
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                scaler.step(optimizer)
+                scaler.update()
             optimizer.zero_grad(set_to_none=True)
             monitor.log({"loss": loss, "grad_norm": norm, "r2": 1 - loss.detach() / y.var(),
                          "learning_rate": optimizer.param_groups[0]["lr"], "epoch": step // 100},

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
 from tests.exporter_support import faulty_exporter
-from tests.test_dashboards import (CONTRACT_RECORDING_RULES, DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
+from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
                                    label_values_args, load, metric_names, queries, query_variables,
                                    recording_rule_names, substitute)
 
@@ -33,21 +33,6 @@ JOB, RUN = "dashboards-e2e", "mlp-e2e"
 BUILTINS = {"__rate_interval": "5s", "__interval": "1s", "__range": "1m"}
 # Used by the dashboards but absent on the simulated H100s, with the reason.
 NOT_ON_H100 = {"nvml_gpu_retired_pages_total": "pre-Ampere GPUs retire pages; H100s remap rows"}
-# Queries ("<panel> <refId>") that wait for the shared names of the run-level and rules work (see the
-# contract), each with the name it waits for. They return nothing until that work is merged: then
-# empty this list (and AWAITED_VARIABLES) and every query must return data.
-AWAITED_QUERIES = {
-    "First non-finite step A": "training_first_nonfinite_step",
-    "Step of max grad norm A": "training_grad_norm_max_step",
-    "Step rate across ranks: min, median, max A": "job_run:training_steps:rate5m_min",
-    "Step rate across ranks: min, median, max B": "job_run:training_steps:rate5m_median",
-    "Step rate across ranks: min, median, max C": "job_run:training_steps:rate5m_max",
-    "Model · Non-finite and skipped steps B": "training_skipped_steps_total",
-    # Also needs a run that watches a GradScaler (the e2e run below must then pass one).
-    "Model · Loss scale A": "training_loss_scale",
-    "$key A": "training_logged_value_sum / training_logged_value_count (custom keys)",
-}
-AWAITED_VARIABLES = {"key": "training_logged_value_count"}
 # Queries that need a real GPU: the hook reads the CUDA caching allocator only where CUDA is
 # initialised, and a simulated GPU lists the exporter's own pid as its process, never the run's.
 NEEDS_REAL_GPU = {
@@ -85,7 +70,7 @@ class Stack:
             "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
                          "--job", JOB, "--run", RUN, "--steps", "0", "--step-time", "0.05",
                          "--push-interval", "0.5", "--input-bound", "40:80", "--data-delay", "0.05",
-                         "--explode-at", "150", "--gpu-uuid", self.uuid,
+                         "--explode-at", "150", "--grad-scaler", "--gpu-uuid", self.uuid,
                          "--record-path", str(self.workdir / "record.jsonl")],
             0, self.workdir / "training.log", ready_path=None,
             env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
@@ -135,16 +120,13 @@ def variable_regex(variable: dict) -> re.Pattern:
 
 def resolve_variables(prom_url: str, dashboard: dict, chosen: dict[str, str]) -> dict[str, str]:
     """Each variable's value in order: the `chosen` value (which must be offered), else all values
-    (a single-value variable: the first, as Grafana picks). An awaited variable may list nothing."""
+    (a single-value variable: the first, as Grafana picks)."""
     values: dict[str, str] = {}
     for variable in query_variables(dashboard):
         selector, label = label_values_args(substitute(variable["query"], values))
         selector = substitute(selector, {**BUILTINS, **values})
         listed = label_values(prom_url, selector, label) if label else label_names(prom_url, selector)
         offered = [v for v in listed if variable_regex(variable).fullmatch(v)]
-        if not offered and variable["name"] in AWAITED_VARIABLES:
-            values[variable["name"]] = "awaited-variable-lists-nothing-yet"
-            continue
         assert offered, f"{dashboard['uid']}: variable {variable['name']} lists no values"
         if variable["name"] in chosen:
             assert chosen[variable["name"]] in offered, (variable["name"], offered)
@@ -162,7 +144,7 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     that wait for merged names or need CUDA."""
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
-            and f"{where} {target['refId']}" not in AWAITED_QUERIES | NEEDS_REAL_GPU
+            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU
             and not processes.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
@@ -187,9 +169,9 @@ def test_every_panel_query_returns_data(stack):
         assert empty_panel_queries(stack.prom.url, dashboard, values) == [], path.name
         # The exceptions stay honest: a query listed as waiting that returns data must leave the list.
         answered = [f"{where} {target['refId']}" for where, expr, target in queries(dashboard)
-                    if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_REAL_GPU
+                    if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU
                     and processes.query(stack.prom.url, substitute(expr, {**BUILTINS, **values}))]
-        assert answered == [], "these queries return data now: remove them from AWAITED_QUERIES / NEEDS_REAL_GPU"
+        assert answered == [], "these queries return data now: remove them from NEEDS_REAL_GPU"
 
 
 def test_run_panels_show_the_run_on_its_gpu_only(stack):
@@ -233,10 +215,10 @@ def test_dashboards_use_only_metrics_the_exporter_and_hook_expose(stack):
     run_started(stack)
     exposed = exposed_names(stack.exporter.url + "/metrics") | exposed_names(stack.pgw.url + "/metrics")
     used = {name for path in DASHBOARDS for _, expr, _ in queries(load(path)) for name in metric_names(expr)}
-    used -= PROMETHEUS_METRICS | recording_rule_names() | CONTRACT_RECORDING_RULES
-    awaited = {name for path in DASHBOARDS for where, expr, target in queries(load(path))
-               if f"{where} {target.get('refId')}" in AWAITED_QUERIES | NEEDS_REAL_GPU for name in metric_names(expr)}
-    assert used - exposed - awaited == set(NOT_ON_H100)
+    used -= PROMETHEUS_METRICS | recording_rule_names()
+    needs_gpu = {name for path in DASHBOARDS for where, expr, target in queries(load(path))
+               if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU for name in metric_names(expr)}
+    assert used - exposed - needs_gpu == set(NOT_ON_H100)
     # The contract list in test_dashboards stays honest: the hook really pushes what it names.
     assert {"training_loss_max", "training_grad_norm_max", "training_gpu_info", "training_run_info"} <= exposed
     assert not {n for n in used if n.startswith("training_")} - HOOK_METRICS
