@@ -68,9 +68,10 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
 
     Linux only (elsewhere None: the caller's own shutdown path is all there is). The flag survives
     exec; a parent that died between fork and prctl is caught by the getppid check. Linux signals
-    when the *thread* that started the child ends: start daemons from a thread that lives as long.
+    when the *thread* that started the child ends, so only a child of the main thread gets the flag:
+    one started from another thread (a restart in the background) lives until `stop()`.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     libc = ctypes.CDLL(None, use_errno=True)
 
