@@ -223,6 +223,7 @@ def run_scrapers(url: str, seconds: float, record: Callable[[float | Exception],
         thread.join(seconds + 30)
 
 
+@pytest.mark.slow  # a 2-minute load test: pytest -m slow
 def test_fifty_concurrent_scrapers_no_failure_and_bounded_memory(daemon, tmp_path):
     pid = daemon.proc.pid
     run_scrapers(daemon.url, LOAD_WARMUP_SECONDS, lambda latency: None)
@@ -257,7 +258,7 @@ def test_fifty_concurrent_scrapers_no_failure_and_bounded_memory(daemon, tmp_pat
 
     cuts = statistics.quantiles(latencies, n=100)
     figures = {
-        "command": "python -m pytest tests/test_exporter_http_faults.py -k fifty -s",
+        "command": "python -m pytest -m slow tests/test_exporter_http_faults.py -k fifty -s",
         "exporter_args": daemon.argv[3:], "scrapers": SCRAPERS, "seconds": round(duration, 1),
         "scrapes": len(latencies), "failed": len(failures), "scrapes_per_second": round(len(latencies) / duration, 1),
         "p50_ms": round(cuts[49] * 1000, 2), "p99_ms": round(cuts[98] * 1000, 2),
