@@ -67,6 +67,10 @@ def scalar(value: Any) -> Any:
     Tensors stay on their device: nothing here reads their value, so nothing syncs.
     """
     if isinstance(value, TENSOR_TYPES):
+        if hasattr(value, "placements"):  # a DTensor (FSDP2, tensor parallel)
+            if not all(placement.is_replicate() for placement in value.placements):
+                return Dropped("unreadable")  # a shard or a partial sum: its value needs a collective
+            value = value.to_local()  # replicated: every rank holds the whole value (no communication)
         reason = check_tensor(value)
         if reason is not None:
             return reason
