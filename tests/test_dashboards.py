@@ -210,7 +210,7 @@ def test_shared_crosshair_and_alert_annotations(dashboard):
     assert lists and all(p["title"] in a["textFormat"] for a in alerts for p in lists[:1])
 
 
-# What each dashboard must show (issue 4), by the metrics its queries use.
+# What each dashboard must show, by the metrics its queries use.
 REQUIRED_METRICS = {
     "training-run": {
         "training_loss", "training_loss_max", "training_learning_rate", "training_grad_norm",

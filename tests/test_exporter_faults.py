@@ -1,4 +1,4 @@
-"""Issue 5, exporter faults, with the real daemon and real HTTP scrapes: a GPU lost mid-run and back,
+"""Exporter faults with the real daemon and real HTTP scrapes: a GPU lost mid-run and back,
 an NVML call hanging 30 s, NVML errors on one field. Scrapes keep answering fast with the other GPUs'
 data; the hang shows in the snapshot age and error counters; the sampler recovers."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile HTTP and load against the exporter daemon (issue 5): it stays up and keeps answering others.
+"""Hostile HTTP and load against the exporter daemon: it stays up and keeps answering others.
 
 Everything talks to 127.0.0.1 only. Attacks are bounded in count and time. The load test runs
 50 concurrent scrapers for DUALTRACK_LOAD_SECONDS (default 120, as the issue asks) and writes its

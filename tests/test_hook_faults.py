@@ -1,4 +1,4 @@
-"""Issue 5, hook side: Pushgateway faults, crashes, SIGTERM and hostile values never hurt training.
+"""Hook side of the fault suite: Pushgateway faults, crashes, SIGTERM and hostile values never hurt training.
 
 Outages here last a few seconds (5 s for the killed Pushgateway), not a minute, to keep the suite
 fast: what matters is that many pushes fail in a row, and push_interval is 0.2-0.3 s.
