@@ -30,7 +30,7 @@ def main() -> None:
         gateway = processes.pushgateway(Path(tmp)).start()
         try:
             with TrainingMonitor(job="minversions", run="smoke", pushgateway=gateway.url, push_interval=0.2,
-                                 record_path=Path(tmp) / "record.jsonl") as monitor:
+                                 record_path=Path(tmp) / "record.jsonl", delete_after=None) as monitor:
                 for step in range(20):
                     monitor.log({"loss": 1.0 / (step + 1), "learning_rate": 0.01}, step=step, samples=8)
                 processes.wait_until(
