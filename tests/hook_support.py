@@ -158,3 +158,13 @@ class SyncCounter(TorchDispatchMode):
             self.syncs += 1
         self.ops.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def pull_monitor(tmp_path: Path, job: str, **kwargs) -> TrainingMonitor:
+    """A monitor that pushes nowhere and serves /metrics on a free port (read with pulled())."""
+    kwargs.setdefault("run", "r1")
+    kwargs.setdefault("pushgateway", False)
+    kwargs.setdefault("record_path", tmp_path / "record.jsonl")
+    kwargs.setdefault("push_interval", 0.1)
+    kwargs.setdefault("listen_port", 0)
+    return TrainingMonitor(job=job, **kwargs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stack.processes import free_port
-from tests.hook_support import pulled, record_lines, wait_pulled
+from tests.hook_support import pull_monitor, pulled, record_lines, wait_pulled
 from trainer_hook import TrainingMonitor
 from trainer_hook.aggregate import Snapshot
 from trainer_hook.push import Pusher, make_handler
@@ -17,13 +17,7 @@ NAN = float("nan")
 
 
 def monitor(tmp_path, **kwargs) -> TrainingMonitor:
-    kwargs.setdefault("job", "values")
-    kwargs.setdefault("run", "r1")
-    kwargs.setdefault("pushgateway", False)
-    kwargs.setdefault("record_path", tmp_path / "record.jsonl")
-    kwargs.setdefault("push_interval", 0.1)
-    kwargs.setdefault("listen_port", 0)
-    return TrainingMonitor(**kwargs)
+    return pull_monitor(tmp_path, kwargs.pop("job", "values"), **kwargs)
 
 
 def test_sum_and_count_per_key_hold_finite_values_only(tmp_path):

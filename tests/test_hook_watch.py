@@ -10,18 +10,12 @@ import pytest
 import torch
 
 from stack.processes import REPO, free_port
-from tests.hook_support import SyncCounter, pulled, record_lines, wait_pulled
+from tests.hook_support import pull_monitor, SyncCounter, pulled, record_lines, wait_pulled
 from trainer_hook import TrainingMonitor
 
 
 def monitor(tmp_path, **kwargs) -> TrainingMonitor:
-    kwargs.setdefault("job", "watch")
-    kwargs.setdefault("run", "r1")
-    kwargs.setdefault("pushgateway", False)
-    kwargs.setdefault("record_path", tmp_path / "record.jsonl")
-    kwargs.setdefault("push_interval", 0.1)
-    kwargs.setdefault("listen_port", 0)
-    return TrainingMonitor(**kwargs)
+    return pull_monitor(tmp_path, kwargs.pop("job", "watch"), **kwargs)
 
 
 class Fp16Run:
