@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
@@ -60,16 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.pushgateway or os.environ.get("DUALTRACK_PUSHGATEWAY") or DEFAULT_PUSHGATEWAY
-    parsed = urlparse(url if "://" in url else "http://" + url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        return _usage_error(f"--pushgateway must be an http(s) URL like {DEFAULT_PUSHGATEWAY}, got {url!r}")
     if min(args.interval, args.timeout) <= 0:
         return _usage_error("--interval and --timeout must be longer than 0")
     from trainer_hook.push import GatewayAccess, make_handler  # imports torch when installed: slow
 
-    access = GatewayAccess.from_environment(parsed.geturl().rstrip("/"))
+    url = args.pushgateway or os.environ.get("DUALTRACK_PUSHGATEWAY") or DEFAULT_PUSHGATEWAY
     try:
+        access = GatewayAccess.from_environment(url)
         handler = make_handler(access)
     except ValueError as exc:
         return _usage_error(str(exc))

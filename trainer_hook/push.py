@@ -9,7 +9,6 @@ import atexit
 import base64
 import dataclasses
 import logging
-import os
 import ssl
 import threading
 import time
@@ -21,7 +20,7 @@ from prometheus_client import delete_from_gateway, push_to_gateway
 
 from .aggregate import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import ENV_CA_FILE, ENV_PASSWORD, ENV_PUSHGATEWAY, ENV_TOKEN, ENV_USERNAME, Settings
+from .settings import Settings, connection
 
 log = logging.getLogger("trainer_hook")
 
@@ -50,12 +49,9 @@ class GatewayAccess:
 
     @classmethod
     def from_environment(cls, url: str | None = None) -> "GatewayAccess":
-        """$DUALTRACK_PUSHGATEWAY (unless `url`), _USERNAME/_PASSWORD or _TOKEN, and _CA_FILE."""
-        username = os.environ.get(ENV_USERNAME)
-        return cls(pushgateway=(url or os.environ.get(ENV_PUSHGATEWAY) or "").rstrip("/") or None,
-                   basic_auth=(username, os.environ.get(ENV_PASSWORD, "")) if username else None,
-                   bearer_token=None if username else os.environ.get(ENV_TOKEN) or None,
-                   ca_file=os.environ.get(ENV_CA_FILE) or None)
+        """`url` (else $DUALTRACK_PUSHGATEWAY) with the hook's credentials from the environment, checked
+        as the hook checks them (settings.connection); raises ValueError."""
+        return cls(**connection(url))
 
 
 def make_handler(settings: Connection) -> Callable:

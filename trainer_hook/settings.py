@@ -207,6 +207,29 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
     return uuids
 
 
+def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_token: str | None = None,
+               ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
+    """The Pushgateway's URL and credentials (hook and `dualtrack janitor` alike): each argument left
+    None falls back to its environment variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN,
+    _CA_FILE). Raises ValueError with one clear message."""
+    if basic_auth is None and os.environ.get(ENV_USERNAME):
+        basic_auth = (os.environ[ENV_USERNAME], os.environ.get(ENV_PASSWORD, ""))
+    if basic_auth is not None and (len(basic_auth) != 2 or not all(isinstance(p, str) for p in basic_auth)):
+        raise ValueError("basic_auth must be a (username, password) pair of strings")
+    bearer_token = bearer_token if bearer_token is not None else os.environ.get(ENV_TOKEN) or None
+    if basic_auth and bearer_token:
+        raise ValueError("give either basic_auth or bearer_token, not both")
+    ca_file = ca_file if ca_file is not None else os.environ.get(ENV_CA_FILE) or None
+    if ca_file is not None and not Path(ca_file).is_file():
+        raise ValueError(f"ca_file {ca_file!r} does not exist")
+    if client_cert is not None and (len(client_cert) != 2
+                                    or not all(Path(p).is_file() for p in client_cert)):
+        raise ValueError("client_cert must be a (certfile, keyfile) pair of existing files")
+    return {"pushgateway": _pushgateway_url(pushgateway), "basic_auth": tuple(basic_auth) if basic_auth else None,
+            "bearer_token": bearer_token, "ca_file": ca_file,
+            "client_cert": tuple(client_cert) if client_cert else None}
+
+
 def resolve(arguments: Mapping[str, Any]) -> Settings:
     """Settings from TrainingMonitor's arguments (by name; None falls back to the environment).
 
@@ -222,24 +245,7 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
-    basic_auth = a["basic_auth"]
-    if basic_auth is None and os.environ.get(ENV_USERNAME):
-        basic_auth = (os.environ[ENV_USERNAME], os.environ.get(ENV_PASSWORD, ""))
-    if basic_auth is not None and (len(basic_auth) != 2 or not all(isinstance(p, str) for p in basic_auth)):
-        raise ValueError("basic_auth must be a (username, password) pair of strings")
-    a["basic_auth"] = tuple(basic_auth) if basic_auth else None
-    a["bearer_token"] = a["bearer_token"] if a["bearer_token"] is not None else os.environ.get(ENV_TOKEN) or None
-    if basic_auth and a["bearer_token"]:
-        raise ValueError("give either basic_auth or bearer_token, not both")
-    a["ca_file"] = ca_file = a["ca_file"] if a["ca_file"] is not None else os.environ.get(ENV_CA_FILE) or None
-    if ca_file is not None and not Path(ca_file).is_file():
-        raise ValueError(f"ca_file {ca_file!r} does not exist")
-    client_cert = a["client_cert"]
-    if client_cert is not None and (len(client_cert) != 2
-                                    or not all(Path(p).is_file() for p in client_cert)):
-        raise ValueError("client_cert must be a (certfile, keyfile) pair of existing files")
-    a["client_cert"] = tuple(client_cert) if client_cert else None
-    a["pushgateway"] = _pushgateway_url(a["pushgateway"])
+    a.update(connection(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"]))
     a["push_interval"] = _positive("push_interval", a["push_interval"])
     a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
     a["record_path"] = _record_path(a["record_path"], job, run, a["rank"])
