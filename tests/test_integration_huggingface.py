@@ -105,4 +105,7 @@ def test_the_callback_adds_no_device_sync_and_serves_a_second_train(tmp_path):
     make_trainer(tmp_path, [callback], logging_steps=1000).train()  # the same callback again
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert len(steps) == 2 * STEPS
+    # Each step names its batch: the Trainer's step and its first sample (a second train restarts).
+    assert [line["batch_id"] for line in steps] == 2 * [
+        {"step": step, "sample": (step - 1) * BATCH} for step in range(1, STEPS + 1)]
     assert [event["event"] for event in events] == ["start", "end", "start", "end"]
