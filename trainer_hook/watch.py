@@ -60,8 +60,10 @@ def sharding(params: list[Any], optimizer: Any) -> str | None:
         if dtensor is not None and isinstance(param, dtensor):
             if param.device_mesh.size() > 1 and any(p.is_shard() for p in param.placements):
                 return "the parameters are sharded DTensors (FSDP2 / tensor parallel)"
-        elif getattr(param, "_is_flat_param", False) and world > 1:
-            return "the parameters are FSDP flat-parameter shards"
+        elif getattr(param, "_fsdp_flattened", False) and world > 1:
+            # FSDP1 marks its flat parameters and, with use_orig_params=True, the original
+            # parameters, which are then views of this process's shard
+            return "the parameters are FSDP1 shards (flat parameters, or views of them)"
         elif hasattr(param, "ds_id"):
             return "DeepSpeed ZeRO-3 partitions the parameters"
     return None
