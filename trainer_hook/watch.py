@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._torch import torch
+from .gradnorm import grad_norm
 
 Hook = Callable[[Any, tuple, dict], None]
 
@@ -67,6 +68,16 @@ def sharding(params: list[Any], optimizer: Any) -> str | None:
         elif hasattr(param, "ds_id"):
             return "DeepSpeed ZeRO-3 partitions the parameters"
     return None
+
+
+def whole_grad_norm(params: list[Any], optimizer: Any = None) -> tuple[Any, str | None]:
+    """(the total norm of `params`' gradients, None) when this process holds them whole; else
+    (None, why): they are shards (see sharding()) or none is there (DeepSpeed ZeRO keeps them in its
+    own partitions), where a norm would be a shard's or 0. Nothing is read from the device."""
+    why = sharding(params, optimizer)
+    if why is None and all(param.grad is None for param in params):
+        why = "no parameter holds a gradient on this process (DeepSpeed ZeRO keeps them in its partitions)"
+    return (None, why) if why else (grad_norm(params), None)
 
 
 def _dtensor_type() -> type | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from ..gradnorm import grad_norm
-from .common import DeferredMonitor, batch_size, calling_instance, require
+from ..watch import whole_grad_norm
+from .common import DeferredMonitor, batch_size, calling_instance, engine_grad_norm, require
 
 transformers = require("huggingface", "huggingface", "transformers")
 
@@ -31,6 +31,7 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
 
     def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
         DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
+        self._accelerator: Any = None
         self._sample = 0  # samples this rank trained on before the current step
         self._step_reset()
 
@@ -55,11 +56,13 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
                                       "norm are not reported")
             return
         self.patch(trainer, "training_step", self._wrap_training_step)
-        if getattr(trainer, "accelerator", None) is not None:
-            self.patch(trainer.accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+        self._accelerator = getattr(trainer, "accelerator", None)
+        if self._accelerator is not None:
+            self.patch(self._accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
         self.batch_ended()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._accelerator = None
         self.close()
 
     def _wrap_training_step(self, training_step: Callable) -> Callable:
@@ -87,12 +90,17 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
             return
         if optimizer is not None:
             self._lr = optimizer.param_groups[0]["lr"]
+        if self._grad_norm is None:  # DeepSpeed: the engine's norm (clip_grad_norm_ may give None)
+            self._grad_norm = engine_grad_norm(self._accelerator)
         if self._grad_norm is None and model is not None:
             if args.max_grad_norm and args.max_grad_norm > 0:
                 self.warn_once("grad_norm", "DualtrackCallback: the Trainer's grad norm was not "
                                             "captured; grad_norm is not reported")
-            else:  # nothing clipped the gradients: one fused read (this rank's, unsharded model)
-                self._grad_norm = grad_norm(model.parameters())
+            else:  # nothing clipped the gradients: one fused read, if this rank has them whole
+                self._grad_norm, why = whole_grad_norm(list(model.parameters()))
+                if why:
+                    self.warn_once("grad_norm", f"DualtrackCallback: {why}, so their norm would not "
+                                                "be the model's; grad_norm is not reported")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
