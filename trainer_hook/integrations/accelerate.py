@@ -5,9 +5,9 @@ What `accelerator.log(values, step=step)` receives goes to a TrainingMonitor: lo
 on the training thread); `samples`, `tokens` and `batch_id` keys become the step's counts. The grad
 norm is the one `accelerator.clip_grad_norm_` returned since the previous log (global under FSDP),
 under DeepSpeed the engine's global norm of its last step (`get_global_grad_norm()`, also when you
-do not call `clip_grad_norm_`), unless you log `grad_norm` yourself. `init_trackers(..., config=...)` becomes
-training_run_info, the rank is Accelerate's process index. Wrap the dataloader in
-`tracker.loader(...)` to report data wait.
+do not call `clip_grad_norm_`), unless you log `grad_norm` yourself.
+`init_trackers(..., config=...)` becomes training_run_info, the rank is Accelerate's process index.
+Wrap the dataloader in `tracker.loader(...)` to report data wait.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Per optimizer step: the raw loss (what `training_step` returned, before `logging_nan_inf_filter`),
 the grad norm the Trainer's own clipping computed (global under FSDP/DeepSpeed), the learning rate,
 the fractional epoch, samples and tokens of the step's batches, the batch id (the step and the index
-of its first sample among those this rank trained on), and the time the loop waited for them. Nothing is read to the host on the training thread.
+of its first sample among those this rank trained on), and the time the loop waited for them.
+Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
