@@ -7,7 +7,9 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 - frameworks: a Hugging Face Trainer, then an Accelerate loop logging through the tracker on every
   rank (DDP, gloo); no job given: the integrations' defaults.
 - fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
-  norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone.
+  norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone. Then
+  FSDP1 with use_orig_params=True under watch(): logs the module's clip_grad_norm_ and the same
+  references (job fsdp1).
 """
 from __future__ import annotations
 
@@ -134,7 +136,44 @@ def fsdp(records: Path) -> None:
                          "full_grad_norm": reference}, step=step)
             model.zero_grad()
             full.zero_grad()
+    fsdp1(records, rank)
     dist.destroy_process_group()
+
+
+def fsdp1(records: Path, rank: int) -> None:
+    """FSDP1, use_orig_params=True: each parameter's gradient is a view of this rank's shard."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                                         torch.nn.Linear(64, 1)),
+                                     use_orig_params=True, device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.summon_full_params(model):
+        full.load_state_dict({key.replace("_fsdp_wrapped_module.", ""): value
+                              for key, value in model.state_dict().items()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.SGD(full.parameters(), lr=0.05)
+    torch.manual_seed(1 + rank)
+    with TrainingMonitor(job="fsdp1", push_interval=0.5, record_path=records) as monitor:
+        monitor.watch(model, optimizer)  # must not take this rank's shards for the total
+        for step in range(3):
+            x, y = torch.randn(8, 16), torch.randn(8, 1)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            norm = model.clip_grad_norm_(1e6)  # the module's method: global
+            shard = grad_norm([p for p in model.parameters() if p.grad is not None])
+            torch.nn.functional.mse_loss(full(x), y).backward()
+            for p in full.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            reference = torch.nn.utils.clip_grad_norm_(full.parameters(), 1e6)
+            optimizer.step()
+            reference_optimizer.step()
+            monitor.log({"loss": loss.detach(), "clip_grad_norm": norm, "shard_grad_norm": shard,
+                         "full_grad_norm": reference}, step=step)
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
 
 
 if __name__ == "__main__":

@@ -41,3 +41,26 @@ def slow_loader(x: torch.Tensor, y: torch.Tensor, batch: int, delay: float = 0.0
             return super().__getitem__(index)
 
     return DataLoader(Slow(x, y), batch_size=batch)
+
+
+class DeepSpeedEngine:
+    """What the integrations use of `deepspeed.runtime.engine.DeepSpeedEngine` (DeepSpeed itself does
+    not run on this CPU-only machine): `engine.step()` computes the norm of the gradients over all
+    partitions, clips and steps; `get_global_grad_norm()` returns that norm. `zero_step(params)`
+    plays that step on one process: the norm of the whole gradients, then, as under ZeRO-2/3, no
+    `p.grad` left (the gradients live in DeepSpeed's partitions)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def zero_step(self, parameters: Any) -> None:
+        parameters = list(parameters)
+        self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in parameters])))
+        for param in parameters:
+            param.grad = None
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.norms[-1] if self.norms else None
+
+    def destroy(self) -> None:
+        """Called by accelerate's free_memory()."""

@@ -110,7 +110,10 @@ def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack
     finish(proc, tmp_path)
 
 
-def test_fsdp_clip_grad_norm_and_fused_grad_norm_are_global_not_the_shards(tmp_path):
+def test_fsdp_grad_norms_are_global_or_absent_never_a_shards(tmp_path):
+    """FSDP2: clip_grad_norm_ and grad_norm() give the global norm. FSDP1 with use_orig_params:
+    the module's clip_grad_norm_ is global, and watch() captures no grad norm (a rank's parameters
+    are views of its shard) but says why."""
     run = run_id("fsdp")
     finish(torchrun("fsdp", tmp_path, run), tmp_path)
     zero, one = (record_lines(tmp_path / f"fsdp-{run}-rank{rank}.jsonl")[0] for rank in (0, 1))
@@ -122,3 +125,13 @@ def test_fsdp_clip_grad_norm_and_fused_grad_norm_are_global_not_the_shards(tmp_p
             assert values["shard_grad_norm"] < values["grad_norm"] * 0.999  # what a shard alone says
         shards = math.hypot(a["values"]["shard_grad_norm"], b["values"]["shard_grad_norm"])
         assert shards == pytest.approx(a["values"]["grad_norm"], rel=1e-5)
+    log = (tmp_path / "torchrun-fsdp.log").read_text()
+    for rank in (0, 1):
+        lines = record_lines(tmp_path / f"fsdp1-{run}-rank{rank}.jsonl")[0]
+        assert len(lines) == 3
+        for line in lines:
+            values = line["values"]
+            assert "grad_norm" not in values, values  # not this rank's shard passed off as the total
+            assert values["clip_grad_norm"] == pytest.approx(values["full_grad_norm"], rel=1e-5)
+            assert values["shard_grad_norm"] < values["full_grad_norm"] * 0.999
+    assert log.count("grad_norm is not captured") == 2, log[-3000:]  # once per rank

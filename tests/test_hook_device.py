@@ -114,3 +114,32 @@ def test_a_key_that_changes_kind_between_steps_keeps_its_values(tmp_path):
     assert [x["values"] for x in steps] == [
         {"loss": 1.0, "acc": 0.5}, {"loss": 2.0, "acc": 0.25}, {"loss": 3.0, "acc": 0.125},
         {"loss": 4.0, "acc": 7.0}, {"loss": 5.0}, {"loss": 6.0, "acc": 0.5}]
+
+
+def test_a_batch_id_tensor_keeps_the_value_it_had_at_log(tmp_path):
+    """The loop may reuse its batch-index tensor: updating it after log() does not change the batch
+    id the record and the non-finite gauges name."""
+    with monitor(tmp_path, push_interval=3600.0) as m:  # nothing is read before close()
+        batch = torch.tensor(41)
+        m.log({"loss": float("nan")}, step=0, batch_id=batch)
+        batch += 1  # in place, after log()
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert steps[0]["batch_id"] == 41
+    assert m._latest.first_nonfinite_batch_id == 41
+
+
+def test_samples_tokens_and_batch_id_tensors_are_read_after_their_event(tmp_path, monkeypatch):
+    """On a GPU, samples/tokens/batch-id tensors are device values like the others: the step's event
+    must cover them even when every logged value is a Python number (otherwise the worker could
+    read them before the training stream wrote them). CPU only here: the tensors handed to the
+    hook's event maker are what matters."""
+    from trainer_hook import monitor as monitor_module
+    marked: list[list[float]] = []
+    monkeypatch.setattr(monitor_module, "ready_events",
+                        lambda tensors: marked.append(sorted(float(t) for t in tensors)) or ())
+    with monitor(tmp_path) as m:
+        m._cuda_possible = True  # as with a CUDA build of torch
+        m.log({"loss": 1.0}, step=0, samples=torch.tensor(8), tokens=torch.tensor(512),
+              batch_id=torch.tensor(3))
+        m.log({"loss": 1.0}, step=1, samples=8, batch_id=4)  # host numbers: nothing to wait for
+    assert marked == [[3.0, 8.0, 512.0]]

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
 from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import SyncCounter, final_pushed, slow_loader  # noqa: E402
+from tests.integration_support import DeepSpeedEngine, SyncCounter, final_pushed, slow_loader  # noqa: E402
 from trainer_hook.integrations.accelerate import DualtrackTracker  # noqa: E402
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
@@ -76,3 +76,28 @@ def test_tracker_adds_no_device_sync(tmp_path):
         counts.append(syncs.count)
     assert counts[1] == counts[0]
     assert len(record_lines(tmp_path / "r.jsonl")[0]) == STEPS
+
+
+def test_under_deepspeed_the_grad_norm_is_the_engines_global_one(tmp_path):
+    """DeepSpeed clips inside its own step, so the loop need not call clip_grad_norm_ (and under
+    ZeRO no rank holds the whole gradients): the tracker reports the engine's global norm."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    tracker = DualtrackTracker(job="acc-test", run=run_id("acc-ds"), pushgateway=False,
+                               record_path=tmp_path / "r.jsonl")
+    engine = DeepSpeedEngine()
+    accelerator = accelerate.Accelerator(cpu=True, log_with=[tracker])
+    accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)  # what prepare() sets
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.init_trackers("accelerate-test")
+    for step in range(3):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(BATCH, 16)), torch.randn(BATCH, 1))
+        accelerator.backward(loss)
+        engine.zero_step(model.parameters())  # under DeepSpeed, part of accelerator.backward
+        accelerator.log({"loss": loss.detach()}, step=step)
+    accelerator.end_training()
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert [line["values"].get("grad_norm") for line in steps] == pytest.approx(engine.norms, rel=1e-6)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
 from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import SyncCounter, final_pushed  # noqa: E402
+from tests.integration_support import DeepSpeedEngine, SyncCounter, final_pushed  # noqa: E402
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1
@@ -27,7 +27,7 @@ class SlowLogging(transformers.TrainerCallback):
 
 
 def make_trainer(tmp_path, callbacks, *, load_delay: float = 0.0, nan_step: int | None = None,
-                 logging_steps: int = 1) -> transformers.Trainer:
+                 logging_steps: int = 1, max_grad_norm: float = 1.0) -> transformers.Trainer:
     """A 1-layer GPT-2 trained for STEPS steps; the batch of `nan_step` has no label (loss 0/0 = NaN)."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=SEQ,
@@ -46,7 +46,7 @@ def make_trainer(tmp_path, callbacks, *, load_delay: float = 0.0, nan_step: int 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=BATCH,
         learning_rate=1e-3, logging_steps=logging_steps, report_to="none", save_strategy="no",
-        use_cpu=True, disable_tqdm=True)
+        use_cpu=True, disable_tqdm=True, max_grad_norm=max_grad_norm)
     return transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
                                 train_dataset=rows, data_collator=collate, callbacks=callbacks)
 
@@ -105,4 +105,56 @@ def test_the_callback_adds_no_device_sync_and_serves_a_second_train(tmp_path):
     make_trainer(tmp_path, [callback], logging_steps=1000).train()  # the same callback again
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert len(steps) == 2 * STEPS
+    # Each step names its batch: the Trainer's step and its first sample (a second train restarts).
+    assert [line["batch_id"] for line in steps] == 2 * [
+        {"step": step, "sample": (step - 1) * BATCH} for step in range(1, STEPS + 1)]
     assert [event["event"] for event in events] == ["start", "end", "start", "end"]
+
+
+class ZeroStep(transformers.TrainerCallback):
+    """The Trainer under DeepSpeed ZeRO-2/3, on one CPU process: the engine's step has consumed the
+    gradients (no `p.grad` left) before the optimizer step, and accelerate's `clip_grad_norm_`
+    returns None, as it does under DeepSpeed in the versions of transformers#37566."""
+
+    def __init__(self, trainer: transformers.Trainer, engine: DeepSpeedEngine, with_engine: bool) -> None:
+        self.accelerator, self.engine, self.with_engine = trainer.accelerator, engine, with_engine
+        self.accelerator.clip_grad_norm_ = lambda *args, **kwargs: None
+
+    def on_train_begin(self, *args, **kwargs) -> None:
+        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+        if self.with_engine:  # as the Trainer's prepare() sets it (train() first frees the old one)
+            self.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(self.engine)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
+        self.engine.zero_step(model.parameters())
+
+
+def deepspeed_trainer(tmp_path, callback, *, with_engine: bool, max_grad_norm: float) -> DeepSpeedEngine:
+    engine = DeepSpeedEngine()
+    trainer = make_trainer(tmp_path, [callback], logging_steps=1000, max_grad_norm=max_grad_norm)
+    trainer.add_callback(ZeroStep(trainer, engine, with_engine))
+    trainer.train()
+    return engine
+
+
+def test_under_deepspeed_the_grad_norm_is_the_engines_global_one(tmp_path):
+    callback = DualtrackCallback(job="hf-test", run=run_id("hf-ds"), pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
+    engine = deepspeed_trainer(tmp_path, callback, with_engine=True, max_grad_norm=1.0)
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert len(engine.norms) == STEPS
+    assert [line["values"].get("grad_norm") for line in steps] == pytest.approx(engine.norms, rel=1e-6)
+
+
+def test_without_a_global_norm_zero_gradients_export_no_grad_norm_and_say_why_once(tmp_path, caplog):
+    """max_grad_norm=0 and no engine norm: the callback's own read would see no gradient under
+    ZeRO-2/3 and export 0.0; it exports nothing and says why, once."""
+    callback = DualtrackCallback(job="hf-test", run=run_id("hf-zero"), pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
+    with caplog.at_level("WARNING", logger="trainer_hook"):
+        deepspeed_trainer(tmp_path, callback, with_engine=False, max_grad_norm=0.0)
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert len(steps) == STEPS and not any("grad_norm" in line["values"] for line in steps)
+    warnings = [r.getMessage() for r in caplog.records if "grad_norm is not reported" in r.getMessage()]
+    assert len(warnings) == 1 and "no parameter holds a gradient" in warnings[0], warnings

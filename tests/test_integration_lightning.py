@@ -105,4 +105,7 @@ def test_pytorch_lightning_import_name_without_clipping_and_no_device_sync(tmp_p
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert [line["values"]["grad_norm"] for line in steps] == pytest.approx(
         [float(norm) for norm in model.norms], rel=1e-5)
+    # Each step names its batch: the epoch and the batch_idx of the first of its accumulated batches.
+    assert [line["batch_id"] for line in steps] == [
+        {"epoch": 0, "batch_idx": ACCUMULATE * step} for step in range(STEPS)]
     assert events[-1]["state"] == "finished"

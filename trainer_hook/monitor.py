@@ -183,6 +183,8 @@ class TrainingMonitor:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
             tokens = self._optional("tokens", tokens)
+        if isinstance(batch_id, TENSOR_TYPES):  # copied: the loop may reuse its index tensor
+            batch_id = self._optional("batch_id", batch_id)
         waited, self._waited = self._waited, 0.0
         if data_wait is not None:
             waited += self._wait_seconds(data_wait)
@@ -190,7 +192,8 @@ class TrainingMonitor:
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
         stacks = stacks or ()
-        events = self._events(stacks, step, scale, *kept.values()) if self._cuda_possible else ()
+        events = (self._events(stacks, step, scale, samples, tokens, batch_id, *kept.values())
+                  if self._cuda_possible else ())
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
                                    batch_id, samples, tokens, kept, waited, skipped, scale,

@@ -98,26 +98,20 @@ def read(slots: list[tuple[dict, Any, Any]], stacks: list[tuple[dict, Stack]],
         return
     for device, event in events:  # the copies below run on this thread's stream: wait for them
         torch.cuda.current_stream(device).wait_event(event)
-    groups: dict[tuple[Any, Any] | None, list[tuple[list[tuple[dict, Any]], Any]]] = {}
-    for mapping, key, tensor in slots:
-        # A multi-element tensor (batch_id is not checked in log()) is unreadable; kept out of the
-        # concatenation, it cannot push its whole group onto one read per tensor.
-        where = (tensor.device, tensor.dtype) if tensor.numel() == 1 else None
-        groups.setdefault(where, []).append(([(mapping, key)], tensor.reshape(-1)))
+    groups: dict[tuple[Any, Any], list[tuple[list[tuple[dict, Any]], Any]]] = {}
+    for mapping, key, tensor in slots:  # one-element tensors: log() checked them (values.scalar)
+        groups.setdefault((tensor.device, tensor.dtype), []).append(([(mapping, key)], tensor.reshape(-1)))
     for mapping, stack in stacks:
         groups.setdefault((stack.tensor.device, stack.tensor.dtype), []).append(
             ([(mapping, key) for key in stack.keys], stack.tensor))
-    for where, group in groups.items():
+    for group in groups.values():
         targets = [target for targets, _ in group for target in targets]
-        if where is None:
-            numbers = [None] * len(targets)
-        else:
-            try:
-                with torch.no_grad():
-                    joined = torch.cat([tensor for _, tensor in group])
-                    numbers = joined.cpu().to(torch.float64).tolist()  # cast on the host
-            except Exception:  # noqa: BLE001 - an odd tensor must not cost the others their values
-                numbers = [number for _, tensor in group for number in _each(tensor)]
+        try:
+            with torch.no_grad():
+                joined = torch.cat([tensor for _, tensor in group])
+                numbers = joined.cpu().to(torch.float64).tolist()  # cast on the host
+        except Exception:  # noqa: BLE001 - an odd tensor must not cost the others their values
+            numbers = [number for _, tensor in group for number in _each(tensor)]
         for (mapping, key), number in zip(targets, numbers):
             if number is None:
                 dropped["unreadable"] = dropped.get("unreadable", 0) + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._torch import torch
+from .gradnorm import grad_norm
 
 Hook = Callable[[Any, tuple, dict], None]
 
@@ -60,11 +61,23 @@ def sharding(params: list[Any], optimizer: Any) -> str | None:
         if dtensor is not None and isinstance(param, dtensor):
             if param.device_mesh.size() > 1 and any(p.is_shard() for p in param.placements):
                 return "the parameters are sharded DTensors (FSDP2 / tensor parallel)"
-        elif getattr(param, "_is_flat_param", False) and world > 1:
-            return "the parameters are FSDP flat-parameter shards"
+        elif getattr(param, "_fsdp_flattened", False) and world > 1:
+            # FSDP1 marks its flat parameters and, with use_orig_params=True, the original
+            # parameters, which are then views of this process's shard
+            return "the parameters are FSDP1 shards (flat parameters, or views of them)"
         elif hasattr(param, "ds_id"):
             return "DeepSpeed ZeRO-3 partitions the parameters"
     return None
+
+
+def whole_grad_norm(params: list[Any], optimizer: Any = None) -> tuple[Any, str | None]:
+    """(the total norm of `params`' gradients, None) when this process holds them whole; else
+    (None, why): they are shards (see sharding()) or none is there (DeepSpeed ZeRO keeps them in its
+    own partitions), where a norm would be a shard's or 0. Nothing is read from the device."""
+    why = sharding(params, optimizer)
+    if why is None and all(param.grad is None for param in params):
+        why = "no parameter holds a gradient on this process (DeepSpeed ZeRO keeps them in its partitions)"
+    return (None, why) if why else (grad_norm(params), None)
 
 
 def _dtensor_type() -> type | None:

@@ -3,17 +3,18 @@
 What `accelerator.log(values, step=step)` receives goes to a TrainingMonitor: loss, learning rate
 (`lr` or `learning_rate`), `epoch` and any other number, as tensors or numbers (tensors are not read
 on the training thread); `samples`, `tokens` and `batch_id` keys become the step's counts. The grad
-norm is the one `accelerator.clip_grad_norm_` returned since the previous log (global under FSDP
-and DeepSpeed), unless you log `grad_norm` yourself. `init_trackers(..., config=...)` becomes
-training_run_info, the rank is Accelerate's process index. Wrap the dataloader in
-`tracker.loader(...)` to report data wait.
+norm is the one `accelerator.clip_grad_norm_` returned since the previous log (global under FSDP),
+under DeepSpeed the engine's global norm of its last step (`get_global_grad_norm()`, also when you
+do not call `clip_grad_norm_`), unless you log `grad_norm` yourself.
+`init_trackers(..., config=...)` becomes training_run_info, the rank is Accelerate's process index.
+Wrap the dataloader in `tracker.loader(...)` to report data wait.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .common import DeferredMonitor, calling_instance, require
+from .common import DeferredMonitor, calling_instance, engine_grad_norm, require
 
 accelerate = require("accelerate", "accelerate", "accelerate")
 from accelerate.tracking import GeneralTracker  # noqa: E402
@@ -39,6 +40,7 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         GeneralTracker.__init__(self)
         self._config: dict[str, Any] = {}
         self._grad_norm: Any = None
+        self._accelerator: Any = None
 
     @property
     def tracker(self) -> Any:
@@ -49,6 +51,7 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         """Called by `init_trackers` (recent versions): capture the Accelerator's grad norms."""
         accelerator = calling_instance(accelerate.Accelerator)
         if accelerator is not None:
+            self._accelerator = accelerator
             self.patch(accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
@@ -75,8 +78,11 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
             return
         values = dict(values)
         counts = {key: values.pop(key) for key in STEP_COUNTS if key in values}
-        if self._grad_norm is not None and not {"grad_norm", "gradnorm", "total_grad_norm"} & values.keys():
-            values["grad_norm"] = self._grad_norm
+        if not {"grad_norm", "gradnorm", "total_grad_norm"} & values.keys():
+            # DeepSpeed clips inside its step: its engine holds the global norm of the last step
+            norm = self._grad_norm if self._grad_norm is not None else engine_grad_norm(self._accelerator)
+            if norm is not None:
+                values["grad_norm"] = norm
         self._grad_norm = None
         monitor.log(values, step=step, **counts)
 

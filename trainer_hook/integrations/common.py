@@ -53,6 +53,18 @@ def calling_instance(cls: type) -> Any:
     return None
 
 
+def engine_grad_norm(accelerator: Any) -> Any:
+    """The global grad norm DeepSpeed's engine computed over all partitions in its last step
+    (`get_global_grad_norm()`), or None: no DeepSpeed engine behind this Accelerator, or no norm yet.
+
+    Accelerate's own `clip_grad_norm_` returns None under DeepSpeed in older versions, and nothing
+    else on a rank sees the whole gradients under ZeRO.
+    """
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    get_norm = getattr(engine, "get_global_grad_norm", None)
+    return get_norm() if callable(get_norm) else None
+
+
 class DeferredMonitor:
     """A TrainingMonitor's arguments now, the monitor once the framework knows the rank and config.
 

@@ -2,16 +2,17 @@
 
 Per optimizer step: the raw loss (what `training_step` returned, before `logging_nan_inf_filter`),
 the grad norm the Trainer's own clipping computed (global under FSDP/DeepSpeed), the learning rate,
-the fractional epoch, samples and tokens of the step's batches, and the time the loop waited for
-them. Nothing is read to the host on the training thread.
+the fractional epoch, samples and tokens of the step's batches, the batch id (the step and the index
+of its first sample among those this rank trained on), and the time the loop waited for them.
+Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
 
-from ..gradnorm import grad_norm
-from .common import DeferredMonitor, batch_size, calling_instance, require
+from ..watch import whole_grad_norm
+from .common import DeferredMonitor, batch_size, calling_instance, engine_grad_norm, require
 
 transformers = require("huggingface", "huggingface", "transformers")
 
@@ -31,10 +32,13 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
 
     def __init__(self, *args: Any, rank_zero_only: bool = False, **kwargs: Any) -> None:
         DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
+        self._accelerator: Any = None
+        self._sample = 0  # samples this rank trained on before the current step
         self._step_reset()
 
     def _step_reset(self) -> None:
         self._loss = self._grad_norm = self._lr = self._samples = self._tokens = self._wait = None
+        self._batch_id = None
 
     # ----------------------------------------------------------------- start and end
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -45,17 +49,21 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
         job = args.run_name or Path(args.output_dir or "huggingface").name
         if self.open(args.process_index, config, job) is None:
             return
+        # A resumed run starts after the samples of the steps it skips.
+        self._sample = state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps
         trainer = calling_instance(transformers.Trainer)
         if trainer is None:
             self.warn_once("trainer", "DualtrackCallback: no Trainer found calling it; loss and grad "
                                       "norm are not reported")
             return
         self.patch(trainer, "training_step", self._wrap_training_step)
-        if getattr(trainer, "accelerator", None) is not None:
-            self.patch(trainer.accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+        self._accelerator = getattr(trainer, "accelerator", None)
+        if self._accelerator is not None:
+            self.patch(self._accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
         self.batch_ended()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._accelerator = None
         self.close()
 
     def _wrap_training_step(self, training_step: Callable) -> Callable:
@@ -75,6 +83,7 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
     # ----------------------------------------------------------------- per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._wait = self.batch_started()
+        self._batch_id = {"step": state.global_step + 1, "sample": self._sample}
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                           model: Any = None, **kwargs: Any) -> None:
@@ -82,17 +91,24 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
             return
         if optimizer is not None:
             self._lr = optimizer.param_groups[0]["lr"]
+        if self._grad_norm is None:  # DeepSpeed: the engine's norm (clip_grad_norm_ may give None)
+            self._grad_norm = engine_grad_norm(self._accelerator)
         if self._grad_norm is None and model is not None:
             if args.max_grad_norm and args.max_grad_norm > 0:
                 self.warn_once("grad_norm", "DualtrackCallback: the Trainer's grad norm was not "
                                             "captured; grad_norm is not reported")
-            else:  # nothing clipped the gradients: one fused read (this rank's, unsharded model)
-                self._grad_norm = grad_norm(model.parameters())
+            else:  # nothing clipped the gradients: one fused read, if this rank has them whole
+                self._grad_norm, why = whole_grad_norm(list(model.parameters()))
+                if why:
+                    self.warn_once("grad_norm", f"DualtrackCallback: {why}, so their norm would not "
+                                                "be the model's; grad_norm is not reported")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
             self.log_step(state.global_step, state.epoch, self._loss, self._grad_norm, self._lr,
-                          samples=self._samples, tokens=self._tokens, data_wait=self._wait)
+                          samples=self._samples, tokens=self._tokens, data_wait=self._wait,
+                          batch_id=self._batch_id)
+            self._sample += self._samples or 0
         self._step_reset()
         self.batch_ended()
 

@@ -6,7 +6,8 @@ callback is an instance of whichever Callback classes are installed.
 Per optimizer step: the loss `training_step` returned (mean over accumulated batches), the grad
 norm before clipping (the norm Lightning's clipping by norm computes; without it one fused read in
 `on_before_optimizer_step`; DeepSpeed's global norm; under FSDP the `grad_norm` your training_step
-returns), the learning rate, the epoch, samples and the time the loop waited for its batches.
+returns), the learning rate, the epoch, samples, the batch id (the epoch and `batch_idx` of the
+step's first batch) and the time the loop waited for its batches.
 Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         self._step_reset()
 
     def _step_reset(self) -> None:
-        self._loss = self._grad_norm = self._lr = self._samples = None
+        self._loss = self._grad_norm = self._lr = self._samples = self._batch_id = None
         self._wait = 0.0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -91,6 +92,8 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._wait += self.batch_started() or 0.0
+        if self._batch_id is None:  # the step's first batch (more follow with accumulation)
+            self._batch_id = {"epoch": trainer.current_epoch, "batch_idx": batch_idx}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is None:
@@ -121,7 +124,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         if self._norm_from == "deepspeed":  # computed by the engine's step
             self._grad_norm = trainer.strategy.deepspeed_engine.get_global_grad_norm()
         self.log_step(trainer.global_step, trainer.current_epoch, self._loss, self._grad_norm,
-                      self._lr, samples=self._samples, data_wait=self._wait)
+                      self._lr, samples=self._samples, data_wait=self._wait, batch_id=self._batch_id)
         self._step_reset()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
