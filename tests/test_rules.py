@@ -108,6 +108,16 @@ def test_grafana_url_is_one_setting_kept_out_of_alert_labels():
     assert {"action": "labeldrop", "regex": GRAFANA_LABEL} in config["alerting"]["alert_relabel_configs"]
 
 
+def test_a_rendered_config_can_point_the_links_at_its_own_grafana(tmp_path):
+    """The no-Docker demo renders prometheus.yml with its own Grafana's address (stack/demo.py)."""
+    config = yaml.safe_load(processes.render_prometheus_config(
+        tmp_path, {}, external_labels={GRAFANA_LABEL: "http://127.0.0.1:3999"}).read_text())
+    labels = config["global"]["external_labels"]
+    assert labels[GRAFANA_LABEL] == "http://127.0.0.1:3999"
+    assert labels[RUNBOOKS_LABEL] == yaml.safe_load((REPO / "prometheus.yml").read_text())[
+        "global"]["external_labels"][RUNBOOKS_LABEL]
+
+
 def test_kubernetes_prometheus_gets_the_same_link_settings():
     """The Operator's Prometheus (kube-prometheus-stack values shipped with the manifests) sets both
     external labels the annotations read, and drops them from alerts, as prometheus.yml does."""
