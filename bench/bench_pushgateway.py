@@ -124,10 +124,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: Path,
-             pushgateway_args: list[str] | None = None) -> dict[str, float]:
-    """One Pushgateway (with `pushgateway_args`) + Prometheus under `ranks` pushing ranks; the figures of that run."""
+             pushgateway_args: list[str] | None = None, shipped_flags: bool = True) -> dict[str, float]:
+    """One Pushgateway (as shipped, with processes.PUSHGATEWAY_LOAD_FLAGS unless not `shipped_flags`,
+    plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks; the figures of that run."""
     workdir.mkdir(parents=True, exist_ok=True)
     pushgateway = processes.pushgateway(workdir)
+    if not shipped_flags:
+        pushgateway.argv = [a for a in pushgateway.argv if a not in processes.PUSHGATEWAY_LOAD_FLAGS]
     pushgateway.argv += pushgateway_args or []
     pushgateway.start()
     prometheus = None
@@ -198,18 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="push time per N (whole 5 s cycles)")
     parser.add_argument("--processes", type=int, default=4, help="load generator processes")
     parser.add_argument("--pushgateway-arg", action="append", default=[], metavar="FLAG",
-                        help="extra Pushgateway flag, e.g. --pushgateway-arg=--push.disable-consistency-check")
+                        help="extra Pushgateway flag, e.g. --pushgateway-arg=--persistence.interval=1m")
+    parser.add_argument("--pushgateway-defaults", action="store_true",
+                        help="without the flags the stack ships (--push.disable-consistency-check): the defaults")
     args = parser.parse_args(argv)
     payload = hook_payload()
+    shipped = [] if args.pushgateway_defaults else list(processes.PUSHGATEWAY_LOAD_FLAGS)
     samples = sum(1 for line in payload.decode().splitlines() if line and not line.startswith("#"))
     print(f"hook payload: {len(payload)} bytes, {samples} samples per rank; push every {PUSH_INTERVAL:g} s, "
-          f"Prometheus scrapes every {SCRAPE_INTERVAL}; Pushgateway flags: {args.pushgateway_arg or 'none'}; "
+          f"Prometheus scrapes every {SCRAPE_INTERVAL}; Pushgateway flags: {shipped + args.pushgateway_arg or 'none'}; "
           f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     figures = []
     with tempfile.TemporaryDirectory() as scratch:
         for ranks in args.ranks:
             figures.append(run_load(ranks, args.seconds, args.processes, payload, Path(scratch) / str(ranks),
-                                    args.pushgateway_arg))
+                                    args.pushgateway_arg, shipped_flags=not args.pushgateway_defaults))
             print(f"N={ranks} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'':48}" + "".join(f"{'N=' + str(f['ranks']):>12}" for f in figures))
     for label, key, fmt, *scale in ROWS:

@@ -168,7 +168,11 @@ class RunSeries:
     def end(self, line: dict[str, Any]) -> str:
         """The samples of the end line: the final state, and everything slow once more."""
         state = line.get("state") if line.get("state") in RUN_STATES else "failed"
-        out = self._slow(state, self._stamp(float(line["time"])))
+        ts = self._stamp(float(line["time"]))
+        out = self._slow(state, ts)
+        if state == "failed" and isinstance(line.get("reason"), str) and line["reason"]:
+            # What the live hook pushes: the class of the exception that ended the run.
+            out.append(f'training_run_failure_info{{{self.labels},reason="{escape(line["reason"])}"}} 1{ts}')
         self.samples += len(out)
         return "".join(out)
 

@@ -315,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         services["alertmanager"] = up(processes.alertmanager(workdir, alertmanager_config,
                                                              port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")
+        binary = grafana_binary()
+        grafana_port = port_for("grafana") if binary else None
         config = processes.render_prometheus_config(
             workdir, {processes.EXPORTER_JOB: [services["exporter"].address],
                       processes.PUSHGATEWAY_JOB: [services["pushgateway"].address],
                       "prometheus": [f"127.0.0.1:{prometheus_port}"]},
             scrape_interval=DEMO_INTERVAL, evaluation_interval=DEMO_INTERVAL,
-            alertmanagers=[services["alertmanager"].address])
+            alertmanagers=[services["alertmanager"].address],
+            # The alerts' dashboard links (dashboard_url) open this Grafana.
+            external_labels={processes.GRAFANA_URL_LABEL: f"http://127.0.0.1:{grafana_port}"} if binary else None)
         if args.replay:
             count = load_replayed_blocks(args.replay, workdir / "prometheus-data")
             log(f"loaded {count} replayed block(s) from {args.replay}")
@@ -328,9 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         password = os.environ.get("GRAFANA_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
         provisioning = render_grafana_provisioning(workdir, services["prometheus"].url,
                                                    services["alertmanager"].url, DEMO_INTERVAL)
-        binary = grafana_binary()
         if binary:
-            services["grafana"] = up(grafana(binary, workdir, provisioning, port_for("grafana"), password))
+            services["grafana"] = up(grafana(binary, workdir, provisioning, grafana_port, password))
             printer.grafana_url = services["grafana"].url
         for index, (run, uuid) in enumerate(zip(runs, uuids)):
             up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None))

@@ -181,18 +181,27 @@ def _binary(name: str) -> str:
     raise ServiceError(f"{name} not found: install it (apt-get install {name})")
 
 
+# Prometheus external labels the alert annotations read: where the runbooks (docs/alerts.md) and Grafana
+# (the training alerts' dashboard_url) live. Both are dropped from the alerts sent to Alertmanager.
+RUNBOOKS_URL_LABEL = "dualtrack_runbooks_url"
+GRAFANA_URL_LABEL = "dualtrack_grafana_url"
+
+
 def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
                              scrape_interval: str | None = None,
                              evaluation_interval: str | None = None,
-                             alertmanagers: list[str] | None = None, client: dict | None = None) -> Path:
+                             alertmanagers: list[str] | None = None, client: dict | None = None,
+                             external_labels: dict[str, str] | None = None) -> Path:
     """Write the repo's prometheus.yml with loopback targets into `workdir`.
 
     Everything else (jobs, honor_labels, rules, alerting) stays as in the repo file; rule file paths
     are pointed at the repo's `rules/` directory. `targets` maps a scrape job name to its targets.
     `client` (scheme, tls_config, basic_auth) replaces the repo's TLS and auth settings of every job
-    and Alertmanager; without it they are removed (plain HTTP on loopback).
+    and Alertmanager; without it they are removed (plain HTTP on loopback). `external_labels` are set
+    over the repo's (e.g. GRAFANA_URL_LABEL: the Grafana the alerts' dashboard links open).
     """
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    config["global"].setdefault("external_labels", {}).update(external_labels or {})
     if scrape_interval:
         config["global"]["scrape_interval"] = scrape_interval
     if evaluation_interval:
@@ -265,12 +274,18 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     return with_web_config(Service("prometheus", argv, port, workdir / "prometheus.log"), web_config, auth)
 
 
+# What lets one Pushgateway hold 2,000 ranks pushing every 5 s (docs/scaling.md): without it every
+# push is checked against every group the gateway holds, and it falls behind between 250 and 500 ranks.
+# Compose and Kubernetes pass the same flag. Safe on a gateway only the dualtrack hook pushes to.
+PUSHGATEWAY_LOAD_FLAGS = ("--push.disable-consistency-check",)
+
+
 def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
                 web_config: Path | None = None, auth: tuple[str, str] | None = None) -> Service:
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""
     port = port or free_port()
     argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn"]
+            "--log.level=warn", *PUSHGATEWAY_LOAD_FLAGS]
     # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data, which every
     # Pushgateway started here would share (and load stale groups from): always say which file.
     argv.append(f"--persistence.file={workdir / 'pushgateway.store' if persistence else ''}")

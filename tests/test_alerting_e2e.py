@@ -3,6 +3,7 @@ with the repo's rules -> Alertmanager with the repo's routes -> a webhook on loo
 from __future__ import annotations
 
 import json
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -39,6 +40,14 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     # An absolute link from prometheus.yml's one setting; the setting itself is not an alert label.
     runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
     assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
+    # The Training run dashboard filtered to the run, from an hour before the evaluation to 10 min after.
+    grafana = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"][processes.GRAFANA_URL_LABEL]
+    link = urlsplit(alert["annotations"]["dashboard_url"])
+    assert f"{link.scheme}://{link.netloc}{link.path}" == grafana + "/d/dualtrack-training-run"
+    query = parse_qs(link.query)
+    assert query["var-job"] == [run.labels["job"]] and query["var-run"] == [run.run]
+    window = int(query["from"][0]) / 1000, int(query["to"][0]) / 1000
+    assert window[0] < logged_at < notification["received_at"] < window[1]
     # The run finished (closing the monitor pushed state="finished"): the alert resolves.
     webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
 

@@ -41,6 +41,9 @@ EXPORTER_METRICS = {
     "nvml_exporter_collector_success", "nvml_exporter_collector_duration_seconds",
     "nvml_exporter_errors_total", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_gpu_lost_total",
     "nvml_gpu_memory_temperature_celsius",  # added by the exporter (docs/metrics.md)
+    "nvml_gpu_mig_info", "nvml_gpu_mig_memory_used_bytes", "nvml_gpu_mig_memory_total_bytes",
+    "nvml_gpu_mig_utilization_ratio", "nvml_gpu_mig_sm_active_ratio", "nvml_gpu_mig_tensor_active_ratio",
+    "nvml_gpu_mig_dram_active_ratio",  # MIG GPU instances (docs/metrics.md)
 }
 HOOK_METRICS = {
     "training_step", "training_epoch", "training_loss", "training_loss_max", "training_learning_rate",
@@ -63,12 +66,21 @@ PROMETHEUS_METRICS = {"up", "ALERTS", "push_time_seconds"}
 
 DATASOURCE_UID = "dualtrack-prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # every query's: the datasource variable
-# How the Training run's Infra panels select the run's GPUs: the hook's training_gpu_info, on uuid, only
-# while the run is live on them (state running and a push in the last 2 min).
-RUN_GPUS = ('max by (uuid, run, rank) ('
-            'training_gpu_info{job=~"$job", run=~"$run", instance=~"$instance", uuid=~"$gpu"} '
-            '* on (job, run, rank, instance) group_left () (training_run_state{state="running"} == 1) '
-            'and on (job, run, rank, instance) (time() - push_time_seconds < 120))')
+# How the Training run's Infra panels select the run's GPUs, only while the run is live on them (state
+# running and a push in the last 2 min): whole-GPU series join on uuid the exporter's GPU of each rank
+# (job_run_rank_gpu:training_gpu_info:nvml: a MIG rank's parent GPU; the hook's training_gpu_info where
+# the rule has no series yet, e.g. before it was deployed), one rank per GPU (MIG slices of one GPU
+# share it); a MIG instance's series join on (uuid, gpu_instance) its rank.
+LIVE = ('* on (job, run, rank, instance) group_left () (training_run_state{state="running"} == 1) '
+        'and on (job, run, rank, instance) (time() - push_time_seconds < 120)')
+RUN_GPUS = ('topk by (uuid) (1, max by (uuid, run, rank) (('
+            '(job_run_rank_gpu:training_gpu_info:nvml{job=~"$job", run=~"$run", instance=~"$instance"} '
+            'and on (job, run, rank, instance, gpu) training_gpu_info{uuid=~"$gpu"}) '
+            'or training_gpu_info{job=~"$job", run=~"$run", instance=~"$instance", uuid=~"$gpu"}) '
+            f'{LIVE}))')
+RUN_MIG_GPUS = ('max by (uuid, gpu_instance, run, rank) (job_run_rank_gpu:training_gpu_info:nvml{'
+                'job=~"$job", run=~"$run", instance=~"$instance", gpu_instance!="", mig_uuid=~"$gpu"} '
+                f'{LIVE})')
 # Grafana unit ids the dashboards may use (all in Grafana's unit registry), plus custom suffixes.
 UNITS = {"percentunit", "bytes", "watt", "celsius", "hertz", "s", "binBps", "none", "short", "joule"}
 GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s",
@@ -263,8 +275,13 @@ def test_training_run_shows_the_tracks_side_by_side():
     tracks = {panel["title"].split(" · ")[0] for panel in panels(dashboard) if " · " in panel["title"]}
     assert tracks == {"Model", "Infra"}
     infra = [t["expr"] for p in panels(dashboard) if p["title"].startswith("Infra · ") for t in p["targets"]]
-    follows = [e for e in infra if e.endswith(f"* on (uuid) group_left (run, rank) {RUN_GPUS}")]
+    follows = [e for e in infra if e.endswith(f"* on (uuid) group_left (run, rank) {RUN_GPUS}")
+               or e.endswith(f"* on (uuid, gpu_instance) group_left (run, rank) {RUN_MIG_GPUS}")]
     assert len(follows) >= len(infra) - 1, "Infra panels follow the run's GPUs while the run is live on them"
+    mig = [e for e in infra if e.endswith(RUN_MIG_GPUS)]
+    assert {"instance_gpu_mig:nvml_gpu_mig_busy:avg5m", "nvml_gpu_mig_sm_active_ratio",
+            "nvml_gpu_mig_memory_used_bytes"} <= {name for e in mig for name in metric_names(e)}, \
+        "a MIG run's Infra track shows its GPU instance"
 
 
 def test_panel_ids_unique_and_grid_positions_do_not_overlap(dashboard):

@@ -29,6 +29,7 @@ from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 JOB, RUN = "dashboards-e2e", "mlp-e2e"
+MIG_RUN = "mlp-e2e-mig"  # trains on GPU instance 1 of GPU 1, which is in MIG mode
 # Grafana's own variables at a 1 s scrape interval ($__rate_interval >= 4 scrape intervals).
 BUILTINS = {"__rate_interval": "5s", "__interval": "1s", "__range": "1m"}
 # Used by the dashboards but absent on the simulated H100s, with the reason.
@@ -42,8 +43,10 @@ NEEDS_REAL_GPU = {
     "Model · Allocator retries and OOMs A": "training_cuda_alloc_retries_total",
     "Model · Allocator retries and OOMs B": "training_cuda_ooms_total",
 }
-# GPU 1 gets fans (SXM H100s have none); GPU 0, the run's GPU, reports an XID 79 (GPUXidError).
-FAULT_PLAN = {"devices": {"1": {"fans": 2}}, "faults": [{"gpu": 0, "xid": 79, "at": 1, "times": 1}]}
+# GPU 1 gets fans (SXM H100s have none) and MIG mode (MIG_RUN trains on its GPU instance 1); GPU 0,
+# the run's GPU, reports an XID 79 (GPUXidError).
+FAULT_PLAN = {"devices": {"1": {"fans": 2, "mig": True}}, "faults": [{"gpu": 0, "xid": 79, "at": 1, "times": 1}]}
+MIG_ONLY = 'gpu_instance!=""'  # a query of the MIG run's GPU instance: empty for RUN (checked with MIG_RUN)
 
 
 class Stack:
@@ -65,6 +68,15 @@ class Stack:
             scrape_interval="1s", evaluation_interval="1s")
         self.prom = self._start(processes.prometheus(self.workdir, config))
         self.uuid = processes.wait_for_series(self.prom.url, 'nvml_gpu_info{gpu="0"}', 30)[0]["metric"]["uuid"]
+        mig = processes.wait_for_series(self.prom.url, 'nvml_gpu_mig_info{gpu="1",gpu_instance="1"}', 30)[0]
+        self.parent_uuid, self.mig_uuid = mig["metric"]["uuid"], mig["metric"]["mig_uuid"]
+        self._start(processes.Service(
+            "training-mig", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
+                             "--job", JOB, "--run", MIG_RUN, "--steps", "0", "--step-time", "0.1",
+                             "--push-interval", "0.5", "--learning-rate", "0.02", "--gpu-uuid", self.mig_uuid,
+                             "--record-path", str(self.workdir / "record-mig.jsonl")],
+            0, self.workdir / "training-mig.log", ready_path=None,
+            env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
         # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step).
         self._start(processes.Service(
             "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
@@ -144,7 +156,7 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     that wait for merged names or need CUDA."""
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
-            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU
+            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU and MIG_ONLY not in expr
             and not processes.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
@@ -198,6 +210,31 @@ def test_alert_annotations_mark_the_run_and_its_gpu(stack):
             firing = processes.wait_for_series(
                 stack.prom.url, substitute(annotation["expr"], {**BUILTINS, **values}), 60)
             assert expected[annotation["name"]] in {a["metric"]["alertname"] for a in firing}
+
+
+def test_a_mig_run_shows_its_gpu_instance_and_its_parent_gpu(stack):
+    """A run on a MIG slice reports a MIG-… uuid that no exporter series carries: its Infra track shows
+    its GPU instance's series and its parent GPU's, and its idle share is recorded."""
+    processes.wait_for_series(stack.prom.url, f'training_step{{run="{MIG_RUN}"}} > 5', 60)
+    dashboard = load(next(p for p in DASHBOARDS if p.stem == "training-run"))
+    values = resolve_variables(stack.prom.url, dashboard, {**TRAINING_CHOICES, "run": MIG_RUN, "hvalue": "0.02",
+                                                           "gpu": stack.mig_uuid})
+    mig = [(f"{where} {target['refId']}", substitute(expr, {**BUILTINS, **values}))
+           for where, expr, target in queries(dashboard) if MIG_ONLY in expr]
+    assert len(mig) >= 5
+    processes.wait_until(lambda: all(processes.query(stack.prom.url, expr) for _, expr in mig), 60,
+                         interval=1, what="every MIG query of the MIG run to return data")
+    for where, expr in mig:
+        series = processes.query(stack.prom.url, expr)
+        assert {(s["metric"].get("uuid"), s["metric"].get("gpu_instance"), s["metric"].get("run"))
+                for s in series} <= {(stack.parent_uuid, "1", MIG_RUN), (None, None, MIG_RUN)}, where
+    panel = next(p for p in dashboard["panels"] if p["title"] == "Infra · Power vs limit")
+    power = processes.query(stack.prom.url, substitute(panel["targets"][0]["expr"], {**BUILTINS, **values}))
+    assert {(s["metric"]["uuid"], s["metric"]["run"]) for s in power} == {(stack.parent_uuid, MIG_RUN)}
+    idle = processes.wait_for_series(
+        stack.prom.url, f'job_run_rank_gpu:nvml_gpu_idle_seconds:rate5m{{run="{MIG_RUN}"}}', 30)
+    assert [(s["metric"]["uuid"], s["metric"]["gpu_instance"], s["metric"]["mig_uuid"]) for s in idle] == [
+        (stack.parent_uuid, "1", stack.mig_uuid)]
 
 
 def exposed_names(url: str) -> set[str]:

@@ -183,3 +183,16 @@ def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
     counts = dump(out, "training_logged_value_count")
     assert [float(v) for labels, v, _ in counts if labels["key"] == "loss"] == [1, 2, 2, 2, 3, 3]  # finite only
     assert [float(v) for labels, v, _ in counts if labels["key"] == "grad_norm"] == [1, 1, 1, 1]
+
+
+def test_a_run_that_failed_of_an_exception_replays_its_class(tmp_path: Path) -> None:
+    """As the live hook pushes it (training_run_failure_info), so the replayed run's OOM is visible."""
+    record = write(tmp_path / "oom.jsonl", [
+        START, step(0, 1000.0), step(1, 1000.1),
+        {"event": "end", "time": 1000.2, "state": "failed", "steps": 2, "reason": "OutOfMemoryError",
+         "message": "CUDA out of memory."},
+    ])
+    out = tmp_path / "out"
+    assert main(["replay", str(record), "--out", str(out)]) == 0
+    assert [(labels["reason"], float(v)) for labels, v, _ in dump(out, "training_run_failure_info")] == [
+        ("OutOfMemoryError", 1.0)]

@@ -1,6 +1,7 @@
 """Prometheus rules: promtool checks and unit tests, and the alert contract (names, labels, runbooks)."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -22,7 +23,16 @@ CONTRACT = {
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
     "TrainingLossScaleCollapse", "TrainingStragglerRank",
 }
-RUNBOOKS_LABEL = "dualtrack_runbooks_url"
+RUNBOOKS_LABEL = processes.RUNBOOKS_URL_LABEL
+GRAFANA_LABEL = processes.GRAFANA_URL_LABEL
+TRAINING_DASHBOARD = REPO / "dashboards" / "training-run.json"
+# Every training alert links to the Training run dashboard, filtered to its job and run and to the hour
+# before the evaluation (and 10 min after), from the Grafana URL in Prometheus' external label.
+DASHBOARD_LINK = (
+    f'{{{{ $externalLabels.{GRAFANA_LABEL} }}}}/d/dualtrack-training-run'
+    '?var-job={{ $labels.job | urlquery }}&var-run={{ $labels.run | urlquery }}'
+    '&from={{ with query "(time() - 3600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}'
+    '&to={{ with query "(time() + 600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}')
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -76,6 +86,46 @@ def test_runbooks_url_is_one_absolute_setting_kept_out_of_alert_labels():
     url = urlparse(config["global"]["external_labels"][RUNBOOKS_LABEL])
     assert url.scheme == "https" and url.netloc and url.path.endswith("/alerts.md"), url
     assert {"action": "labeldrop", "regex": RUNBOOKS_LABEL} in config["alerting"]["alert_relabel_configs"]
+
+
+def test_every_training_alert_links_to_its_run_on_the_training_dashboard():
+    """An alert that names a run (its summary reads $labels.run) carries dashboard_url; the link's
+    dashboard uid and variables are the Training run dashboard's."""
+    training = [rule for rule in rules("alert") if "$labels.run" in rule["annotations"]["summary"]]
+    assert {"TrainingDataLoaderBottleneck", "TrainingStragglerRank", "GPUMemoryLeakSuspected"} <= {
+        rule["alert"] for rule in training}
+    for rule in training:
+        assert rule["annotations"].get("dashboard_url") == DASHBOARD_LINK, rule["alert"]
+    dashboard = json.loads(TRAINING_DASHBOARD.read_text())
+    assert dashboard["uid"] == "dualtrack-training-run"
+    assert {"job", "run"} <= {variable["name"] for variable in dashboard["templating"]["list"]}
+
+
+def test_grafana_url_is_one_setting_kept_out_of_alert_labels():
+    config = yaml.safe_load((REPO / "prometheus.yml").read_text())
+    url = urlparse(config["global"]["external_labels"][GRAFANA_LABEL])
+    assert url.scheme in ("http", "https") and url.netloc and not url.path.endswith("/"), url
+    assert {"action": "labeldrop", "regex": GRAFANA_LABEL} in config["alerting"]["alert_relabel_configs"]
+
+
+def test_a_rendered_config_can_point_the_links_at_its_own_grafana(tmp_path):
+    """The no-Docker demo renders prometheus.yml with its own Grafana's address (stack/demo.py)."""
+    config = yaml.safe_load(processes.render_prometheus_config(
+        tmp_path, {}, external_labels={GRAFANA_LABEL: "http://127.0.0.1:3999"}).read_text())
+    labels = config["global"]["external_labels"]
+    assert labels[GRAFANA_LABEL] == "http://127.0.0.1:3999"
+    assert labels[RUNBOOKS_LABEL] == yaml.safe_load((REPO / "prometheus.yml").read_text())[
+        "global"]["external_labels"][RUNBOOKS_LABEL]
+
+
+def test_kubernetes_prometheus_gets_the_same_link_settings():
+    """The Operator's Prometheus (kube-prometheus-stack values shipped with the manifests) sets both
+    external labels the annotations read, and drops them from alerts, as prometheus.yml does."""
+    values = yaml.safe_load((REPO / "deploy" / "kubernetes" / "helm" / "kube-prometheus-stack-values.yaml").read_text())
+    spec = values["prometheus"]["prometheusSpec"]
+    for label in (RUNBOOKS_LABEL, GRAFANA_LABEL):
+        assert urlparse(spec["externalLabels"][label]).scheme == "https", label
+        assert {"action": "labeldrop", "regex": label} in spec["additionalAlertRelabelConfigs"]
 
 
 def test_every_alert_fires_in_a_unit_test_and_healthy_runs_stay_silent():

@@ -53,6 +53,26 @@ def test_final_state_stays_delete_after_seconds_then_the_group_is_deleted(pgw):
     assert group_runs(pgw.url, "life") == {kept}  # delete_after=None keeps it
 
 
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda.OutOfMemoryError: the alert rules read the class name."""
+
+
+def test_a_run_that_dies_of_an_exception_pushes_its_class(pgw):
+    """GPUMemoryLeakSuspected's fast path needs the class of the exception that ended a failed run;
+    a finished run pushes none."""
+    run, ok = run_id("oom"), run_id("ok")
+    with pytest.raises(OutOfMemoryError):
+        with TrainingMonitor(job="life", run=run, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
+            m.log({"loss": 0.5}, step=0)
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert pushed_value(pgw.url, "training_run_state", run, state="failed") == 1
+    assert pushed_value(pgw.url, "training_run_failure_info", run, reason="OutOfMemoryError") == 1
+    with TrainingMonitor(job="life", run=ok, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
+        m.log({"loss": 0.5}, step=0)
+    assert pushed_value(pgw.url, "training_run_state", ok, state="finished") == 1
+    assert pushed_value(pgw.url, "training_run_failure_info", ok) is None
+
+
 def test_a_new_run_under_the_same_identity_keeps_its_group(pgw):
     run = run_id("again")
     with TrainingMonitor(job="life", run=run, pushgateway=pgw.url, record_path=False, delete_after=1.0) as m:

@@ -86,6 +86,7 @@ class Snapshot:
     # Filled in by the monitor when it publishes:
     data_wait_seconds: float = 0.0
     state: str = "running"
+    failure_reason: str = ""  # a failed run's end: the exception's class name (or "SIGTERM")
     start_time: float = 0.0
     push_failures: int = 0
     record_failures: int = 0

@@ -84,6 +84,9 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name in RUN_STATES:
         state.add_metric([*const.values(), name], float(name == snap.state))
     yield state
+    if snap.state == "failed" and snap.failure_reason:
+        yield _single(GaugeMetricFamily, "run_failure_info", "Why the run failed, value 1: the class of "
+                      "the exception that ended it (or SIGTERM).", 1, {**const, "reason": snap.failure_reason})
     yield _single(GaugeMetricFamily, "run_info", "Hyper-parameters of the run as labels.", 1,
                   {**const, **snap.run_labels})
     if snap.gpus:

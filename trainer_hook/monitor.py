@@ -356,9 +356,9 @@ class TrainingMonitor:
             lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
         return lines
 
-    def _publish(self, state: str) -> Snapshot:
+    def _publish(self, state: str, failure_reason: str = "") -> Snapshot:
         return self._aggregator.publish(
-            self._dropped, state=state, start_time=self._start_time,
+            self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=self._pusher.failures if self._pusher else 0,
@@ -413,7 +413,7 @@ class TrainingMonitor:
             hook.remove()
         state = "failed" if failed else "finished"
         self._drain()
-        self._latest = final = self._publish(state)
+        self._latest = final = self._publish(state, failure_reason=(reason or "") if failed else "")
         end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}
         if reason:
             end["reason"] = reason
