@@ -5,9 +5,11 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 
 * NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
   driver lacks the reading. It is remembered per device so it is never asked again.
-* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same device
-  (nvmlDeviceGetMemoryInfo) fails the same way too; otherwise one sensor is broken, not the GPU, and
-  the error is a `CallFailed` like any other (one bad sensor must not drop every series of its GPU).
+* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same GPU
+  (nvmlDeviceGetMemoryInfo on the GPU itself, also for a call on one of its MIG devices) fails the
+  same way too; otherwise one sensor is broken, not the GPU, and the error is a `CallFailed` like any
+  other (one bad sensor must not drop every series of its GPU). A system-level call (`Nvml.call`:
+  GPM buffers and metrics, handles by index or UUID) has no GPU to probe: always `CallFailed`.
 * an AttributeError raised inside the binding is a bug (of the binding or of ours): logged with its
   traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
@@ -152,9 +154,12 @@ class Nvml:
             raise CallFailed("binding_error") from exc
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a system-level NVML function with the error policy applied."""
+        """Call a system-level NVML function: Absent or CallFailed, never GpuLost (no GPU to probe)."""
         self.calls += 1
-        return self.invoke(function, *args, **kwargs)
+        try:
+            return self.invoke(function, *args, **kwargs)
+        except GpuLost as exc:
+            raise CallFailed(exc.error) from exc
 
     def driver_info(self) -> tuple[str, str]:
         """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
@@ -209,10 +214,15 @@ class Device:
         return device
 
     def reopen(self) -> None:
-        """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
+        """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable.
+
+        Reachable means what `answers_probe` means: an answer with an error of its own
+        (NO_PERMISSION for an unprivileged exporter under MIG, NOT_SUPPORTED) is an answer.
+        """
         # pynvml passes this argument straight to ctypes.c_char_p: it must be bytes.
         self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid.encode())
-        self.call(PROBE)
+        if not self.answers_probe():
+            raise GpuLost("probe_failed")
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a per-device NVML function; raises Absent, GpuLost or CallFailed.
@@ -238,7 +248,8 @@ class Device:
             self.absent.add(key)
             raise
         except GpuLost as exc:
-            if function != PROBE and self.answers_probe():
+            is_probe = function == PROBE and handle is self.handle and not args and not kwargs
+            if not is_probe and self.answers_probe():
                 raise CallFailed(exc.error) from exc
             raise
 

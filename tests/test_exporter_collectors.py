@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.nvml import Absent, Device, GpuLost, Nvml
+from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 from exporter.simulated import H, DeviceTraits
 from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
@@ -371,3 +371,51 @@ def test_nvml_up_on_a_host_with_zero_gpus_is_1_and_with_no_gpu_opened_is_0():
     unopened.step()
     assert unopened.sampler.devices == []
     assert unopened.value("nvml_up") == 0
+
+
+def test_unknown_from_a_system_level_call_is_a_failed_reading_not_a_lost_gpu():
+    # nvmlGpmMetricsGet takes no device handle: nothing can be probed, so nothing is declared lost
+    rig = Rig(gpus=1, collectors=["gpm", "memory"], faults=[Fault(function="nvmlGpmMetricsGet", error="Unknown")])
+    for _ in range(11):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="0", uuid=uuid) == 0
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0"}
+    assert rig.value("nvml_exporter_errors_total", collector="gpm", error="unknown") == 2
+    # the same for a MIG device's handle read through the system-level path (pod resources)
+    nvml = rig.sampler.nvml
+    rig.lib.faults.append(Fault(function="nvmlDeviceGetUUID", error="Unknown"))
+    with pytest.raises(CallFailed):
+        nvml.call("nvmlDeviceGetUUID", rig.sampler.devices[0].handle)
+
+
+def test_unknown_from_a_mig_device_goes_through_the_parent_gpus_probe():
+    rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)}, collectors=["mig", "memory"])
+    real = rig.lib.nvmlDeviceGetMemoryInfo
+
+    def broken_on_mig_devices(handle, version=None):
+        if rig.lib._mig_of(handle) is not None:
+            raise rig.lib.NVMLError_Unknown()
+        return real(handle, version)
+    rig.lib.nvmlDeviceGetMemoryInfo = broken_on_mig_devices
+    for _ in range(6):
+        rig.step()
+    uuid = rig.sampler.devices[1].uuid
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0  # the parent answers its probe
+    assert gpus_with(rig, "nvml_gpu_mig_info") == {"1"}
+    assert rig.series("nvml_gpu_mig_memory_used_bytes") == []
+    assert rig.value("nvml_exporter_errors_total", collector="mig", error="unknown") == 4  # 2 instances x 2 runs
+
+
+def test_a_lost_gpu_whose_probe_answers_no_permission_comes_back():
+    # unprivileged under MIG the parent's memory query answers NO_PERMISSION: it answered, it is alive
+    faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=3.0, until=8.0),
+              Fault(gpu=1, function="nvmlDeviceGetMemoryInfo", error="NoPermission")]
+    rig = Rig(gpus=2, faults=faults, collectors=["thermal"])
+    uuid = rig.sampler.devices[1].uuid
+    rig.step(4.0)
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 1
+    rig.step(5.0)  # t = 9: back
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0", "1"}
