@@ -99,7 +99,7 @@ class Nvml:
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
-        self.union_members = union_members(lib)
+        self.value_types = value_types(lib)
         self.success = lib.NVML_SUCCESS
         self._binding_bugs: set[str] = set()
 
@@ -288,10 +288,10 @@ class Device:
         """True if the GPU answered NOT_SUPPORTED for this field, or the driver has no field batches."""
         return ("field", (field_id, scope)) in self.absent or self.lacks("nvmlDeviceGetFieldValues")
 
-    def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], FieldValue | CallFailed]:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 
-        `fields` are (field_id, scope_id) pairs. Returns {pair: number or CallFailed}; fields the GPU
+        `fields` are (field_id, scope_id) pairs. Returns {pair: FieldValue or CallFailed}; fields the GPU
         does not support (NOT_SUPPORTED, or INVALID_ARGUMENT for an id or scope the driver does not
         know) are left out of the result and never requested again.
         """
@@ -300,10 +300,10 @@ class Device:
             return {}
         values = self.call("nvmlDeviceGetFieldValues", wanted)
         nvml = self.nvml
-        result: dict[tuple[int, int], Any] = {}
+        result: dict[tuple[int, int], FieldValue | CallFailed] = {}
         for pair, value in zip(wanted, values):
             if value.nvmlReturn == nvml.success:
-                result[pair] = union_number(nvml.union_members, value.valueType, value.value)
+                result[pair] = union_value(nvml.value_types, value.valueType, value.value)
             elif value.nvmlReturn in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
@@ -316,16 +316,32 @@ def _absent_key(function: str, args: Sequence[Any]) -> tuple:
     return function, tuple(args[:1]) if args and isinstance(args[0], (int, str)) else ()
 
 
-_UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "ulVal",
-                  "UNSIGNED_LONG_LONG": "ullVal", "SIGNED_LONG_LONG": "sllVal", "SIGNED_INT": "siVal",
-                  "UNSIGNED_SHORT": "usVal"}
+#: NVML_VALUE_TYPE_* name -> the C type of that c_nvmlValue_t member, and whether it is unsigned
+_VALUE_TYPES = {"DOUBLE": (ctypes.c_double, False), "UNSIGNED_INT": (ctypes.c_uint, True),
+                "UNSIGNED_LONG": (ctypes.c_ulong, True), "UNSIGNED_LONG_LONG": (ctypes.c_ulonglong, True),
+                "SIGNED_LONG_LONG": (ctypes.c_longlong, False), "SIGNED_INT": (ctypes.c_int, False),
+                "UNSIGNED_SHORT": (ctypes.c_ushort, True)}
 
 
-def union_members(lib: ModuleType) -> dict[int, str]:
-    """NVML_VALUE_TYPE_* tag -> the c_nvmlValue_t member holding that type."""
-    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
+@dataclass(frozen=True)
+class FieldValue:
+    """One value of a field batch: the number and, for an unsigned integer, the width it wraps at."""
+
+    value: float
+    bits: int | None  # None: a double or a signed value (no wrap)
 
 
-def union_number(members: dict[int, str], kind: int, union: Any) -> float:
-    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag."""
-    return getattr(union, members.get(kind, "ullVal"))
+def value_types(lib: ModuleType) -> dict[int, tuple[Any, int | None]]:
+    """NVML_VALUE_TYPE_* tag -> (C type of the union member holding it, unsigned width in bits or None)."""
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): (ctype, 8 * ctypes.sizeof(ctype) if unsigned else None)
+            for kind, (ctype, unsigned) in _VALUE_TYPES.items()}
+
+
+def union_value(types: dict[int, tuple[Any, int | None]], kind: int, union: Any) -> FieldValue:
+    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag.
+
+    Read through the C type, not the binding's member name: nvidia-ml-py 12.535.108's union has no
+    `usVal`, yet a driver may answer NVML_VALUE_TYPE_UNSIGNED_SHORT.
+    """
+    ctype, bits = types.get(kind, (ctypes.c_ulonglong, 64))
+    return FieldValue(ctype.from_buffer(union).value, bits)

@@ -25,7 +25,7 @@ import time
 import types
 import uuid as uuidlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from functools import wraps
 from typing import Any, Callable, Sequence
 
@@ -91,6 +91,31 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
+    # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
+    # field): an unsigned value wraps at its width
+    field_types: dict[int, int] = dataclass_field(default_factory=dict)
+
+
+#: NVML_VALUE_TYPE_* -> the C type the driver writes into the c_nvmlValue_t union
+VALUE_CTYPES: dict[int, Any] = {
+    H.NVML_VALUE_TYPE_DOUBLE: ctypes.c_double, H.NVML_VALUE_TYPE_UNSIGNED_INT: ctypes.c_uint,
+    H.NVML_VALUE_TYPE_UNSIGNED_LONG: ctypes.c_ulong, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: ctypes.c_ulonglong,
+    H.NVML_VALUE_TYPE_SIGNED_LONG_LONG: ctypes.c_longlong, H.NVML_VALUE_TYPE_SIGNED_INT: ctypes.c_int,
+    H.NVML_VALUE_TYPE_UNSIGNED_SHORT: ctypes.c_ushort,
+}
+
+
+def old_field_value_struct() -> type:
+    """c_nvmlFieldValue_t as nvidia-ml-py before 12.560 declares it: its value union has no `usVal`."""
+    class Value(ctypes.Union):
+        _fields_ = [("dVal", ctypes.c_double), ("uiVal", ctypes.c_uint), ("ulVal", ctypes.c_ulong),
+                    ("ullVal", ctypes.c_ulonglong), ("sllVal", ctypes.c_longlong), ("siVal", ctypes.c_int)]
+
+    class FieldValue(ctypes.Structure):
+        _fields_ = [("fieldId", ctypes.c_uint), ("scopeId", ctypes.c_uint), ("timestamp", ctypes.c_longlong),
+                    ("latencyUsec", ctypes.c_longlong), ("valueType", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint),
+                    ("value", Value)]
+    return FieldValue
 
 
 def _api(device: bool = True) -> Callable:
@@ -172,8 +197,11 @@ class SimulatedNVML:
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
         self.__dict__.update(NVML_H)
-        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all
+        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all;
+        # "usVal": the binding's value union has no unsigned short member (before 12.560)
         self.binding_lacks = frozenset(binding_lacks)
+        if "usVal" in self.binding_lacks:
+            self.c_nvmlFieldValue_t = old_field_value_struct()
         for name in self.binding_lacks:
             self.__dict__.pop(name, None)
             if callable(getattr(type(self), name, None)):
@@ -505,7 +533,7 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         t = self._t()
         busy = self.busy_seconds(gpu, t)
-        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        values = (self.c_nvmlFieldValue_t * len(field_ids))()
         for slot, requested in enumerate(field_ids):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             entry = values[slot]
@@ -518,8 +546,12 @@ class SimulatedNVML:
                 entry.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
             else:
                 entry.nvmlReturn = H.NVML_SUCCESS
-                entry.valueType = H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                entry.value.ullVal = int(reading)
+                entry.valueType = self.traits[gpu].field_types.get(field_id, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
+                kind = VALUE_CTYPES[entry.valueType]
+                if kind is ctypes.c_double:
+                    kind.from_buffer(entry.value).value = reading
+                else:  # an integer of that width: an unsigned counter wraps at it
+                    kind.from_buffer(entry.value).value = int(reading) % (1 << 8 * ctypes.sizeof(kind))
         return values
 
     def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:

@@ -186,6 +186,36 @@ def test_pcie_throughput_is_followed_across_a_counter_wrap():
     assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
 
 
+def test_pcie_throughput_is_followed_across_a_32_bit_counter_wrap():
+    # a driver answering the byte counter as unsigned int: it wraps at 4 GiB, every ~8.6 s at 0.5 GB/s
+    narrow = DeviceTraits(field_types={H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: H.NVML_VALUE_TYPE_UNSIGNED_INT})
+    rig = Rig(gpus=1, collectors=["pcie"], devices={0: narrow})
+    uuid = rig.sampler.devices[0].uuid
+    rates = []
+    for _ in range(20):
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
+
+
+def test_a_64_bit_pcie_counter_reset_below_4_gib_is_no_32_bit_wrap():
+    rig = Rig(gpus=1, collectors=["pcie"])
+    uuid = rig.sampler.devices[0].uuid
+    real = rig.lib._field
+
+    def reloaded_at_5s(gpu, field_id, scope, t, busy):  # counts from 1 GiB, then from 0 after a driver reload
+        if field_id != H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+            return real(gpu, field_id, scope, t, busy)
+        return 2**30 + 0.5e9 * t if t < 5 else 0.5e9 * (t - 5)
+    rig.lib._field = reloaded_at_5s
+    rates = []
+    for _ in range(8):
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    # the sample across the reset has no rate (not 2**32 - 3.07e9 bytes in 1 s); then 0.5 GB/s again
+    assert rates == [None, 0.5e9, 0.5e9, 0.5e9, None, 0.5e9, 0.5e9, 0.5e9]
+
+
 def test_mig_gpu_exports_each_gpu_instance_and_hidden_processes_are_no_failure():
     rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)})
     for _ in range(11):  # GPM needs two samples of its 5-sample period

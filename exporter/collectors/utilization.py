@@ -10,7 +10,7 @@ is integrated instead.
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, union_number
+from exporter.nvml import Absent, CallFailed, union_value
 
 
 class UtilizationCollector(Collector):
@@ -71,7 +71,7 @@ class UtilizationCollector(Collector):
             if previous is not None and sample.timeStamp > previous:
                 spacing = (sample.timeStamp - previous) / 1e6
                 self.sample_period = spacing if self.sample_period is None else min(self.sample_period, spacing)
-                value = union_number(self.device.nvml.union_members, kind, sample.sampleValue)
+                value = union_value(self.device.nvml.value_types, kind, sample.sampleValue).value
                 self._add(_ratio(value), self.sample_period)
                 covered += self.sample_period
             previous = max(previous or 0, sample.timeStamp)
