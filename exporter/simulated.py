@@ -34,7 +34,8 @@ import pynvml
 SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo")
 GIB = 1 << 30
 MIB = 1 << 20
-TICK = 0.1  # seconds between entries of the simulated driver utilization buffer
+TICK = 0.1  # seconds between entries of the simulated driver utilization buffer, on average
+JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 TICK off its slot
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
@@ -406,19 +407,25 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig or sampling_type != H.NVML_GPU_UTILIZATION_SAMPLES:
             raise pynvml.NVMLError_NotSupported()
-        now_tick = math.floor(self._t() / TICK)
+        now, now_tick = int(self.clock() * 1e6), math.floor(self._t() / TICK)
         first = max(now_tick - BUFFER + 1, 1)
         samples = []
-        for tick in range(first, now_tick + 1):
-            stamp = int((self.start + tick * TICK) * 1e6)
+        for tick in range(first, now_tick + 2):
+            stamp = self._sample_stamp(gpu, tick)
             busy = self.utilization(gpu, (tick - 0.5) * TICK)
-            if stamp > timestamp and busy > 0:  # like the driver: no samples while the GPU idles
+            # like the driver: no samples while the GPU idles, none from the future
+            if timestamp < stamp <= now and busy > 0:
                 sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
                 sample.sampleValue.uiVal = round(100 * busy)
                 samples.append(sample)
         if not samples:
             raise pynvml.NVMLError_NotFound()
         return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def _sample_stamp(self, gpu: int, tick: int) -> int:
+        """The driver timestamp (microseconds) of buffer entry `tick`: its slot, jittered (the same every read)."""
+        offset = ((tick * 2654435761 + gpu * 40503) % 1000 / 1000 - 0.5) * JITTER  # in ticks
+        return int((self.start + (tick + offset) * TICK) * 1e6)
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
