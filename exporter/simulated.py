@@ -75,6 +75,7 @@ _H100_THRESHOLDS = {H.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92, H.NVML_TEMPERATUR
                     H.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87, H.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95}
 MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
 MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
+GPM_MIN_WINDOW = 0.1  # seconds: two GPM samples closer than this give no metrics (INVALID_ARGUMENT)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
@@ -92,6 +93,7 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
+    compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
@@ -175,15 +177,17 @@ class SimulatedNVML:
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
         self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
         self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
-        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait
-        self._mig_handles: dict[tuple[int, int], Any] = {}
-        self._mig_by_address: dict[int, tuple[int, int]] = {}
+        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait, each
+        # with `compute_instances` compute instances: one MIG device (handle, MIG-UUID) per compute instance
+        self._mig_devices: dict[int, list[Any]] = {}  # GPU -> its MIG device handles, in slot order
+        self._mig_by_address: dict[int, tuple[int, int, int]] = {}  # -> (GPU, GPU instance, compute instance)
         for gpu, traits in enumerate(self.traits):
             for instance in range(1, MIG_INSTANCES + 1) if traits.mig else ():
-                buffer = (ctypes.c_char * 8)()
-                self._buffers.append(buffer)
-                self._mig_handles[(gpu, instance)] = _handle(buffer, pynvml.c_nvmlDevice_t)
-                self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance)
+                for compute in range(traits.compute_instances):
+                    buffer = (ctypes.c_char * 8)()
+                    self._buffers.append(buffer)
+                    self._mig_devices.setdefault(gpu, []).append(_handle(buffer, pynvml.c_nvmlDevice_t))
+                    self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance, compute)
         self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
@@ -231,8 +235,8 @@ class SimulatedNVML:
         gpu = self._by_address.get(address)
         return self._mig_by_address[address][0] if gpu is None and address in self._mig_by_address else gpu
 
-    def _mig_of(self, handle: Any) -> tuple[int, int] | None:
-        """(parent GPU, GPU instance id) of a MIG device handle; None for a whole GPU."""
+    def _mig_of(self, handle: Any) -> tuple[int, int, int] | None:
+        """(parent GPU, GPU instance id, compute instance id) of a MIG device handle; None for a whole GPU."""
         try:
             return self._mig_by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
         except (TypeError, ctypes.ArgumentError):
@@ -361,9 +365,9 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if not self.traits[gpu].mig or not 0 <= index < MIG_SLOTS:
             raise pynvml.NVMLError_InvalidArgument()
-        if index >= MIG_INSTANCES:
+        if index >= len(self._mig_devices[gpu]):
             raise pynvml.NVMLError_NotFound()
-        return self._mig_handles[(gpu, index + 1)]
+        return self._mig_devices[gpu][index]
 
     @_api()
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
@@ -376,7 +380,8 @@ class SimulatedNVML:
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         mig = self._mig_of(handle)
         if mig is not None:
-            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{mig[0]}-gi{mig[1]}')}"
+            name = f"dualtrack-simulated-{mig[0]}-gi{mig[1]}" + (f"-ci{mig[2]}" if mig[2] else "")
+            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, name)}"
         return self._uuids[self._gpu_of(handle)]
 
     @_api()
@@ -672,7 +677,7 @@ class SimulatedNVML:
     def nvmlGpmMigSampleGet(self, handle: Any, gpu_instance_id: int, sample: Any) -> Any:
         self._gpm_buffer(sample)
         gpu = self._gpu_of(handle)
-        if not self.traits[gpu].mig or (gpu, gpu_instance_id) not in self._mig_handles:
+        if not self.traits[gpu].mig or not 1 <= gpu_instance_id <= MIG_INSTANCES:
             raise pynvml.NVMLError_InvalidArgument()
         t = self._t()
         self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
@@ -692,7 +697,7 @@ class SimulatedNVML:
     def nvmlGpmMetricsGet(self, request: Any) -> Any:
         first = self._gpm_samples[ctypes.cast(request.sample1, ctypes.c_void_p).value]
         second = self._gpm_samples[ctypes.cast(request.sample2, ctypes.c_void_p).value]
-        if second[1] <= first[1]:
+        if second[1] - first[1] < GPM_MIN_WINDOW:
             raise pynvml.NVMLError_InvalidArgument()
         busy = (second[2] - first[2]) / (second[1] - first[1])
         scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,

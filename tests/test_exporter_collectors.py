@@ -449,3 +449,29 @@ def test_a_lost_gpu_whose_probe_answers_no_permission_comes_back():
     rig.step(5.0)  # t = 9: back
     assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0
     assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0", "1"}
+
+
+def test_a_gpu_instance_with_several_compute_instances_is_read_once_per_run():
+    # each compute instance is a MIG device of its own: two per GPU instance here
+    rig = Rig(gpus=1, devices={0: DeviceTraits(mig=True, compute_instances=2)}, collectors=["mig"])
+    for _ in range(11):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    mig = rig.series("nvml_gpu_mig_info")
+    assert sorted(s["gpu_instance"] for s in mig) == ["1", "1", "2", "2"]  # one MIG-UUID per compute instance
+    assert len({s["mig_uuid"] for s in mig}) == 4
+    for gi in ("1", "2"):
+        assert 0.5 < rig.value("nvml_gpu_mig_sm_active_ratio", gpu="0", uuid=uuid, gpu_instance=gi) <= 1
+    assert rig.series("nvml_exporter_errors_total") == []  # no GPM window read twice within 100 ms
+    assert rig.lib.calls["nvmlGpmMigSampleGet"] == 3 * 2  # three runs, once per GPU instance
+
+
+def test_mig_device_slots_the_driver_does_not_support_are_no_failure(caplog):
+    faults = [Fault(gpu=1, function="nvmlDeviceGetMigDeviceHandleByIndex", error="NotSupported")]
+    rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)}, faults=faults, collectors=["mig", "memory"])
+    for _ in range(11):
+        rig.step()
+    assert rig.series("nvml_gpu_mig_info") == []
+    assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="mig") == 1
+    assert not [r for r in caplog.records if "collector mig failed" in r.getMessage()]
