@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _ABSENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
+#: the short names (`Nvml.error_name`) of the errors that may mean a lost GPU
+LOST_ERROR_NAMES = frozenset(name[len("NVML_ERROR_"):].lower() for name in _LOST_ERRORS)
 PROBE = "nvmlDeviceGetMemoryInfo"  # answered by every GPU and driver, costs one driver round trip
 
 #: NVML constants the exporter uses that the oldest supported nvidia-ml-py (12.535.108) lacks, with

@@ -197,6 +197,7 @@ class SimulatedNVML:
         # every event set (with its registrations) and GPM sample.
         self.initialized = False
         self._event_sets: dict[int, set[int]] = {}  # event set address -> GPUs registered on it
+        self._lost_on_set: set[int] = set()  # event sets a registered GPU fell off the bus from
         self._gpm_buffers: set[int] = set()
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
@@ -264,8 +265,13 @@ class SimulatedNVML:
         return []
 
     def fall_off_bus(self, gpu: int | None) -> None:
-        """What a GPU that falls off the bus loses: its event registrations."""
-        self._forget_registrations(gpu)
+        """What a GPU that falls off the bus loses: its event registrations; and every event set it was
+        registered on answers GPU_IS_LOST to each wait from then on, whatever the other GPUs on it do."""
+        with self._lock:
+            for address, registered in self._event_sets.items():
+                if gpu in registered:
+                    registered.discard(gpu)
+                    self._lost_on_set.add(address)
 
     # --- the simulated workload -------------------------------------------------------------------
     def _phase(self, gpu: int, t: float) -> tuple[str, float]:
@@ -321,6 +327,7 @@ class SimulatedNVML:
         self.initialized = False
         with self._lock:
             self._event_sets.clear()
+            self._lost_on_set.clear()
             self._gpm_buffers.clear()
             self._gpm_samples.clear()
             self._keep.clear()
@@ -598,11 +605,6 @@ class SimulatedNVML:
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------
-    def _forget_registrations(self, gpu: int | None) -> None:
-        with self._lock:
-            for registered in self._event_sets.values():
-                registered.discard(gpu)
-
     def _registered(self, event_set: Any) -> set[int]:
         """The GPUs registered on a live event set; INVALID_ARGUMENT for a freed or unknown one."""
         registered = self._event_sets.get(ctypes.cast(event_set, ctypes.c_void_p).value)
@@ -620,7 +622,9 @@ class SimulatedNVML:
     @_api(device=False)
     def nvmlEventSetFree(self, event_set: Any) -> None:
         self._registered(event_set)
-        del self._event_sets[ctypes.cast(event_set, ctypes.c_void_p).value]
+        address = ctypes.cast(event_set, ctypes.c_void_p).value
+        del self._event_sets[address]
+        self._lost_on_set.discard(address)
 
     @_api()
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
@@ -633,6 +637,8 @@ class SimulatedNVML:
             if not self.initialized:  # shut down while waiting
                 raise pynvml.NVMLError_Uninitialized()
             registered = self._registered(event_set)
+            if ctypes.cast(event_set, ctypes.c_void_p).value in self._lost_on_set:
+                raise pynvml.NVMLError_GpuIsLost()
             t = self._t()
             # Draw new events only once the pending ones are delivered: they must not queue faster
             # than the waits consume them.
