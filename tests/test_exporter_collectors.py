@@ -475,3 +475,12 @@ def test_mig_device_slots_the_driver_does_not_support_are_no_failure(caplog):
     assert rig.series("nvml_exporter_errors_total") == []
     assert rig.value("nvml_exporter_collector_success", collector="mig") == 1
     assert not [r for r in caplog.records if "collector mig failed" in r.getMessage()]
+
+
+def test_gpm_windows_shorter_than_the_driver_computes_are_not_sampled():
+    # every 5th sample of 10 ms is a 50 ms GPM window: NVML answers INVALID_ARGUMENT under 100 ms
+    rig = Rig(gpus=1, collectors=["gpm"], interval=0.01)
+    for _ in range(50):
+        rig.step()
+    assert 0.5 < rig.value("nvml_gpu_sm_active_ratio", gpu="0", uuid=rig.sampler.devices[0].uuid) <= 1
+    assert rig.series("nvml_exporter_errors_total") == []

@@ -4,6 +4,7 @@ No nvidia-smi field (dcgmi: DCGM_FI_PROF_SM_ACTIVE, PIPE_TENSOR_ACTIVE, DRAM_ACT
 nvmlGpmQueryDeviceSupport once, then per run nvmlGpmSampleGet into alternating buffers and
 nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, DRAM_BW_UTIL).
 A GPU in MIG mode answers for its GPU instances only (nvmlGpmMigSampleGet, in the mig collector).
+Two GPM samples less than 100 ms apart give no metrics: a window shorter than MIN_WINDOW is not sampled.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device, GpuLost
 
 #: metric name suffix -> NVML_GPM_METRIC_* constant name
+#: seconds: the shortest window sampled: NVML computes no metrics over two GPM samples less than
+#: 100 ms apart, and `ctx.now` is when the sample started, not when its GPM call ran (up to a few
+#: collectors later), hence the margin
+MIN_WINDOW = 0.2
+
 GPM_METRICS = {"sm_active_ratio": "NVML_GPM_METRIC_SM_UTIL", "tensor_active_ratio": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
                "dram_active_ratio": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
 
@@ -31,6 +37,7 @@ class GpmWindow:
         self.take = take
         self.buffers: list = []
         self.have_previous = False
+        self.taken_at = 0.0  # ctx.now of the previous sample
 
     def read(self, ctx: SampleContext) -> dict[str, float]:
         """{suffix: ratio} of the window ending now; {} on the first sample or a failed one."""
@@ -41,7 +48,10 @@ class GpmWindow:
                 self._free(buffers)
                 return {}
             self.buffers = buffers
+        if self.have_previous and ctx.now - self.taken_at < MIN_WINDOW:  # too short: keep the previous sample
+            return {}
         previous, current = self.buffers
+        self.taken_at = ctx.now
         if ctx.guarded(lambda: self.take(current)) is None:
             self.have_previous = False
             return {}
