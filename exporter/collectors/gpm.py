@@ -38,9 +38,11 @@ class GpmWindow:
         self.buffers: list = []
         self.have_previous = False
         self.taken_at = 0.0  # ctx.now of the previous sample
+        self.ratios: dict[str, float] = {}  # of the last complete window
 
     def read(self, ctx: SampleContext) -> dict[str, float]:
-        """{suffix: ratio} of the window ending now; {} on the first sample or a failed one."""
+        """{suffix: ratio} of the window ending now; {} on the first sample or a failed one. A window
+        still shorter than MIN_WINDOW is left open: the last window's ratios stand meanwhile."""
         nvml, lib = self.device.nvml, self.device.nvml.lib
         if not self.buffers:
             buffers = [ctx.guarded(lambda: nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
@@ -48,12 +50,12 @@ class GpmWindow:
                 self._free(buffers)
                 return {}
             self.buffers = buffers
-        if self.have_previous and ctx.now - self.taken_at < MIN_WINDOW:  # too short: keep the previous sample
-            return {}
+        if self.have_previous and ctx.now - self.taken_at < MIN_WINDOW:
+            return self.ratios
         previous, current = self.buffers
         self.taken_at = ctx.now
         if ctx.guarded(lambda: self.take(current)) is None:
-            self.have_previous = False
+            self.have_previous, self.ratios = False, {}
             return {}
         self.buffers.reverse()
         if not self.have_previous:
@@ -66,13 +68,15 @@ class GpmWindow:
         for slot, constant in enumerate(GPM_METRICS.values()):
             request.metrics[slot].metricId = getattr(lib, constant)
         if ctx.guarded(lambda: nvml.call("nvmlGpmMetricsGet", request)) is None:
-            return {}
-        return {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
-                if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+            self.ratios = {}
+        else:
+            self.ratios = {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
+                           if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+        return self.ratios
 
     def close(self) -> None:
         self._free(self.buffers)
-        self.buffers, self.have_previous = [], False
+        self.buffers, self.have_previous, self.ratios = [], False, {}
 
     def _free(self, buffers: list) -> None:
         for buffer in buffers:
