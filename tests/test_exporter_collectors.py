@@ -484,3 +484,33 @@ def test_gpm_windows_shorter_than_the_driver_computes_are_not_sampled():
         rig.step()
     assert 0.5 < rig.value("nvml_gpu_sm_active_ratio", gpu="0", uuid=rig.sampler.devices[0].uuid) <= 1
     assert rig.series("nvml_exporter_errors_total") == []
+
+
+def fake_proc(root, pid_namespace: str) -> None:
+    """A /proc where PID 4242 is an unrelated local process and /proc/self/ns/pid names `pid_namespace`."""
+    (root / "self" / "ns").mkdir(parents=True)
+    (root / "self" / "ns" / "pid").symlink_to(pid_namespace)
+    (root / "4242").mkdir()
+    (root / "4242" / "comm").write_text("nginx\n")
+    (root / "4242" / "cgroup").write_text("0::/system.slice/docker-" + "b" * 64 + ".scope\n")
+
+
+def test_outside_the_host_pid_namespace_gpu_processes_keep_their_pid_and_no_local_name(tmp_path, caplog):
+    fake_proc(tmp_path, "pid:[4026532201]")  # a container's own PID namespace
+    rig = Rig(gpus=2, proc_root=str(tmp_path), pid=4242, collectors=["processes"])
+    for _ in range(6):
+        rig.step()
+    series = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert [s["pid"] for s in series] == ["4242", "4242"]
+    assert all(s["process"] == s["container_id"] == s["pod_uid"] == s["slurm_job_id"] == "" for s in series)
+    assert rig.value("nvml_exporter_host_pid_namespace") == 0
+    assert len([r for r in caplog.records if "host PID namespace" in r.getMessage()]) == 1
+
+
+def test_in_the_host_pid_namespace_gpu_processes_are_named(tmp_path):
+    fake_proc(tmp_path, "pid:[4026531836]")  # the initial PID namespace (PROC_PID_INIT_INO)
+    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=4242, collectors=["processes"])
+    rig.step()
+    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert series["process"] == "nginx" and series["container_id"] == "b" * 64
+    assert rig.value("nvml_exporter_host_pid_namespace") == 1
