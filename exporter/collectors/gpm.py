@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, Device, GpuLost
+from exporter.nvml import Absent, CallFailed, Device
 
 #: metric name suffix -> NVML_GPM_METRIC_* constant name
 #: seconds: the shortest window sampled: NVML computes no metrics over two GPM samples less than
@@ -83,7 +83,7 @@ class GpmWindow:
             if buffer is not None:
                 try:
                     self.device.nvml.call("nvmlGpmSampleFree", buffer)
-                except (Absent, CallFailed, GpuLost):
+                except (Absent, CallFailed):  # Nvml.call never answers GpuLost
                     pass
 
 
