@@ -82,6 +82,7 @@ class UtilizationCollector(Collector):
         self.integrating = True
         previous = self.last_timestamp
         covered = 0.0
+        typical = self._typical()
         for sample in sorted(samples, key=lambda s: s.timeStamp):
             if previous is not None and sample.timeStamp <= previous:
                 continue
@@ -90,7 +91,8 @@ class UtilizationCollector(Collector):
                 self.spacings.append(spacing)
             previous = sample.timeStamp
             if elapsed is not None:
-                period = self._period(spacing)
+                # its own spacing, or one typical period after a gap (or for the first sample ever seen)
+                period = spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
                 value = union_value(self.device.nvml.value_types, kind, sample.sampleValue).value
                 self._add(_ratio(value), period)
                 covered += period
@@ -98,7 +100,7 @@ class UtilizationCollector(Collector):
         if elapsed is not None and 0 < elapsed <= self.max_gap:
             self.uncovered += elapsed
         self.uncovered = max(0.0, self.uncovered - covered)
-        lag = LAG_PERIODS * self._typical()
+        lag = LAG_PERIODS * typical
         if self.uncovered > lag:
             self.idle += self.uncovered - lag
             self.uncovered = lag
@@ -106,11 +108,6 @@ class UtilizationCollector(Collector):
     def _typical(self) -> float:
         """The driver's typical sampling period: the median of recent spacings, seconds."""
         return median(self.spacings) if self.spacings else DEFAULT_PERIOD
-
-    def _period(self, spacing: float | None) -> float:
-        """The period a sample counts for: its spacing, or one typical period after a gap (or none seen)."""
-        typical = self._typical()
-        return spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
 
     def _integrate_poll(self, rates, elapsed: float | None) -> None:
         if rates is None:
