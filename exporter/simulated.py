@@ -35,7 +35,7 @@ SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo")
 GIB = 1 << 30
 MIB = 1 << 20
 TICK = 0.1  # seconds between entries of the simulated driver utilization buffer, on average
-JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 TICK off its slot
+JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 periods off its slot
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
@@ -94,6 +94,7 @@ class DeviceTraits:
     gpm: bool = True
     nvlinks: int = 18
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
+    sample_period: float = TICK  # seconds between utilization samples, on average (1/6 s to 1 s by product)
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
@@ -419,12 +420,13 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig or sampling_type != H.NVML_GPU_UTILIZATION_SAMPLES:
             raise pynvml.NVMLError_NotSupported()
-        now, now_tick = int(self.clock() * 1e6), math.floor(self._t() / TICK)
+        period = self.traits[gpu].sample_period
+        now, now_tick = int(self.clock() * 1e6), math.floor(self._t() / period)
         first = max(now_tick - BUFFER + 1, 1)
         samples = []
         for tick in range(first, now_tick + 2):
             stamp = self._sample_stamp(gpu, tick)
-            busy = self.utilization(gpu, (tick - 0.5) * TICK)
+            busy = self.utilization(gpu, (tick - 0.5) * period)
             # like the driver: no samples while the GPU idles, none from the future
             if timestamp < stamp <= now and busy > 0:
                 sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
@@ -435,9 +437,10 @@ class SimulatedNVML:
         return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
 
     def _sample_stamp(self, gpu: int, tick: int) -> int:
-        """The driver timestamp (microseconds) of buffer entry `tick`: its slot, jittered (the same every read)."""
+        """The driver timestamp (microseconds) of buffer entry `tick` (a sample period): its slot, jittered
+        (the same on every read)."""
         offset = ((tick * 2654435761 + gpu * 40503) % 1000 / 1000 - 0.5) * JITTER  # in ticks
-        return int((self.start + (tick + offset) * TICK) * 1e6)
+        return int((self.start + (tick + offset) * self.traits[gpu].sample_period) * 1e6)
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:

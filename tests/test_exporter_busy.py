@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.exporter_support import Rig
-from exporter.simulated import H
+from exporter.simulated import H, DeviceTraits
 
 
 def prometheus_rate(points: list[tuple[float, float]], at: float, window: float = 120.0) -> float:
@@ -137,3 +137,19 @@ def test_the_first_poll_credits_nothing_from_before_the_exporter_started():
         rig.step()
     truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) == pytest.approx(truth, abs=0.15)
+
+
+@pytest.mark.parametrize("sample_period", [1 / 6, 1.0])
+def test_busy_seconds_follow_products_with_other_sample_periods(sample_period):
+    rig = Rig("healthy", gpus=1, collectors=["utilization"], devices={0: DeviceTraits(sample_period=sample_period)})
+    uuid = rig.sampler.devices[0].uuid
+    for _ in range(10):
+        rig.step()
+    busy0, idle0, truth0 = (rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid),
+                            rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid),
+                            rig.lib.busy_seconds(0, rig.lib._t()))
+    for _ in range(60):
+        rig.step()
+    truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0
+    assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) - busy0 == pytest.approx(truth, rel=0.02)
+    assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) - idle0 == 0

@@ -20,7 +20,7 @@ from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, union_value
 
 SPACINGS = 64  # recent sample spacings the typical sampling period is the median of
-MAX_PERIOD = 1.0  # seconds: the longest sampling period of any product (NVML); a longer spacing is a gap
+MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1 s, NVML): a longer spacing is a gap
 DEFAULT_PERIOD = 1 / 6  # seconds: the period of most products, until spacings are seen
 JITTER_BOUND = 1.5  # a spacing up to this many typical periods is the sample's own period
 LAG_PERIODS = 2  # poll time not yet covered by samples, in typical periods, that is lag rather than idle
