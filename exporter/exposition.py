@@ -29,8 +29,8 @@ from prometheus_client.exposition import choose_encoder
 
 from exporter import __version__
 from exporter.metrics import (BUILD_INFO, COLLECTOR_DURATION, COLLECTOR_SUCCESS, COUNTER, DRIVER_INFO, ERRORS,
-                              GPU_LABELS, GPU_LOST, GPU_LOST_TOTAL, GPU_METRICS, GPU_SAMPLE_AGE, NVML_CALLS,
-                              SNAPSHOT_AGE, UP, MetricSpec)
+                              GPU_LABELS, GPU_LOST, GPU_LOST_TOTAL, GPU_METRICS, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE,
+                              NVML_CALLS, SNAPSHOT_AGE, UP, MetricSpec)
 from exporter.textformat import gpu_series, line
 
 if TYPE_CHECKING:
@@ -154,14 +154,18 @@ class SnapshotCollector:
             gpu_age.add_metric([str(sample.index), sample.uuid], sample_age)
         if ages:
             age.add_metric([], max(ages))
+        host_pids = []  # only with the processes collector, and where /proc says
+        if self.sampler.host_pid_namespace is not None:
+            host_pids.append(family(HOST_PID_NAMESPACE))
+            host_pids[0].add_metric([], float(self.sampler.host_pid_namespace))
         calls = family(NVML_CALLS)
         calls.add_metric([], self.sampler.nvml_calls())
-        return [success, duration, errors, lost_total, age, gpu_age, calls]
+        return [success, duration, errors, lost_total, age, gpu_age, *host_pids, calls]
 
 
 _FORMATS = {"text": generate_latest, _OPENMETRICS: openmetrics.generate_latest}
 _OWN_SPECS = (UP, DRIVER_INFO, BUILD_INFO, GPU_LOST, *GPU_METRICS, COLLECTOR_SUCCESS, COLLECTOR_DURATION, ERRORS,
-              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, NVML_CALLS)
+              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE, NVML_CALLS)
 
 
 class Exposition:

@@ -111,5 +111,8 @@ SNAPSHOT_AGE = MetricSpec("nvml_exporter_snapshot_age_seconds", GAUGE,
                           "Age of the oldest GPU sample in the served snapshot, in seconds.")
 GPU_SAMPLE_AGE = MetricSpec("nvml_exporter_gpu_sample_age_seconds", GAUGE,
                             "Age of this GPU's latest sample, in seconds.", GPU_LABELS)
+HOST_PID_NAMESPACE = MetricSpec("nvml_exporter_host_pid_namespace", GAUGE,
+                                "1 if the exporter runs in the host PID namespace, so GPU processes get names "
+                                "and attribution; 0 if not: their PID only.")
 NVML_CALLS = MetricSpec("nvml_exporter_nvml_calls_total", COUNTER,
                         "NVML calls made by the sampler (field batches count once).")

@@ -5,9 +5,11 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 
 * NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
   driver lacks the reading. It is remembered per device so it is never asked again.
-* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same device
-  (nvmlDeviceGetMemoryInfo) fails the same way too; otherwise one sensor is broken, not the GPU, and
-  the error is a `CallFailed` like any other (one bad sensor must not drop every series of its GPU).
+* GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same GPU
+  (nvmlDeviceGetMemoryInfo on the GPU itself, also for a call on one of its MIG devices) fails the
+  same way too; otherwise one sensor is broken, not the GPU, and the error is a `CallFailed` like any
+  other (one bad sensor must not drop every series of its GPU). A system-level call (`Nvml.call`:
+  GPM buffers and metrics, handles by index or UUID) has no GPU to probe: always `CallFailed`.
 * an AttributeError raised inside the binding is a bug (of the binding or of ours): logged with its
   traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _ABSENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
 _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESET_REQUIRED")
+#: the short names (`Nvml.error_name`) of the errors that may mean a lost GPU
+LOST_ERROR_NAMES = frozenset(name[len("NVML_ERROR_"):].lower() for name in _LOST_ERRORS)
 PROBE = "nvmlDeviceGetMemoryInfo"  # answered by every GPU and driver, costs one driver round trip
 
 #: NVML constants the exporter uses that the oldest supported nvidia-ml-py (12.535.108) lacks, with
@@ -97,7 +101,7 @@ class Nvml:
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
-        self.union_members = union_members(lib)
+        self.value_types = value_types(lib)
         self.success = lib.NVML_SUCCESS
         self._binding_bugs: set[str] = set()
 
@@ -152,9 +156,12 @@ class Nvml:
             raise CallFailed("binding_error") from exc
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a system-level NVML function with the error policy applied."""
+        """Call a system-level NVML function: Absent or CallFailed, never GpuLost (no GPU to probe)."""
         self.calls += 1
-        return self.invoke(function, *args, **kwargs)
+        try:
+            return self.invoke(function, *args, **kwargs)
+        except GpuLost as exc:
+            raise CallFailed(exc.error) from exc
 
     def driver_info(self) -> tuple[str, str]:
         """(driver_version, cuda_driver_version) such as ("550.54.15", "12.4"); "" when unknown."""
@@ -209,10 +216,15 @@ class Device:
         return device
 
     def reopen(self) -> None:
-        """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable."""
+        """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable.
+
+        Reachable means what `answers_probe` means: an answer with an error of its own
+        (NO_PERMISSION for an unprivileged exporter under MIG, NOT_SUPPORTED) is an answer.
+        """
         # pynvml passes this argument straight to ctypes.c_char_p: it must be bytes.
         self.handle = self.nvml.call("nvmlDeviceGetHandleByUUID", self.uuid.encode())
-        self.call(PROBE)
+        if not self.answers_probe():
+            raise GpuLost("probe_failed")
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call a per-device NVML function; raises Absent, GpuLost or CallFailed.
@@ -238,7 +250,8 @@ class Device:
             self.absent.add(key)
             raise
         except GpuLost as exc:
-            if function != PROBE and self.answers_probe():
+            is_probe = function == PROBE and handle is self.handle and not args and not kwargs
+            if not is_probe and self.answers_probe():
                 raise CallFailed(exc.error) from exc
             raise
 
@@ -277,10 +290,10 @@ class Device:
         """True if the GPU answered NOT_SUPPORTED for this field, or the driver has no field batches."""
         return ("field", (field_id, scope)) in self.absent or self.lacks("nvmlDeviceGetFieldValues")
 
-    def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], FieldValue | CallFailed]:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 
-        `fields` are (field_id, scope_id) pairs. Returns {pair: number or CallFailed}; fields the GPU
+        `fields` are (field_id, scope_id) pairs. Returns {pair: FieldValue or CallFailed}; fields the GPU
         does not support (NOT_SUPPORTED, or INVALID_ARGUMENT for an id or scope the driver does not
         know) are left out of the result and never requested again.
         """
@@ -289,10 +302,10 @@ class Device:
             return {}
         values = self.call("nvmlDeviceGetFieldValues", wanted)
         nvml = self.nvml
-        result: dict[tuple[int, int], Any] = {}
+        result: dict[tuple[int, int], FieldValue | CallFailed] = {}
         for pair, value in zip(wanted, values):
             if value.nvmlReturn == nvml.success:
-                result[pair] = union_number(nvml.union_members, value.valueType, value.value)
+                result[pair] = union_value(nvml.value_types, value.valueType, value.value)
             elif value.nvmlReturn in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
@@ -305,16 +318,32 @@ def _absent_key(function: str, args: Sequence[Any]) -> tuple:
     return function, tuple(args[:1]) if args and isinstance(args[0], (int, str)) else ()
 
 
-_UNION_MEMBERS = {"DOUBLE": "dVal", "UNSIGNED_INT": "uiVal", "UNSIGNED_LONG": "ulVal",
-                  "UNSIGNED_LONG_LONG": "ullVal", "SIGNED_LONG_LONG": "sllVal", "SIGNED_INT": "siVal",
-                  "UNSIGNED_SHORT": "usVal"}
+#: NVML_VALUE_TYPE_* name -> the C type of that c_nvmlValue_t member, and whether it is unsigned
+_VALUE_TYPES = {"DOUBLE": (ctypes.c_double, False), "UNSIGNED_INT": (ctypes.c_uint, True),
+                "UNSIGNED_LONG": (ctypes.c_ulong, True), "UNSIGNED_LONG_LONG": (ctypes.c_ulonglong, True),
+                "SIGNED_LONG_LONG": (ctypes.c_longlong, False), "SIGNED_INT": (ctypes.c_int, False),
+                "UNSIGNED_SHORT": (ctypes.c_ushort, True)}
 
 
-def union_members(lib: ModuleType) -> dict[int, str]:
-    """NVML_VALUE_TYPE_* tag -> the c_nvmlValue_t member holding that type."""
-    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): member for kind, member in _UNION_MEMBERS.items()}
+@dataclass(frozen=True)
+class FieldValue:
+    """One value of a field batch: the number and, for an unsigned integer, the width it wraps at."""
+
+    value: float
+    bits: int | None  # None: a double or a signed value (no wrap)
 
 
-def union_number(members: dict[int, str], kind: int, union: Any) -> float:
-    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag."""
-    return getattr(union, members.get(kind, "ullVal"))
+def value_types(lib: ModuleType) -> dict[int, tuple[Any, int | None]]:
+    """NVML_VALUE_TYPE_* tag -> (C type of the union member holding it, unsigned width in bits or None)."""
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): (ctype, 8 * ctypes.sizeof(ctype) if unsigned else None)
+            for kind, (ctype, unsigned) in _VALUE_TYPES.items()}
+
+
+def union_value(types: dict[int, tuple[Any, int | None]], kind: int, union: Any) -> FieldValue:
+    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag.
+
+    Read through the C type, not the binding's member name: nvidia-ml-py 12.535.108's union has no
+    `usVal`, yet a driver may answer NVML_VALUE_TYPE_UNSIGNED_SHORT.
+    """
+    ctype, bits = types.get(kind, (ctypes.c_ulonglong, 64))
+    return FieldValue(ctype.from_buffer(union).value, bits)

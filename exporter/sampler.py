@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
 from exporter.collectors.base import Values
 from exporter.collectors.identity import IdentityCollector
+from exporter.collectors.processes import in_host_pid_namespace
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 from exporter.textformat import sample_lines
 
@@ -239,7 +240,14 @@ class Sampler:
         self.devices = self.nvml.devices()
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
         self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
-        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid, "proc_root": self.proc_root}
+        # NVML answers host PIDs: None when the processes collector is off or /proc does not say
+        self.host_pid_namespace = in_host_pid_namespace(self.proc_root) if "processes" in self.collectors else None
+        if self.host_pid_namespace is False:
+            log.warning("not in the host PID namespace: GPU processes are exported with their PID only, no name "
+                        "or container/pod/Slurm attribution (run with the host PID namespace: docker --pid=host, "
+                        "Kubernetes hostPID: true)")
+        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid,
+                   "proc_root": self.proc_root, "host_pids": self.host_pid_namespace is not False}
         on_return = self.xid.register if self.xid else (lambda device: None)
         self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
                                 [BY_NAME[name](device, **options) for name in self.collectors],

@@ -25,7 +25,7 @@ import time
 import types
 import uuid as uuidlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from functools import wraps
 from typing import Any, Callable, Sequence
 
@@ -34,7 +34,8 @@ import pynvml
 SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo")
 GIB = 1 << 30
 MIB = 1 << 20
-TICK = 0.1  # seconds between entries of the simulated driver utilization buffer
+TICK = 0.1  # seconds between entries of the simulated driver utilization buffer, on average
+JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 periods off its slot
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
@@ -74,6 +75,7 @@ _H100_THRESHOLDS = {H.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92, H.NVML_TEMPERATUR
                     H.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87, H.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95}
 MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
 MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
+GPM_MIN_WINDOW = 0.1  # seconds: two GPM samples closer than this give no metrics (INVALID_ARGUMENT)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
@@ -91,6 +93,33 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
+    compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
+    sample_period: float = TICK  # seconds between utilization samples, on average (1/6 s to 1 s by product)
+    # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
+    # field): an unsigned value wraps at its width
+    field_types: dict[int, int] = dataclass_field(default_factory=dict)
+
+
+#: NVML_VALUE_TYPE_* -> the C type the driver writes into the c_nvmlValue_t union
+VALUE_CTYPES: dict[int, Any] = {
+    H.NVML_VALUE_TYPE_DOUBLE: ctypes.c_double, H.NVML_VALUE_TYPE_UNSIGNED_INT: ctypes.c_uint,
+    H.NVML_VALUE_TYPE_UNSIGNED_LONG: ctypes.c_ulong, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: ctypes.c_ulonglong,
+    H.NVML_VALUE_TYPE_SIGNED_LONG_LONG: ctypes.c_longlong, H.NVML_VALUE_TYPE_SIGNED_INT: ctypes.c_int,
+    H.NVML_VALUE_TYPE_UNSIGNED_SHORT: ctypes.c_ushort,
+}
+
+
+def old_field_value_struct() -> type:
+    """c_nvmlFieldValue_t as nvidia-ml-py before 12.560 declares it: its value union has no `usVal`."""
+    class Value(ctypes.Union):
+        _fields_ = [("dVal", ctypes.c_double), ("uiVal", ctypes.c_uint), ("ulVal", ctypes.c_ulong),
+                    ("ullVal", ctypes.c_ulonglong), ("sllVal", ctypes.c_longlong), ("siVal", ctypes.c_int)]
+
+    class FieldValue(ctypes.Structure):
+        _fields_ = [("fieldId", ctypes.c_uint), ("scopeId", ctypes.c_uint), ("timestamp", ctypes.c_longlong),
+                    ("latencyUsec", ctypes.c_longlong), ("valueType", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint),
+                    ("value", Value)]
+    return FieldValue
 
 
 def _api(device: bool = True) -> Callable:
@@ -149,15 +178,17 @@ class SimulatedNVML:
         self._buffers = [(ctypes.c_char * 8)() for _ in range(gpus)]
         self._handles = [_handle(b, pynvml.c_nvmlDevice_t) for b in self._buffers]
         self._by_address = {ctypes.addressof(b): i for i, b in enumerate(self._buffers)}
-        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait
-        self._mig_handles: dict[tuple[int, int], Any] = {}
-        self._mig_by_address: dict[int, tuple[int, int]] = {}
+        # MIG devices: MIG_INSTANCES GPU instances (ids 1, 2, ...) on each GPU with the `mig` trait, each
+        # with `compute_instances` compute instances: one MIG device (handle, MIG-UUID) per compute instance
+        self._mig_devices: dict[int, list[Any]] = {}  # GPU -> its MIG device handles, in slot order
+        self._mig_by_address: dict[int, tuple[int, int, int]] = {}  # -> (GPU, GPU instance, compute instance)
         for gpu, traits in enumerate(self.traits):
             for instance in range(1, MIG_INSTANCES + 1) if traits.mig else ():
-                buffer = (ctypes.c_char * 8)()
-                self._buffers.append(buffer)
-                self._mig_handles[(gpu, instance)] = _handle(buffer, pynvml.c_nvmlDevice_t)
-                self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance)
+                for compute in range(traits.compute_instances):
+                    buffer = (ctypes.c_char * 8)()
+                    self._buffers.append(buffer)
+                    self._mig_devices.setdefault(gpu, []).append(_handle(buffer, pynvml.c_nvmlDevice_t))
+                    self._mig_by_address[ctypes.addressof(buffer)] = (gpu, instance, compute)
         self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
@@ -167,13 +198,17 @@ class SimulatedNVML:
         # every event set (with its registrations) and GPM sample.
         self.initialized = False
         self._event_sets: dict[int, set[int]] = {}  # event set address -> GPUs registered on it
+        self._lost_on_set: set[int] = set()  # event sets a registered GPU fell off the bus from
         self._gpm_buffers: set[int] = set()
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
         self.__dict__.update(NVML_H)
-        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all
+        # an older nvidia-ml-py: these constants (or functions) are not in the binding at all;
+        # "usVal": the binding's value union has no unsigned short member (before 12.560)
         self.binding_lacks = frozenset(binding_lacks)
+        if "usVal" in self.binding_lacks:
+            self.c_nvmlFieldValue_t = old_field_value_struct()
         for name in self.binding_lacks:
             self.__dict__.pop(name, None)
             if callable(getattr(type(self), name, None)):
@@ -202,8 +237,8 @@ class SimulatedNVML:
         gpu = self._by_address.get(address)
         return self._mig_by_address[address][0] if gpu is None and address in self._mig_by_address else gpu
 
-    def _mig_of(self, handle: Any) -> tuple[int, int] | None:
-        """(parent GPU, GPU instance id) of a MIG device handle; None for a whole GPU."""
+    def _mig_of(self, handle: Any) -> tuple[int, int, int] | None:
+        """(parent GPU, GPU instance id, compute instance id) of a MIG device handle; None for a whole GPU."""
         try:
             return self._mig_by_address.get(ctypes.cast(handle, ctypes.c_void_p).value)
         except (TypeError, ctypes.ArgumentError):
@@ -231,8 +266,13 @@ class SimulatedNVML:
         return []
 
     def fall_off_bus(self, gpu: int | None) -> None:
-        """What a GPU that falls off the bus loses: its event registrations."""
-        self._forget_registrations(gpu)
+        """What a GPU that falls off the bus loses: its event registrations; and every event set it was
+        registered on answers GPU_IS_LOST to each wait from then on, whatever the other GPUs on it do."""
+        with self._lock:
+            for address, registered in self._event_sets.items():
+                if gpu in registered:
+                    registered.discard(gpu)
+                    self._lost_on_set.add(address)
 
     # --- the simulated workload -------------------------------------------------------------------
     def _phase(self, gpu: int, t: float) -> tuple[str, float]:
@@ -288,6 +328,7 @@ class SimulatedNVML:
         self.initialized = False
         with self._lock:
             self._event_sets.clear()
+            self._lost_on_set.clear()
             self._gpm_buffers.clear()
             self._gpm_samples.clear()
             self._keep.clear()
@@ -332,9 +373,9 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if not self.traits[gpu].mig or not 0 <= index < MIG_SLOTS:
             raise pynvml.NVMLError_InvalidArgument()
-        if index >= MIG_INSTANCES:
+        if index >= len(self._mig_devices[gpu]):
             raise pynvml.NVMLError_NotFound()
-        return self._mig_handles[(gpu, index + 1)]
+        return self._mig_devices[gpu][index]
 
     @_api()
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
@@ -347,7 +388,8 @@ class SimulatedNVML:
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         mig = self._mig_of(handle)
         if mig is not None:
-            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{mig[0]}-gi{mig[1]}')}"
+            name = f"dualtrack-simulated-{mig[0]}-gi{mig[1]}" + (f"-ci{mig[2]}" if mig[2] else "")
+            return f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, name)}"
         return self._uuids[self._gpu_of(handle)]
 
     @_api()
@@ -378,19 +420,27 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig or sampling_type != H.NVML_GPU_UTILIZATION_SAMPLES:
             raise pynvml.NVMLError_NotSupported()
-        now_tick = math.floor(self._t() / TICK)
+        period = self.traits[gpu].sample_period
+        now, now_tick = int(self.clock() * 1e6), math.floor(self._t() / period)
         first = max(now_tick - BUFFER + 1, 1)
         samples = []
-        for tick in range(first, now_tick + 1):
-            stamp = int((self.start + tick * TICK) * 1e6)
-            busy = self.utilization(gpu, (tick - 0.5) * TICK)
-            if stamp > timestamp and busy > 0:  # like the driver: no samples while the GPU idles
+        for tick in range(first, now_tick + 2):
+            stamp = self._sample_stamp(gpu, tick)
+            busy = self.utilization(gpu, (tick - 0.5) * period)
+            # like the driver: no samples while the GPU idles, none from the future
+            if timestamp < stamp <= now and busy > 0:
                 sample = pynvml.c_nvmlSample_t(timeStamp=stamp)
                 sample.sampleValue.uiVal = round(100 * busy)
                 samples.append(sample)
         if not samples:
             raise pynvml.NVMLError_NotFound()
         return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def _sample_stamp(self, gpu: int, tick: int) -> int:
+        """The driver timestamp (microseconds) of buffer entry `tick` (a sample period): its slot, jittered
+        (the same on every read)."""
+        offset = ((tick * 2654435761 + gpu * 40503) % 1000 / 1000 - 0.5) * JITTER  # in ticks
+        return int((self.start + (tick + offset) * self.traits[gpu].sample_period) * 1e6)
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
@@ -505,7 +555,7 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         t = self._t()
         busy = self.busy_seconds(gpu, t)
-        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        values = (self.c_nvmlFieldValue_t * len(field_ids))()
         for slot, requested in enumerate(field_ids):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             entry = values[slot]
@@ -518,8 +568,12 @@ class SimulatedNVML:
                 entry.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
             else:
                 entry.nvmlReturn = H.NVML_SUCCESS
-                entry.valueType = H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                entry.value.ullVal = int(reading)
+                entry.valueType = self.traits[gpu].field_types.get(field_id, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
+                kind = VALUE_CTYPES[entry.valueType]
+                if kind is ctypes.c_double:
+                    kind.from_buffer(entry.value).value = reading
+                else:  # an integer of that width: an unsigned counter wraps at it
+                    kind.from_buffer(entry.value).value = int(reading) % (1 << 8 * ctypes.sizeof(kind))
         return values
 
     def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:
@@ -554,11 +608,6 @@ class SimulatedNVML:
         }.get(field_id, lambda: None)()
 
     # --- events (XID) ----------------------------------------------------------------------------
-    def _forget_registrations(self, gpu: int | None) -> None:
-        with self._lock:
-            for registered in self._event_sets.values():
-                registered.discard(gpu)
-
     def _registered(self, event_set: Any) -> set[int]:
         """The GPUs registered on a live event set; INVALID_ARGUMENT for a freed or unknown one."""
         registered = self._event_sets.get(ctypes.cast(event_set, ctypes.c_void_p).value)
@@ -576,7 +625,9 @@ class SimulatedNVML:
     @_api(device=False)
     def nvmlEventSetFree(self, event_set: Any) -> None:
         self._registered(event_set)
-        del self._event_sets[ctypes.cast(event_set, ctypes.c_void_p).value]
+        address = ctypes.cast(event_set, ctypes.c_void_p).value
+        del self._event_sets[address]
+        self._lost_on_set.discard(address)
 
     @_api()
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
@@ -589,6 +640,8 @@ class SimulatedNVML:
             if not self.initialized:  # shut down while waiting
                 raise pynvml.NVMLError_Uninitialized()
             registered = self._registered(event_set)
+            if ctypes.cast(event_set, ctypes.c_void_p).value in self._lost_on_set:
+                raise pynvml.NVMLError_GpuIsLost()
             t = self._t()
             # Draw new events only once the pending ones are delivered: they must not queue faster
             # than the waits consume them.
@@ -633,7 +686,7 @@ class SimulatedNVML:
     def nvmlGpmMigSampleGet(self, handle: Any, gpu_instance_id: int, sample: Any) -> Any:
         self._gpm_buffer(sample)
         gpu = self._gpu_of(handle)
-        if not self.traits[gpu].mig or (gpu, gpu_instance_id) not in self._mig_handles:
+        if not self.traits[gpu].mig or not 1 <= gpu_instance_id <= MIG_INSTANCES:
             raise pynvml.NVMLError_InvalidArgument()
         t = self._t()
         self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
@@ -653,7 +706,7 @@ class SimulatedNVML:
     def nvmlGpmMetricsGet(self, request: Any) -> Any:
         first = self._gpm_samples[ctypes.cast(request.sample1, ctypes.c_void_p).value]
         second = self._gpm_samples[ctypes.cast(request.sample2, ctypes.c_void_p).value]
-        if second[1] <= first[1]:
+        if second[1] - first[1] < GPM_MIN_WINDOW:
             raise pynvml.NVMLError_InvalidArgument()
         busy = (second[2] - first[2]) / (second[1] - first[1])
         scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.nvml import Absent, Device, GpuLost, Nvml
+from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 from exporter.simulated import H, DeviceTraits
 from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
@@ -184,6 +184,36 @@ def test_pcie_throughput_is_followed_across_a_counter_wrap():
         rig.step()
         rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
     assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
+
+
+def test_pcie_throughput_is_followed_across_a_32_bit_counter_wrap():
+    # a driver answering the byte counter as unsigned int: it wraps at 4 GiB, every ~8.6 s at 0.5 GB/s
+    narrow = DeviceTraits(field_types={H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: H.NVML_VALUE_TYPE_UNSIGNED_INT})
+    rig = Rig(gpus=1, collectors=["pcie"], devices={0: narrow})
+    uuid = rig.sampler.devices[0].uuid
+    rates = []
+    for _ in range(20):
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    assert rates[0] is None and rates[1:] == pytest.approx([0.5e9] * 19, rel=1e-6)
+
+
+def test_a_64_bit_pcie_counter_reset_below_4_gib_is_no_32_bit_wrap():
+    rig = Rig(gpus=1, collectors=["pcie"])
+    uuid = rig.sampler.devices[0].uuid
+    real = rig.lib._field
+
+    def reloaded_at_5s(gpu, field_id, scope, t, busy):  # counts from 1 GiB, then from 0 after a driver reload
+        if field_id != H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+            return real(gpu, field_id, scope, t, busy)
+        return 2**30 + 0.5e9 * t if t < 5 else 0.5e9 * (t - 5)
+    rig.lib._field = reloaded_at_5s
+    rates = []
+    for _ in range(8):
+        rig.step()
+        rates.append(rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx"))
+    # the sample across the reset has no rate (not 2**32 - 3.07e9 bytes in 1 s); then 0.5 GB/s again
+    assert rates == [None, 0.5e9, 0.5e9, 0.5e9, None, 0.5e9, 0.5e9, 0.5e9]
 
 
 def test_mig_gpu_exports_each_gpu_instance_and_hidden_processes_are_no_failure():
@@ -371,3 +401,116 @@ def test_nvml_up_on_a_host_with_zero_gpus_is_1_and_with_no_gpu_opened_is_0():
     unopened.step()
     assert unopened.sampler.devices == []
     assert unopened.value("nvml_up") == 0
+
+
+def test_unknown_from_a_system_level_call_is_a_failed_reading_not_a_lost_gpu():
+    # nvmlGpmMetricsGet takes no device handle: nothing can be probed, so nothing is declared lost
+    rig = Rig(gpus=1, collectors=["gpm", "memory"], faults=[Fault(function="nvmlGpmMetricsGet", error="Unknown")])
+    for _ in range(11):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    assert rig.value("nvml_gpu_lost", gpu="0", uuid=uuid) == 0
+    assert rig.value("nvml_exporter_gpu_lost_total", gpu="0", uuid=uuid) == 0
+    assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0"}
+    assert rig.value("nvml_exporter_errors_total", collector="gpm", error="unknown") == 2
+    # the same for a MIG device's handle read through the system-level path (pod resources)
+    nvml = rig.sampler.nvml
+    rig.lib.faults.append(Fault(function="nvmlDeviceGetUUID", error="Unknown"))
+    with pytest.raises(CallFailed):
+        nvml.call("nvmlDeviceGetUUID", rig.sampler.devices[0].handle)
+
+
+def test_unknown_from_a_mig_device_goes_through_the_parent_gpus_probe():
+    rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)}, collectors=["mig", "memory"])
+    real = rig.lib.nvmlDeviceGetMemoryInfo
+
+    def broken_on_mig_devices(handle, version=None):
+        if rig.lib._mig_of(handle) is not None:
+            raise rig.lib.NVMLError_Unknown()
+        return real(handle, version)
+    rig.lib.nvmlDeviceGetMemoryInfo = broken_on_mig_devices
+    for _ in range(6):
+        rig.step()
+    uuid = rig.sampler.devices[1].uuid
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0  # the parent answers its probe
+    assert gpus_with(rig, "nvml_gpu_mig_info") == {"1"}
+    assert rig.series("nvml_gpu_mig_memory_used_bytes") == []
+    assert rig.value("nvml_exporter_errors_total", collector="mig", error="unknown") == 4  # 2 instances x 2 runs
+
+
+def test_a_lost_gpu_whose_probe_answers_no_permission_comes_back():
+    # unprivileged under MIG the parent's memory query answers NO_PERMISSION: it answered, it is alive
+    faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=3.0, until=8.0),
+              Fault(gpu=1, function="nvmlDeviceGetMemoryInfo", error="NoPermission")]
+    rig = Rig(gpus=2, faults=faults, collectors=["thermal"])
+    uuid = rig.sampler.devices[1].uuid
+    rig.step(4.0)
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 1
+    rig.step(5.0)  # t = 9: back
+    assert rig.value("nvml_gpu_lost", gpu="1", uuid=uuid) == 0
+    assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0", "1"}
+
+
+def test_a_gpu_instance_with_several_compute_instances_is_read_once_per_run():
+    # each compute instance is a MIG device of its own: two per GPU instance here
+    rig = Rig(gpus=1, devices={0: DeviceTraits(mig=True, compute_instances=2)}, collectors=["mig"])
+    for _ in range(11):
+        rig.step()
+    uuid = rig.sampler.devices[0].uuid
+    mig = rig.series("nvml_gpu_mig_info")
+    assert sorted(s["gpu_instance"] for s in mig) == ["1", "1", "2", "2"]  # one MIG-UUID per compute instance
+    assert len({s["mig_uuid"] for s in mig}) == 4
+    for gi in ("1", "2"):
+        assert 0.5 < rig.value("nvml_gpu_mig_sm_active_ratio", gpu="0", uuid=uuid, gpu_instance=gi) <= 1
+    assert rig.series("nvml_exporter_errors_total") == []  # no GPM window read twice within 100 ms
+    assert rig.lib.calls["nvmlGpmMigSampleGet"] == 3 * 2  # three runs, once per GPU instance
+
+
+def test_mig_device_slots_the_driver_does_not_support_are_no_failure(caplog):
+    faults = [Fault(gpu=1, function="nvmlDeviceGetMigDeviceHandleByIndex", error="NotSupported")]
+    rig = Rig(gpus=2, devices={1: DeviceTraits(mig=True)}, faults=faults, collectors=["mig", "memory"])
+    for _ in range(11):
+        rig.step()
+    assert rig.series("nvml_gpu_mig_info") == []
+    assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="mig") == 1
+    assert not [r for r in caplog.records if "collector mig failed" in r.getMessage()]
+
+
+def test_gpm_windows_shorter_than_the_driver_computes_are_not_sampled():
+    # every 5th sample of 10 ms is a 50 ms GPM window: NVML answers INVALID_ARGUMENT under 100 ms
+    rig = Rig(gpus=1, collectors=["gpm"], interval=0.01)
+    for _ in range(50):
+        rig.step()
+    assert 0.5 < rig.value("nvml_gpu_sm_active_ratio", gpu="0", uuid=rig.sampler.devices[0].uuid) <= 1
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def fake_proc(root, pid_namespace: str) -> None:
+    """A /proc where PID 4242 is an unrelated local process and /proc/self/ns/pid names `pid_namespace`."""
+    (root / "self" / "ns").mkdir(parents=True)
+    (root / "self" / "ns" / "pid").symlink_to(pid_namespace)
+    (root / "4242").mkdir()
+    (root / "4242" / "comm").write_text("nginx\n")
+    (root / "4242" / "cgroup").write_text("0::/system.slice/docker-" + "b" * 64 + ".scope\n")
+
+
+def test_outside_the_host_pid_namespace_gpu_processes_keep_their_pid_and_no_local_name(tmp_path, caplog):
+    fake_proc(tmp_path, "pid:[4026532201]")  # a container's own PID namespace
+    rig = Rig(gpus=2, proc_root=str(tmp_path), pid=4242, collectors=["processes"])
+    for _ in range(6):
+        rig.step()
+    series = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert [s["pid"] for s in series] == ["4242", "4242"]
+    assert all(s["process"] == s["container_id"] == s["pod_uid"] == s["slurm_job_id"] == "" for s in series)
+    assert rig.value("nvml_exporter_host_pid_namespace") == 0
+    assert len([r for r in caplog.records if "host PID namespace" in r.getMessage()]) == 1
+
+
+def test_in_the_host_pid_namespace_gpu_processes_are_named(tmp_path):
+    fake_proc(tmp_path, "pid:[4026531836]")  # the initial PID namespace (PROC_PID_INIT_INO)
+    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=4242, collectors=["processes"])
+    rig.step()
+    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert series["process"] == "nginx" and series["container_id"] == "b" * 64
+    assert rig.value("nvml_exporter_host_pid_namespace") == 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from exporter.simulated import H, DeviceTraits
 from tests.exporter_support import Rig
 
 # What nvidia-ml-py 12.535.108 (the declared floor) lacks of what the exporter reads.
@@ -40,3 +41,16 @@ def test_attribute_error_inside_the_binding_is_a_logged_bug_not_an_absent_readin
     assert rig.value("nvml_exporter_errors_total", collector="thermal", error="binding_error") == 3
     assert len([r for r in caplog.records if "bug" in r.getMessage()]) == 1  # once, with its traceback
     assert not rig.sampler.devices[0].lacks("nvmlDeviceGetTemperatureV", rig.lib.NVML_TEMPERATURE_GPU)
+
+
+def test_a_field_answered_as_unsigned_short_on_a_binding_without_usval_fails_nothing():
+    # nvidia-ml-py 12.535.108's c_nvmlValue_t has no usVal; the driver may still answer type 6
+    memory_temp_as_short = DeviceTraits(field_types={H.NVML_FI_DEV_MEMORY_TEMP: H.NVML_VALUE_TYPE_UNSIGNED_SHORT})
+    rig = Rig("healthy", gpus=2, collectors=["thermal", "power", "memory"], devices={0: memory_temp_as_short},
+              binding_lacks=OLD_BINDING + ("usVal",))
+    rig.step()
+    rig.step()
+    for gpu in rig.sampler.devices:
+        assert 40 <= rig.value("nvml_gpu_memory_temperature_celsius", gpu=str(gpu.index), uuid=gpu.uuid) <= 60
+        assert rig.value("nvml_gpu_power_usage_watts", gpu=str(gpu.index), uuid=gpu.uuid) > 0
+    assert rig.series("nvml_exporter_errors_total") == []

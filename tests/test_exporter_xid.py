@@ -1,11 +1,18 @@
 """XID events: shutdown order, no spinning, re-registration of a returned GPU, a rate-limited log."""
 from __future__ import annotations
 
+import ctypes
 import logging
 
 from tests.nvml_faults import Fault
 from stack.processes import wait_until
 from tests.exporter_support import Rig
+
+
+def watched(rig: Rig, gpu: int) -> bool:
+    """True when `gpu` is registered on the watcher's event set and the simulated driver delivers on it."""
+    address = ctypes.cast(rig.sampler.xid._event_set, ctypes.c_void_p).value
+    return gpu in rig.lib._event_sets.get(address, ()) and address not in rig.lib._lost_on_set
 
 
 def test_stop_joins_the_xid_thread_and_frees_the_event_set_before_nvml_shuts_down():
@@ -38,7 +45,7 @@ def test_a_gpu_back_from_being_lost_is_registered_for_xid_events_again():
         for _ in range(4):
             rig.step()  # t = 4: lost at 2 (which drops its event registration), back at 4
         assert not rig.sampler.gpus[1].lost
-        wait_until(lambda: rig.lib.calls["nvmlDeviceRegisterEvents"] == 3, timeout=5, what="re-registration")
+        wait_until(lambda: watched(rig, 1), timeout=5, what="re-registration")
         rig.step(2.0)  # t = 6: XID 79
         uuid = rig.sampler.devices[1].uuid
         wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79"),
@@ -57,3 +64,20 @@ def test_an_xid_storm_logs_one_line_per_gpu_and_xid_a_minute(caplog):
         rig.sampler.stop()
     lines = [r.getMessage() for r in caplog.records if "XID 79" in r.getMessage()]
     assert lines == ["GPU 0: XID 79: GPU has fallen off the bus"]
+
+
+def test_a_gpu_lost_for_good_does_not_mask_the_other_gpus_xids():
+    # GPU 1 falls off the bus and never comes back; the shared event set then answers GPU_IS_LOST
+    faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=2), Fault(gpu=0, xid=48, at=3, times=2)]
+    rig = Rig(gpus=2, faults=faults, collectors=["memory", "xid"])
+    rig.sampler.xid.start()
+    try:
+        rig.step()
+        rig.step()  # t = 2: GPU 1 lost
+        assert rig.sampler.gpus[1].lost
+        rig.step()  # t = 3: two XID 48 on GPU 0
+        uuid = rig.sampler.devices[0].uuid
+        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid, xid="48") == 2,
+                   timeout=10, what="GPU 0's XIDs counted")
+    finally:
+        rig.sampler.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, Iterable
 
 from exporter.metrics import SPECS
-from exporter.nvml import Absent, CallFailed, Device
+from exporter.nvml import Absent, CallFailed, Device, FieldValue
 from exporter.textformat import Values
 
 FieldKey = tuple[int, int]
@@ -72,6 +72,11 @@ class SampleContext:
 
     def field(self, field_id: int, scope: int = 0) -> float | None:
         """A value from the shared field batch; None if unsupported or failed (recorded)."""
+        reading = self.counter(field_id, scope)
+        return None if reading is None else reading.value
+
+    def counter(self, field_id: int, scope: int = 0) -> FieldValue | None:
+        """`field` with the width the driver answered it in (where an unsigned counter wraps)."""
         value = self._fields.get((field_id, scope))
         if isinstance(value, CallFailed):
             self.errors.append(value.error)

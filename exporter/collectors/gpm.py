@@ -4,15 +4,21 @@ No nvidia-smi field (dcgmi: DCGM_FI_PROF_SM_ACTIVE, PIPE_TENSOR_ACTIVE, DRAM_ACT
 nvmlGpmQueryDeviceSupport once, then per run nvmlGpmSampleGet into alternating buffers and
 nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, DRAM_BW_UTIL).
 A GPU in MIG mode answers for its GPU instances only (nvmlGpmMigSampleGet, in the mig collector).
+Two GPM samples less than 100 ms apart give no metrics: a window shorter than MIN_WINDOW is not sampled.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, Device, GpuLost
+from exporter.nvml import Absent, CallFailed, Device
 
 #: metric name suffix -> NVML_GPM_METRIC_* constant name
+#: seconds: the shortest window sampled: NVML computes no metrics over two GPM samples less than
+#: 100 ms apart, and `ctx.now` is when the sample started, not when its GPM call ran (up to a few
+#: collectors later), hence the margin
+MIN_WINDOW = 0.2
+
 GPM_METRICS = {"sm_active_ratio": "NVML_GPM_METRIC_SM_UTIL", "tensor_active_ratio": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
                "dram_active_ratio": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
 
@@ -31,9 +37,12 @@ class GpmWindow:
         self.take = take
         self.buffers: list = []
         self.have_previous = False
+        self.taken_at = 0.0  # ctx.now of the previous sample
+        self.ratios: dict[str, float] = {}  # of the last complete window
 
     def read(self, ctx: SampleContext) -> dict[str, float]:
-        """{suffix: ratio} of the window ending now; {} on the first sample or a failed one."""
+        """{suffix: ratio} of the window ending now; {} on the first sample or a failed one. A window
+        still shorter than MIN_WINDOW is left open: the last window's ratios stand meanwhile."""
         nvml, lib = self.device.nvml, self.device.nvml.lib
         if not self.buffers:
             buffers = [ctx.guarded(lambda: nvml.call("nvmlGpmSampleAlloc")) for _ in range(2)]
@@ -41,9 +50,12 @@ class GpmWindow:
                 self._free(buffers)
                 return {}
             self.buffers = buffers
+        if self.have_previous and ctx.now - self.taken_at < MIN_WINDOW:
+            return self.ratios
         previous, current = self.buffers
+        self.taken_at = ctx.now
         if ctx.guarded(lambda: self.take(current)) is None:
-            self.have_previous = False
+            self.have_previous, self.ratios = False, {}
             return {}
         self.buffers.reverse()
         if not self.have_previous:
@@ -56,20 +68,22 @@ class GpmWindow:
         for slot, constant in enumerate(GPM_METRICS.values()):
             request.metrics[slot].metricId = getattr(lib, constant)
         if ctx.guarded(lambda: nvml.call("nvmlGpmMetricsGet", request)) is None:
-            return {}
-        return {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
-                if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+            self.ratios = {}
+        else:
+            self.ratios = {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
+                           if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+        return self.ratios
 
     def close(self) -> None:
         self._free(self.buffers)
-        self.buffers, self.have_previous = [], False
+        self.buffers, self.have_previous, self.ratios = [], False, {}
 
     def _free(self, buffers: list) -> None:
         for buffer in buffers:
             if buffer is not None:
                 try:
                     self.device.nvml.call("nvmlGpmSampleFree", buffer)
-                except (Absent, CallFailed, GpuLost):
+                except (Absent, CallFailed):  # Nvml.call never answers GpuLost
                     pass
 
 

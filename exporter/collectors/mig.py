@@ -6,12 +6,16 @@ reconfigured while the exporter runs), nvmlDeviceGetGpuInstanceId and nvmlDevice
 MIG device, nvmlDeviceGetMemoryInfo and, where the driver answers it for a MIG device,
 nvmlDeviceGetUtilizationRates on the MIG device handle; GPM per GPU instance with
 nvmlGpmMigSampleGet (Hopper+). A GPU without MIG mode exports none of this.
+
+A MIG device is a compute instance: a GPU instance split into several compute instances has several
+MIG devices (each its own MIG-UUID, all in `nvml_gpu_mig_info`), but its memory, utilization and GPM
+window are the GPU instance's and are read once per run, from its first MIG device.
 """
 from __future__ import annotations
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.collectors.gpm import GpmWindow, gpm_supported
-from exporter.nvml import CallFailed, as_text
+from exporter.nvml import Absent, CallFailed, as_text
 
 
 class MigCollector(Collector):
@@ -32,6 +36,8 @@ class MigCollector(Collector):
         for index in range(count or 0):
             try:
                 handle = self.device.call("nvmlDeviceGetMigDeviceHandleByIndex", index)
+            except Absent:  # the driver does not support this slot: nothing there
+                continue
             except CallFailed as exc:
                 if exc.error != "not_found":  # NOT_FOUND: no MIG device in this slot
                     ctx.errors.append(exc.error)
@@ -40,9 +46,11 @@ class MigCollector(Collector):
             if instance is None:
                 continue
             gi = str(instance)
-            seen.add(instance)
             mig_uuid = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUUID"))
             ctx.emit("nvml_gpu_mig_info", 1, gi, as_text(mig_uuid or ""))
+            if instance in seen:  # another compute instance of a GPU instance already read
+                continue
+            seen.add(instance)
             memory = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
             if memory is not None:
                 ctx.emit("nvml_gpu_mig_memory_used_bytes", memory.used, gi)

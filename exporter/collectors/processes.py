@@ -2,13 +2,15 @@
 
 nvidia-smi: --query-compute-apps=pid,process_name,used_memory. NVML:
 nvmlDeviceGetComputeRunningProcesses. Names come from /proc/<pid>/comm, attribution from
-/proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). PIDs are host PIDs:
-in a container run the exporter with the host PID namespace to resolve them. Process names and
-PIDs can be sensitive: `--no-collector.processes` turns all of this off.
+/proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). NVML's PIDs are host
+PIDs: outside the host PID namespace the same number in our /proc is an unrelated process, so
+there the series keep only the PID (and /proc/<pid> is never read). Process names and PIDs can be
+sensitive: `--no-collector.processes` turns all of this off.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,16 @@ log = logging.getLogger(__name__)
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
 _SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+# /proc/self/ns/pid in the initial (host) PID namespace: its inode is PROC_PID_INIT_INO (0xEFFFFFFC)
+HOST_PID_NAMESPACE = "pid:[4026531836]"
+
+
+def in_host_pid_namespace(proc_root: str | Path) -> bool | None:
+    """Whether this process sees host PIDs (the ones NVML answers); None when /proc does not say."""
+    try:
+        return os.readlink(Path(proc_root) / "self" / "ns" / "pid") == HOST_PID_NAMESPACE
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -73,9 +85,10 @@ class ProcessesCollector(Collector):
     period = 5
     help = "per-process device memory with container/pod/Slurm attribution"
 
-    def __init__(self, device, *, proc_root: str | Path = "/proc", **kwargs) -> None:
+    def __init__(self, device, *, proc_root: str | Path = "/proc", host_pids: bool = True, **kwargs) -> None:
         super().__init__(device, **kwargs)
         self.proc_root = Path(proc_root)
+        self.host_pids = host_pids  # False: our /proc is another PID namespace's, never read it
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
 
@@ -97,7 +110,8 @@ class ProcessesCollector(Collector):
         seen: dict[int, ProcessIdentity] = {}
         for process in processes:
             pid = int(process.pid)
-            identity = seen[pid] = self.known.get(pid) or identify(pid, self.proc_root)
+            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root) if self.host_pids
+                                    else ProcessIdentity())
             ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, str(pid), identity.name,
                      identity.container_id, identity.pod_uid, identity.slurm_job_id)
         self.known = seen  # forget exited processes (a reused PID is looked up afresh)

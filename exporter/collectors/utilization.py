@@ -1,16 +1,29 @@
 """GPU and memory-controller utilization, and busy/idle seconds integrated between scrapes.
 
 nvidia-smi: utilization.gpu, utilization.memory. NVML: nvmlDeviceGetUtilizationRates, and
-nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES) — the driver's own sample buffer (about six
-samples a second), read from the last seen timestamp so no busy period between two samples is lost.
-Each sample counts for its own sampling period; time the buffer does not cover (it runs dry while
-the GPU idles) counts as idle. Without the buffer (older drivers, some MIG setups) the polled rate
-is integrated instead.
+nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES) — the driver's own sample buffer (one sample every
+1/6 s to 1 s depending on the product, about 15 s kept), read from the last seen timestamp so no busy
+period between two samples is lost. Each sample counts for its own period, the spacing from the
+sample before it: the driver's spacing jitters, so no single spacing stands for all. A spacing longer
+than JITTER_BOUND typical periods (the median of recent spacings) is a gap in the buffer (it runs dry
+while the GPU idles): that sample counts for one typical period, and the rest of the gap is time no
+sample covers, which counts as idle. The first poll only learns where the buffer ends: its ~15 s
+are from before the exporter started. Without the buffer (older drivers, some MIG setups) the polled
+rate is integrated instead.
 """
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
+
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, union_number
+from exporter.nvml import Absent, CallFailed, union_value
+
+SPACINGS = 64  # recent sample spacings the typical sampling period is the median of
+MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1 s, NVML): a longer spacing is a gap
+DEFAULT_PERIOD = 1 / 6  # seconds: the period of most products, until spacings are seen
+JITTER_BOUND = 1.5  # a spacing up to this many typical periods is the sample's own period
+LAG_PERIODS = 2  # poll time not yet covered by samples, in typical periods, that is lag rather than idle
 
 
 class UtilizationCollector(Collector):
@@ -22,7 +35,8 @@ class UtilizationCollector(Collector):
         self.busy = 0.0
         self.idle = 0.0
         self.last_timestamp: int | None = None  # NVML microseconds of the newest sample seen
-        self.sample_period: float | None = None  # the driver's sampling period: the shortest spacing seen, seconds
+        self.spacings: deque[float] = deque(maxlen=SPACINGS)  # recent spacings of at most MAX_PERIOD, seconds
+        self.uncovered = 0.0  # poll time since the newest sample: lag up to LAG_PERIODS, then idle
         self.last_poll: float | None = None
         self.integrating = False
 
@@ -49,12 +63,13 @@ class UtilizationCollector(Collector):
             self.idle += seconds
 
     def _integrate_buffer(self, ctx: SampleContext, elapsed: float | None) -> None:
-        """Credit each new sample for its own sampling period; time no sample covers is idle.
+        """Credit each new sample for its own period; poll time no sample covers is idle.
 
         The driver stops filling its buffer while the GPU is idle (nvmlDeviceGetSamples answers
-        NOT_FOUND, or SUCCESS with no samples): the part of the time since the last poll that no
-        sample covers is idle time. A poll gap longer than `max_gap` (a hang) is credited to nothing
-        beyond the samples the buffer kept.
+        NOT_FOUND, or SUCCESS with no samples). The newest sample always lags the poll by up to a
+        period or so, so poll time not covered by samples is idle only beyond LAG_PERIODS typical
+        periods. A poll gap longer than `max_gap` (a hang) is credited to nothing beyond the samples
+        the buffer kept. On the first poll (`elapsed` None) nothing is credited.
         """
         lib = self.device.nvml.lib
         try:
@@ -67,18 +82,32 @@ class UtilizationCollector(Collector):
         self.integrating = True
         previous = self.last_timestamp
         covered = 0.0
+        typical = self._typical()
         for sample in sorted(samples, key=lambda s: s.timeStamp):
-            if previous is not None and sample.timeStamp > previous:
-                spacing = (sample.timeStamp - previous) / 1e6
-                self.sample_period = spacing if self.sample_period is None else min(self.sample_period, spacing)
-                value = union_number(self.device.nvml.union_members, kind, sample.sampleValue)
-                self._add(_ratio(value), self.sample_period)
-                covered += self.sample_period
-            previous = max(previous or 0, sample.timeStamp)
+            if previous is not None and sample.timeStamp <= previous:
+                continue
+            spacing = None if previous is None else (sample.timeStamp - previous) / 1e6
+            if spacing is not None and spacing <= MAX_PERIOD:
+                self.spacings.append(spacing)
+            previous = sample.timeStamp
+            if elapsed is not None:
+                # its own spacing, or one typical period after a gap (or for the first sample ever seen)
+                period = spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
+                value = union_value(self.device.nvml.value_types, kind, sample.sampleValue).value
+                self._add(_ratio(value), period)
+                covered += period
         self.last_timestamp = previous
-        uncovered = 0.0 if elapsed is None or not 0 < elapsed <= self.max_gap else elapsed - covered
-        if uncovered > (self.sample_period or 0.0) / 2:  # not clock jitter between sampler and driver
-            self.idle += uncovered
+        if elapsed is not None and 0 < elapsed <= self.max_gap:
+            self.uncovered += elapsed
+        self.uncovered = max(0.0, self.uncovered - covered)
+        lag = LAG_PERIODS * typical
+        if self.uncovered > lag:
+            self.idle += self.uncovered - lag
+            self.uncovered = lag
+
+    def _typical(self) -> float:
+        """The driver's typical sampling period: the median of recent spacings, seconds."""
+        return median(self.spacings) if self.spacings else DEFAULT_PERIOD
 
     def _integrate_poll(self, rates, elapsed: float | None) -> None:
         if rates is None:

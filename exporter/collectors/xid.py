@@ -7,7 +7,9 @@ kernel log alone. The counts live here; the per-GPU collector copies them into t
 
 The thread is joined and the event set freed before NVML is shut down (event sets are not
 thread-safe), a GPU that comes back after being lost is registered again (its handle and its
-registration are new), and the log line is rate-limited per GPU and XID for XID storms.
+registration are new), and the log line is rate-limited per GPU and XID for XID storms. A GPU that
+falls off the bus makes every wait on the set answer GPU_IS_LOST: the watcher then moves to a new set
+with the GPUs that still register, so one lost GPU never masks the others' XIDs.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml, handle_key
+from exporter.nvml import LOST_ERROR_NAMES, Absent, CallFailed, Device, GpuLost, Nvml, handle_key
 
 log = logging.getLogger(__name__)
 WAIT_MS = 500
@@ -66,7 +68,7 @@ class XidWatcher:
         """Register for XID events; without event support, log once and count nothing."""
         try:
             self._event_set = self.nvml.call("nvmlEventSetCreate")
-        except (Absent, CallFailed, GpuLost) as exc:
+        except (Absent, CallFailed) as exc:
             log.info("XID events unavailable (%s): nvml_gpu_xid_errors_total will not be exported", exc)
             return
         for device in self.devices:
@@ -95,6 +97,27 @@ class XidWatcher:
             self._by_handle = {key: index for key, index in self._by_handle.items() if index != device.index}
             self._by_handle[handle_key(device.handle)] = device.index
 
+    def _renew(self) -> None:
+        """Move to a new event set with every GPU that still registers, and free the old one.
+
+        A GPU registered on a set that falls off the bus fails every wait on it, masking the other
+        GPUs' XIDs; it is left out until it comes back (`register`). Run by the event thread only.
+        """
+        try:
+            event_set = self.nvml.call("nvmlEventSetCreate")
+        except (Absent, CallFailed) as exc:
+            log.debug("XID event set renewal failed: %s", exc)
+            return
+        old, self._event_set = self._event_set, event_set
+        with self._lock:
+            self._by_handle = {}
+        for device in self.devices:
+            self._register(device)
+        try:
+            self.nvml.call("nvmlEventSetFree", old)
+        except (Absent, CallFailed) as exc:
+            log.debug("freeing the old XID event set failed: %s", exc)
+
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop and join the thread, then free the event set; False if the thread is stuck in NVML."""
         self._stop.set()
@@ -105,7 +128,7 @@ class XidWatcher:
         if self._event_set is not None:
             try:
                 self.nvml.call("nvmlEventSetFree", self._event_set)
-            except (Absent, CallFailed, GpuLost) as exc:
+            except (Absent, CallFailed) as exc:
                 log.debug("freeing the XID event set failed: %s", exc)
             self._event_set = None
         return True
@@ -133,9 +156,11 @@ class XidWatcher:
                     log.debug("XID event wait: NVML is shut down; stopping")
                     return
                 log.debug("XID event wait failed: %s", exc)
+                if exc.error in LOST_ERROR_NAMES:
+                    self._renew()
                 self._stop.wait(WAIT_MS / 1000)  # never spin on an error
                 continue
-            except (GpuLost, Absent) as exc:
+            except Absent as exc:
                 log.debug("XID event wait failed: %s", exc)
                 self._stop.wait(WAIT_MS / 1000)
                 continue
