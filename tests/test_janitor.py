@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -72,6 +73,27 @@ def test_deletes_only_dualtrack_runs_older_than_their_retention(pgw):
         dead_run.close()
 
 
+@pytest.mark.parametrize("skew", [11 * 60, 25 * 3600], ids=["11min-ahead", "25h-ahead"])
+def test_the_janitors_own_clock_never_decides_an_age(pgw, monkeypatch, skew):
+    finished, live = run_id("finished"), run_id("live")
+    with TrainingMonitor(job="jan", run=finished, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
+        m.log({"loss": 1.0}, step=0)
+    live_run = TrainingMonitor(job="jan", run=live, pushgateway=pgw.url, push_interval=0.2, record_path=False,
+                               delete_after=0)
+    try:
+        processes.wait_until(lambda: {finished, live} <= runs(pgw.url), 10, what="both groups")
+        real_time = time.time
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "time", lambda: real_time() + skew)  # the janitor's host clock is off
+            assert janitor(pgw.url, "--finished-retention=10m", "--retention=24h") == 0
+        assert {finished, live} <= runs(pgw.url)  # a run that finished seconds ago and a live run stay
+        processes.wait_until(lambda: janitor(pgw.url, "--finished-retention=0.5s", "--retention=24h") == 0
+                             and finished not in runs(pgw.url), 10, what="the finished run deleted once due")
+        assert live in runs(pgw.url)
+    finally:
+        live_run.close()
+
+
 def test_dry_run_deletes_nothing(pgw, caplog):
     caplog.set_level(logging.INFO, logger="dualtrack.janitor")
     run = run_id("dry")
@@ -97,11 +119,14 @@ def test_unreachable_pushgateway_and_malformed_groups_are_logged_not_fatal(caplo
         {"labels": {"job": "j", "run": "r1", "rank": "0"}, "training_run_state": {}},
         {"labels": {"job": "j", "run": "r2", "rank": "0"}, "training_run_state": {"metrics": []},
          "push_time_seconds": {"metrics": [{"value": "soon"}]}},
-        {"labels": {"job": "other"}, "push_time_seconds": {"metrics": [{"value": "1"}]}}]}
+        {"labels": {"job": "other"}, "push_time_seconds": {"metrics": [{"value": "1"}]}},
+        *({"labels": {"job": "j", "run": f"garbage-{value}", "rank": "0"},  # never grounds for deletion
+           "training_run_state": {"metrics": [{"labels": {"state": "finished"}, "value": "1"}]},
+           "push_time_seconds": {"metrics": [{"value": value}]}} for value in ("NaN", "-Inf", "0"))]}
     with answering(json.dumps(malformed).encode()) as url:
         assert janitor(url, "--retention=1s", "--finished-retention=1s") == 0
-    assert caplog.text.count("skipping a malformed group") == 3
-    assert "deleted" not in caplog.text
+    assert caplog.text.count("skipping a malformed group") == 6
+    assert "delete" not in caplog.text
 
 
 def test_daemon_keeps_running_while_the_pushgateway_is_down_and_then_cleans_up(tmp_path, start_service):

@@ -54,6 +54,12 @@ class GatewayAccess:
         return cls(**connection(url))
 
 
+def endpoint(settings: Connection) -> Endpoint:
+    """The Pushgateway as a dualtrack.connection Endpoint."""
+    return Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token, settings.ca_file,
+                    settings.client_cert, settings.tls_verify)
+
+
 def make_handler(settings: Connection) -> Callable:
     """A prometheus_client push handler with our auth header and TLS options, never following a redirect
     (dualtrack.connection.opener).
@@ -61,8 +67,7 @@ def make_handler(settings: Connection) -> Callable:
     The request it returns also hands back the response body (for GET requests).
     Raises ValueError for unusable TLS files (called at construction, before anything starts).
     """
-    open_ = opener(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token, settings.ca_file,
-                            settings.client_cert, settings.tls_verify))
+    open_ = opener(endpoint(settings))
 
     def handler(url: str, method: str, timeout: float | None, headers, data: bytes | None):
         def send() -> bytes:
