@@ -190,7 +190,7 @@ def test_pods_per_gpu_are_bounded_and_the_dropped_ones_counted_and_logged_once(k
 
 def test_an_oversized_kubelet_reply_is_refused_not_parsed(kubelet, caplog):
     rig = Rig(gpus=1, collectors=["utilization", "podresources"])
-    kubelet.response = many_pods(200_000, rig.sampler.devices[0].uuid)  # the 11 MiB reply of the field report
+    kubelet.response = many_pods(200_000, rig.sampler.devices[0].uuid)  # 15 MiB: past the 11 MiB reply reported
     assert len(kubelet.response) > podresources.MAX_RESPONSE_BYTES
     rig.step()
     assert rig.series("nvml_gpu_pod_info") == []
