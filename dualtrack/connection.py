@@ -93,18 +93,18 @@ def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None,
         basic_auth = (env[f"{env_prefix}_USERNAME"], env.get(f"{env_prefix}_PASSWORD", ""))
     if basic_auth is not None and (isinstance(basic_auth, str) or len(basic_auth) != 2
                                    or not all(isinstance(p, str) for p in basic_auth)):
-        raise ValueError(f"{what} basic auth must be a (username, password) pair of strings")
+        raise ValueError(f"{what}: basic_auth must be a (username, password) pair of strings")
     bearer_token = bearer_token if bearer_token is not None else env.get(f"{env_prefix}_TOKEN") or None
     if basic_auth and bearer_token:
-        raise ValueError(f"{what}: give either basic auth or a bearer token, not both")
+        raise ValueError(f"{what}: give either basic_auth or bearer_token, not both")
     ca_file = ca_file if ca_file is not None else env.get(f"{env_prefix}_CA_FILE") or None
     if ca_file is not None and not Path(ca_file).is_file():
-        raise ValueError(f"{what} CA file {ca_file!r} does not exist")
+        raise ValueError(f"{what}: ca_file {ca_file!r} does not exist")
     if client_cert is not None and (len(client_cert) != 2 or not all(Path(p).is_file() for p in client_cert)):
-        raise ValueError(f"{what} client certificate must be a (certfile, keyfile) pair of existing files")
+        raise ValueError(f"{what}: client_cert must be a (certfile, keyfile) pair of existing files")
     if url is not None and url.startswith("http://") and (ca_file or client_cert):
-        raise ValueError(f"{what} URL {shown(url)} is plain http://: a CA file or client certificate needs "
-                         "https:// (it would not be used)")
+        raise ValueError(f"{what} URL {shown(url)} is plain http://: a ca_file or client_cert needs https:// "
+                         "(it would not be used)")
     return Endpoint(url, tuple(basic_auth) if basic_auth else None, bearer_token, ca_file,
                     tuple(client_cert) if client_cert else None, bool(tls_verify))
 
