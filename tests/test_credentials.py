@@ -230,3 +230,23 @@ def test_report_reads_prometheus_over_tls_with_basic_auth_and_writes_no_secret(t
     assert result.stderr == "" and f"Prometheus: {secure_prometheus.url}</p>" in page  # read, nothing failed
     result, page = report("not-the-" + PASSWORD)
     assert "HTTP 401" in result.stderr and "query failed" in page
+
+
+@pytest.mark.e2e
+def test_the_prometheus_client_queries_and_lists_alerts_over_tls_with_basic_auth(tmp_path, pki, secure_prometheus):
+    from argparse import Namespace
+
+    from dualtrack import prometheus
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD + "\n")
+    args = Namespace(prometheus=secure_prometheus.url, prometheus_username="grafana",
+                     prometheus_password_file=password_file, prometheus_bearer_token_file=None,
+                     prometheus_ca_file=str(pki.ca_cert))
+    client = prometheus.from_args(args, pytest.fail)
+    assert client.query("vector(42)")[0]["value"][1] == "42"
+    assert client.query_range("vector(1)", 1000, 1010, 5)[0]["values"][0] == [1000, "1"]
+    assert client.alerts() == []
+    anonymous = prometheus.from_args(Namespace(**{**vars(args), "prometheus_username": None,
+                                                  "prometheus_password_file": None}), pytest.fail)
+    with pytest.raises(prometheus.QueryError, match="HTTP 401"):
+        anonymous.query("vector(1)")
