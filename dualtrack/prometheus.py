@@ -94,20 +94,21 @@ class Prometheus:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         """The matrix `expr` gives over [start, end] every `step` seconds."""
-        return self._get("query_range", {"query": expr, "start": start, "end": end, "step": step})["result"]
+        return self._get("query_range", {"query": expr, "start": start, "end": end, "step": step}, "result")
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """The instant vector (or scalar/string result list) `expr` gives now, or at `at`."""
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
-        return self._get("query", params)["result"]
+        return self._get("query", params, "result")
 
     def alerts(self) -> list[dict[str, Any]]:
         """The alerts pending or firing now."""
-        return self._get("alerts", {})["alerts"]
+        return self._get("alerts", {}, "alerts")
 
-    def _get(self, api: str, params: dict[str, Any]) -> dict[str, Any]:
+    def _get(self, api: str, params: dict[str, Any], key: str) -> list[Any]:
+        """`data[key]` of /api/v1/`api`, a list; raises QueryError."""
         url = f"{self.endpoint.url}/api/v1/{api}" + (f"?{urlencode(params)}" if params else "")
         try:
             with self._open(urllib.request.Request(url), self.timeout) as response:
@@ -118,6 +119,7 @@ class Prometheus:
             raise QueryError(f"query failed ({api}): {str(exc.reason)[:200]}") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise QueryError(f"query failed ({api}, {type(exc).__name__}: {str(exc)[:200]})") from None
-        if not isinstance(data, dict):
-            raise QueryError(f"query failed ({api}): 'data' is not an object")
-        return data
+        found = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(found, list):
+            raise QueryError(f"query failed ({api}): no list in data.{key}")
+        return found
