@@ -8,7 +8,8 @@
   credentials over plain http:// to a host other than loopback are warned about, once per URL.
 - Requests never follow a redirect (the Authorization header would go wherever the redirect points).
 
-Torch-free: imported by the hook (trainer_hook.settings, trainer_hook.push) and the `dualtrack` command.
+Torch-free: imported by the hook (trainer_hook.settings, trainer_hook.push) and the `dualtrack` command
+(janitor, report).
 """
 from __future__ import annotations
 
@@ -160,6 +161,25 @@ def ssl_context(endpoint: Endpoint) -> ssl.SSLContext | None:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def push_handler(endpoint: Endpoint) -> Callable[..., Callable[[], bytes]]:
+    """A prometheus_client push/delete handler for `endpoint` (opener's TLS, auth, no redirects); the
+    request it returns also hands back the response body. Raises ValueError for unusable TLS files."""
+    open_ = opener(endpoint)
+
+    def handler(url: str, method: str, timeout: float | None, headers: list[tuple[str, str]],
+                data: bytes | None) -> Callable[[], bytes]:
+        def send() -> bytes:
+            request = urllib.request.Request(url, data=data, method=method)
+            for key, value in headers:
+                request.add_header(key, value)
+            # raises HTTPError (an OSError) for any status >= 400, and for a redirect
+            with open_(request, timeout) as response:
+                return response.read()
+        return send
+
+    return handler
 
 
 def opener(endpoint: Endpoint) -> Callable[..., Any]:

@@ -29,10 +29,11 @@ import urllib.request
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable
 
-from .connection import opener
+from .connection import opener, push_handler, resolve, warn_plaintext
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
+ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN, _CA_FILE, as for the hook
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 log = logging.getLogger("dualtrack.janitor")
@@ -69,24 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.interval, args.timeout) <= 0:
         return _usage_error("--interval and --timeout must be longer than 0")
-    from trainer_hook.push import GatewayAccess, endpoint, make_handler  # imports torch when installed: slow
-
-    url = args.pushgateway or os.environ.get("DUALTRACK_PUSHGATEWAY") or DEFAULT_PUSHGATEWAY
-    try:
-        access = GatewayAccess.from_environment(url)
-        handler, open_ = make_handler(access), opener(endpoint(access))
+    url = args.pushgateway or os.environ.get(ENV_PUSHGATEWAY) or DEFAULT_PUSHGATEWAY
+    try:  # the hook's rule and variables ($DUALTRACK_PUSHGATEWAY_USERNAME/_PASSWORD, _TOKEN, _CA_FILE)
+        access = resolve("pushgateway", ENV_PUSHGATEWAY, url)
+        handler, open_ = push_handler(access), opener(access)
     except ValueError as exc:
         return _usage_error(str(exc))
     logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
     log.setLevel(logging.INFO)
-    janitor = Janitor(access.pushgateway, open_, handler, args)
+    warn_plaintext(access, "Pushgateway", log.warning)
+    janitor = Janitor(access.url, open_, handler, args)
     if args.once:
         return 0 if janitor.sweep() is not None else 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("watching %s every %gs (running runs: %gs, finished runs: %gs after their last push)",
-             access.pushgateway, args.interval, args.retention, args.finished_retention)
+             access.url, args.interval, args.retention, args.finished_retention)
     while True:
         janitor.sweep()
         if stop.wait(args.interval):

@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from dualtrack.cli import main
+from dualtrack.connection import resolve
 from stack import processes
 from tests.certs import bcrypt_hash
 from tests.hook_support import http_gateway, run_id
 from tests.test_report import synthetic_record
 from trainer_hook import TrainingMonitor
-from trainer_hook.push import GatewayAccess
 
 PASSWORD = "hunter2-Sekret"
 TOKEN = "tok-Sekret-42"
@@ -80,7 +80,7 @@ def test_repr_of_settings_and_clients_shows_no_secret(monkeypatch):
             text = repr(monitor.settings)
     assert "hook" not in text and PASSWORD not in text and url in text
     monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_TOKEN", TOKEN)
-    assert TOKEN not in repr(GatewayAccess.from_environment(url))
+    assert TOKEN not in repr(resolve("pushgateway", "DUALTRACK_PUSHGATEWAY", url))  # the janitor's connection
 
     from argparse import Namespace
 

@@ -190,6 +190,14 @@ def test_bad_flags_exit_2_with_one_line(args, message):
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+def test_the_janitor_never_imports_torch():
+    code = ("import sys; from dualtrack.cli import main; "
+            "assert main(['janitor', '--once', '--pushgateway=http://127.0.0.1:1']) == 1; print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=processes.REPO,
+                            timeout=60)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
 def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, caplog):
     assert janitor(secure_pgw.url, "--timeout=5s") == 1  # no credentials: refused, logged
     assert "cannot read the groups of" in caplog.text

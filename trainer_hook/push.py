@@ -10,76 +10,26 @@ import dataclasses
 import logging
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from dualtrack.connection import Endpoint, opener
+from dualtrack.connection import Endpoint, push_handler
 
 from .aggregate import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import Settings, connection
+from .settings import Settings
 
 log = logging.getLogger("trainer_hook")
 
 
-class Connection(Protocol):
-    """Where the Pushgateway is and how to reach it (Settings, or GatewayAccess for the janitor)."""
-
-    pushgateway: str | None
-    ca_file: str | None
-    client_cert: tuple[str, str] | None
-    tls_verify: bool
-    basic_auth: tuple[str, str] | None
-    bearer_token: str | None
-
-
-@dataclass(frozen=True)
-class GatewayAccess:
-    """A Pushgateway connection from the hook's environment variables (used by `dualtrack janitor`)."""
-
-    pushgateway: str | None
-    basic_auth: tuple[str, str] | None = field(default=None, repr=False)  # secrets never in repr()
-    bearer_token: str | None = field(default=None, repr=False)
-    ca_file: str | None = None
-    client_cert: tuple[str, str] | None = None
-    tls_verify: bool = True
-
-    @classmethod
-    def from_environment(cls, url: str | None = None) -> "GatewayAccess":
-        """`url` (else $DUALTRACK_PUSHGATEWAY) with the hook's credentials from the environment, checked
-        as the hook checks them (settings.connection); raises ValueError."""
-        return cls(**connection(url))
-
-
-def endpoint(settings: Connection) -> Endpoint:
-    """The Pushgateway as a dualtrack.connection Endpoint."""
-    return Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token, settings.ca_file,
-                    settings.client_cert, settings.tls_verify)
-
-
-def make_handler(settings: Connection) -> Callable:
-    """A prometheus_client push handler with our auth header and TLS options, never following a redirect
-    (dualtrack.connection.opener).
-
-    The request it returns also hands back the response body (for GET requests).
-    Raises ValueError for unusable TLS files (called at construction, before anything starts).
-    """
-    open_ = opener(endpoint(settings))
-
-    def handler(url: str, method: str, timeout: float | None, headers, data: bytes | None):
-        def send() -> bytes:
-            request = urllib.request.Request(url, data=data, method=method)
-            for key, value in headers:
-                request.add_header(key, value)
-            # urlopen raises HTTPError (an OSError) for any status >= 400, and for a redirect.
-            with open_(request, timeout) as response:
-                return response.read()
-        return send
-
-    return handler
+def make_handler(settings: Settings) -> Callable:
+    """The prometheus_client handler for the settings' Pushgateway: dualtrack.connection's TLS, auth header
+    and no redirects. Raises ValueError for unusable TLS files (called at construction, before anything
+    starts)."""
+    return push_handler(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token,
+                                 settings.ca_file, settings.client_cert, settings.tls_verify))
 
 
 @dataclass

@@ -195,10 +195,11 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
 
 def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_token: str | None = None,
                ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
-    """The Pushgateway's URL and credentials (hook and `dualtrack janitor` alike): each argument left
-    None falls back to its environment variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN,
-    _CA_FILE), checked by dualtrack.connection's one rule for URLs and credentials. Warns once when
-    credentials would go over plain http:// to another host. Raises ValueError with one line."""
+    """The Pushgateway's URL and credentials: each argument left None falls back to its environment
+    variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN, _CA_FILE), checked by
+    dualtrack.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
+    with the same variables). Warns once when credentials would go over plain http:// to another host.
+    Raises ValueError with one line."""
     endpoint = resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
                                 bearer_token, ca_file, client_cert)
     warn_plaintext(endpoint, "Pushgateway", log.warning)
