@@ -49,15 +49,9 @@ class Endpoint:
 
 def shown(url: str) -> str:
     """`url` as it may appear in a message: scheme, host, port and path only (no userinfo, query, fragment)."""
-    try:
-        parts = urlsplit(url if "://" in url else "http://" + url)
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port is not None else ""
-    except ValueError:
-        return "<an unparsable URL>"
-    return f"{parts.scheme}://{host}{port}{parts.path}"
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 def check_url(what: str, value: Any) -> str:
@@ -68,10 +62,13 @@ def check_url(what: str, value: Any) -> str:
     url = value.strip()
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError(f"{what} URL is malformed (e.g. an unclosed [IPv6 address])") from None
     if "@" in parts.netloc:
-        raise ValueError(f"{what} URL must not contain credentials (user:password@); give them as the "
-                         f"username/password or token settings instead, e.g. {shown(url)}")
+        raise ValueError(f"{what} URL must not contain credentials (user:password@): give the URL as "
+                         f"{shown(url)} and the credentials as the username/password or token settings")
     try:
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
