@@ -77,7 +77,7 @@ def check_url(what: str, value: Any) -> str:
         raise ValueError(f"{what} must be an http(s) URL like http://host:port, got {shown(url)!r}")
     if parts.query or parts.fragment:
         raise ValueError(f"{what} URL {shown(url)!r} must not have a query or fragment")
-    return url.rstrip("/")
+    return (parts.scheme + url[len(parts.scheme):]).rstrip("/")  # HTTPS:// -> https://
 
 
 def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None, bearer_token: str | None = None,

@@ -16,6 +16,7 @@ from dualtrack.connection import resolve
 from stack import processes
 from tests.certs import bcrypt_hash
 from tests.hook_support import http_gateway, run_id
+from tests.test_hook_auth import PASSWORD as PGW_PASSWORD, USER, secure_pgw  # noqa: F401 - the fixture
 from tests.test_report import synthetic_record
 from trainer_hook import TrainingMonitor
 
@@ -250,3 +251,12 @@ def test_the_prometheus_client_queries_and_lists_alerts_over_tls_with_basic_auth
                                                   "prometheus_password_file": None}), pytest.fail)
     with pytest.raises(prometheus.QueryError, match="HTTP 401"):
         anonymous.query("vector(1)")
+
+
+@pytest.mark.e2e
+def test_an_uppercase_https_scheme_still_uses_the_ca_file(secure_pgw, pki, tmp_path):
+    url = secure_pgw.url.replace("https://", "HTTPS://")
+    with TrainingMonitor(job="cred", run=run_id("upper"), pushgateway=url, basic_auth=(USER, PGW_PASSWORD),
+                         ca_file=str(pki.ca_cert), push_interval=60, record_path=False) as monitor:
+        monitor.log({"loss": 1.0}, step=0)
+    assert monitor._pusher.failures == 0
