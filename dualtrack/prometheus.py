@@ -93,8 +93,14 @@ class Prometheus:
         return f"Prometheus({self.url!r})"
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        """The matrix `expr` gives over [start, end] every `step` seconds."""
-        return self._get("query_range", {"query": expr, "start": start, "end": end, "step": step}, "result")
+        """The matrix `expr` gives over [start, end] every `step` seconds: series of {"metric": {label:
+        value}, "values": [(time, value), ...]}, both floats; raises QueryError for anything else."""
+        found = self._get("query_range", {"query": expr, "start": start, "end": end, "step": step}, "result")
+        try:
+            return [{"metric": {str(k): str(v) for k, v in series["metric"].items()},
+                     "values": [(float(t), float(v)) for t, v in series["values"]]} for series in found]
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise QueryError(f"query failed (query_range): malformed series ({type(exc).__name__})") from None
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """The instant vector (or scalar/string result list) `expr` gives now, or at `at`."""

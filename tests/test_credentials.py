@@ -1,5 +1,6 @@
-"""Credentials for the Pushgateway and Prometheus: one rule for URLs, TLS and auth, and no secret ever
-in a log line, an error, a report or repr() (each test greps the real output for the password)."""
+"""Credentials for the Pushgateway and Prometheus, and the Prometheus client: one rule for URLs, TLS and
+auth, and no secret ever in a log line, an error, a report or repr() (each test greps the real output
+for the password); a malformed Prometheus answer is one warning, never a traceback."""
 from __future__ import annotations
 
 import threading
@@ -260,3 +261,16 @@ def test_an_uppercase_https_scheme_still_uses_the_ca_file(secure_pgw, pki, tmp_p
                          ca_file=str(pki.ca_cert), push_interval=60, record_path=False) as monitor:
         monitor.log({"loss": 1.0}, step=0)
     assert monitor._pusher.failures == 0
+
+
+@pytest.mark.parametrize("body", [
+    b'{"status": "success", "data": {"resultType": "matrix", "result": [{"metric": {}, "values": [["x", "y"]]}]}}',
+    b'{"status": "success", "data": {"resultType": "matrix", "result": [{"metric": 7, "values": []}]}}',
+    b'{"status": "success", "data": {"result": "none"}}',
+], ids=["not-numbers", "not-labels", "not-a-list"])
+def test_a_malformed_prometheus_answer_is_one_warning_and_the_record_report(tmp_path, dualtrack, body):
+    with http_gateway(lambda request: 200, body) as url:
+        result = dualtrack("report", str(synthetic_record(tmp_path / "a.jsonl", "a", 20)),
+                           "--out", str(tmp_path / "r.html"), f"--prometheus={url}")
+    assert result.returncode == 0 and result.stderr.count("\n") == 1 and "query failed" in result.stderr
+    assert "query failed" in (tmp_path / "r.html").read_text()
