@@ -246,7 +246,7 @@ def test_the_prometheus_client_queries_and_lists_alerts_over_tls_with_basic_auth
                      prometheus_ca_file=str(pki.ca_cert))
     client = prometheus.from_args(args, pytest.fail)
     assert client.query("vector(42)")[0]["value"][1] == "42"
-    assert client.query_range("vector(1)", 1000, 1010, 5)[0]["values"][0] == [1000, "1"]
+    assert client.query_range("vector(1)", 1000, 1010, 5)[0]["values"][0] == (1000.0, 1.0)
     assert client.alerts() == []
     anonymous = prometheus.from_args(Namespace(**{**vars(args), "prometheus_username": None,
                                                   "prometheus_password_file": None}), pytest.fail)
