@@ -103,6 +103,12 @@ def test_credentials_over_plain_http_to_another_host_are_warned_about_once(tmp_p
     warnings = [r.getMessage() for r in caplog.records if "plain http://" in r.getMessage()]
     assert len(warnings) == 1 and host in warnings[0] and PASSWORD not in caplog.text
 
+    caplog.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DUALTRACK_PUSHGATEWAY_TOKEN", TOKEN)
+        assert dualtrack("janitor", "--once", "--timeout=1s", "--pushgateway=http://192.0.2.2:9091").returncode == 1
+    assert caplog.text.count("plain http://") == 1 and TOKEN not in caplog.text
+
     password_file = tmp_path / "password"
     password_file.write_text(PASSWORD + "\n")
     record = synthetic_record(tmp_path / "a.jsonl", "a", 20)
