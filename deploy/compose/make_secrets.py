@@ -138,7 +138,7 @@ def make_secrets(directory: Path, hosts: list[str], *, group: int | None = None,
         directory.mkdir(parents=True, mode=0o700)
         if group is not None:
             os.chown(directory, -1, group)
-            directory.chmod(0o750)
+        directory.chmod(0o700 if group is None else 0o750)  # exactly, whatever the umask
     passwords = {user: secrets.token_hex(16) for user in PASSWORD_USERS}
     with tempfile.TemporaryDirectory(prefix="make_secrets-") as scratch:  # 0700: keys are private while made
         make_certificates(Path(scratch), hosts)
