@@ -8,6 +8,10 @@ removes it. It deletes a group only when both hold:
 - its last push (`push_time_seconds`) is older than the retention: `--finished-retention` for a run
   whose last push said finished or failed, `--retention` for one still marked running (a live run
   pushes every few seconds; a dead one raises TrainingMetricsStale meanwhile).
+Ages are read on the Pushgateway's own clock, never the janitor's: a push time is compared with the
+`Date` of the Pushgateway's answer (else with the newest push time it lists), so a janitor whose
+clock is off by minutes or days deletes nothing early. A push time that is not a finite positive
+number is a malformed group: never deleted. Redirects are not followed.
 An unreachable Pushgateway or a malformed group is logged and retried on the next pass.
 """
 from __future__ import annotations
@@ -15,16 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import signal
 import sys
 import threading
-import time
+import urllib.request
+from email.utils import parsedate_to_datetime
 from typing import Any, Callable
+
+from .connection import opener, push_handler, resolve, warn_plaintext
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
+ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN, _CA_FILE, as for the hook
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 log = logging.getLogger("dualtrack.janitor")
@@ -61,24 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.interval, args.timeout) <= 0:
         return _usage_error("--interval and --timeout must be longer than 0")
-    from trainer_hook.push import GatewayAccess, make_handler  # imports torch when installed: slow
-
-    url = args.pushgateway or os.environ.get("DUALTRACK_PUSHGATEWAY") or DEFAULT_PUSHGATEWAY
-    try:
-        access = GatewayAccess.from_environment(url)
-        handler = make_handler(access)
+    url = args.pushgateway or os.environ.get(ENV_PUSHGATEWAY) or DEFAULT_PUSHGATEWAY
+    try:  # the hook's rule and variables ($DUALTRACK_PUSHGATEWAY_USERNAME/_PASSWORD, _TOKEN, _CA_FILE)
+        access = resolve("pushgateway", ENV_PUSHGATEWAY, url)
+        handler, open_ = push_handler(access), opener(access)
     except ValueError as exc:
         return _usage_error(str(exc))
     logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
     log.setLevel(logging.INFO)
-    janitor = Janitor(access.pushgateway, handler, args)
+    warn_plaintext(access, "Pushgateway", log.warning)
+    janitor = Janitor(access.url, open_, handler, args)
     if args.once:
         return 0 if janitor.sweep() is not None else 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("watching %s every %gs (running runs: %gs, finished runs: %gs after their last push)",
-             access.pushgateway, args.interval, args.retention, args.finished_retention)
+             access.url, args.interval, args.retention, args.finished_retention)
     while True:
         janitor.sweep()
         if stop.wait(args.interval):
@@ -97,18 +105,20 @@ class MalformedGroup(ValueError):
 class Janitor:
     """One pass at a time: list the groups, delete the runs that are over."""
 
-    def __init__(self, url: str, handler: Callable, args: argparse.Namespace) -> None:
+    def __init__(self, url: str, open_: Callable, handler: Callable, args: argparse.Namespace) -> None:
         self.url = url
-        self.handler = handler
+        self.open = open_  # dualtrack.connection.opener: the listing, with its Date header
+        self.handler = handler  # prometheus_client's push handler: the deletions
         self.args = args
         self._reported: set[str] = set()  # malformed groups already logged
         self._unreachable = False
 
-    def sweep(self, now: float | None = None) -> list[dict[str, str]] | None:
+    def sweep(self) -> list[dict[str, str]] | None:
         """Delete what is due; return the deleted groups' labels (None: the Pushgateway could not be read)."""
         try:
-            body = self.handler(self.url + "/api/v1/metrics", "GET", self.args.timeout, [], None)()
-            groups = json.loads(body)["data"]
+            with self.open(urllib.request.Request(self.url + "/api/v1/metrics"), self.args.timeout) as response:
+                groups = json.loads(response.read())["data"]
+                date = response.headers.get("Date")
             if not isinstance(groups, list):
                 raise ValueError("'data' is not a list")
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, not a Pushgateway: retry later
@@ -120,7 +130,7 @@ class Janitor:
         if self._unreachable:
             log.info("%s answers again", self.url)
             self._unreachable = False
-        now = time.time() if now is None else now
+        now = _pushgateway_now(date, groups)
         deleted = []
         for group in groups:
             try:
@@ -135,8 +145,8 @@ class Janitor:
                 deleted.append(group["labels"])
         return deleted
 
-    def verdict(self, group: Any, now: float) -> str | None:
-        """Why the group is due for deletion, or None to keep it."""
+    def verdict(self, group: Any, now: float | None) -> str | None:
+        """Why the group is due for deletion, or None to keep it; `now` is the Pushgateway's time."""
         if not isinstance(group, dict) or not isinstance(group.get("labels"), dict):
             raise MalformedGroup("no grouping labels")
         labels = group["labels"]
@@ -148,12 +158,12 @@ class Janitor:
                       if float(m["value"]) == 1]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise MalformedGroup(f"unreadable push_time_seconds or training_run_state ({exc!r})") from None
-        if pushed <= 0:
-            raise MalformedGroup("push_time_seconds is not a time")
+        if not math.isfinite(pushed) or pushed <= 0:
+            raise MalformedGroup(f"push_time_seconds {pushed} is not a time")
         state = "finished" if "finished" in states else "failed" if "failed" in states else "running"
         retention = self.args.retention if state == "running" else self.args.finished_retention
-        age = now - pushed
-        if age <= retention:
+        age = -math.inf if now is None else now - pushed
+        if not age > retention:
             return None
         return f"{state}, last push {age:.0f}s ago"
 
@@ -173,3 +183,24 @@ class Janitor:
             return False
         log.info("deleted %s (%s)", name, why)
         return True
+
+
+def _pushgateway_now(date: str | None, groups: list[Any]) -> float | None:
+    """The Pushgateway's current time: its answer's Date header, else the newest push time it lists
+    (an underestimate: ages come out shorter, never longer); None when neither is known."""
+    try:
+        return parsedate_to_datetime(date).timestamp() if date else _newest_push(groups)
+    except (TypeError, ValueError):
+        return _newest_push(groups)
+
+
+def _newest_push(groups: list[Any]) -> float | None:
+    times = []
+    for group in groups:
+        try:
+            value = float(group["push_time_seconds"]["metrics"][0]["value"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if math.isfinite(value) and value > 0:
+            times.append(value)
+    return max(times, default=None)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import prometheus
 from .cli import fail
 from .summary import utc
 
@@ -27,10 +28,6 @@ td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;vertical-align:top}t
 .bad{color:#d62728;font-weight:bold}.note{color:#666}svg{max-width:100%;height:auto}"""
 
 
-class ReportError(Exception):
-    """A failure to report in one line."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="RUN_OR_RECORD",
                         help="record files or directories, or run ids looked up in --records")
@@ -38,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTML file to write (default: report.html)")
     parser.add_argument("--records", type=Path, default=Path("dualtrack-records"), metavar="DIR",
                         help="where to look up run ids (default: ./dualtrack-records)")
-    parser.add_argument("--prometheus", metavar="URL", default=None,
-                        help="Prometheus base URL (e.g. http://127.0.0.1:9090): adds GPU panels and alerts")
+    prometheus.add_arguments(parser, "adds GPU panels and the alerts that fired")
     parser.add_argument("--png", action="store_true",
                         help="also write the figure as a PNG next to --out (same name, .png)")
 
@@ -49,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         return fail("report", "matplotlib is not installed: pip install 'dualtrack[report]'")
     try:
+        client = prometheus.from_args(args, warn)
+    except ValueError as exc:
+        return fail("report", str(exc), 2)
+    try:
         paths = resolve_inputs(args.inputs, args.records)
         reader = Reader(paths)
     except InputError as exc:
@@ -57,14 +57,13 @@ def run(args: argparse.Namespace) -> int:
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
     gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
-    if args.prometheus:
+    if client is not None:
         try:
-            gpu_lines, alerts = from_prometheus(args.prometheus.rstrip("/"), summaries)
-            prometheus_note = args.prometheus
-        except ReportError as exc:
-            prometheus_note = f"{args.prometheus}: {exc}"
-            print(f"dualtrack report: warning: {prometheus_note}; the report has the record only",
-                  file=sys.stderr)
+            gpu_lines, alerts = from_prometheus(client, summaries)
+            prometheus_note = client.url
+        except prometheus.QueryError as exc:
+            prometheus_note = f"{client.url}: {exc}"
+            warn(f"{prometheus_note}; the report has the record only")
     from .plots import build_figure, svg_text
     figure = build_figure(summaries, gpu_lines)
     page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader)
@@ -81,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {' and '.join(written)} ({len(page) // 1024} KiB): {len(summaries)} run(s)")
     reader.print_skipped("report")
     return 0
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr."""
+    print(f"dualtrack report: warning: {message}", file=sys.stderr)
 
 
 def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
@@ -122,7 +126,7 @@ def summarize(reader: Any) -> list[Any]:
     return list(summaries.values())
 
 
-def from_prometheus(url: str, summaries: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
     """GPU lines mapped onto each run's steps, and the alerts that fired during the runs."""
     from .plots import GpuLine
     lines: list[GpuLine] = []
@@ -134,11 +138,11 @@ def from_prometheus(url: str, summaries: list[Any]) -> tuple[list[Any], list[dic
         queried.add(summary.run.key[:2])
         selector = f'job="{_escape(summary.run.job)}",run="{_escape(summary.run.run)}"'
         for panel, metric in GPU_QUERIES.items():
-            found = _range(url, f"{metric} * on(uuid) group_left() max by (uuid) "
+            found = _range(client, f"{metric} * on(uuid) group_left() max by (uuid) "
                                 f"(training_gpu_info{{{selector}}})", start, end)
             note = ""
             if not found:  # no GPU info for this run (a replayed run, an old hook): every GPU
-                found, note = _range(url, metric, start, end), " (all GPUs: the run names none)"
+                found, note = _range(client, metric, start, end), " (all GPUs: the run names none)"
             for series in found:
                 labels = series["metric"]
                 times = [float(t) for t, _ in series["values"]]
@@ -151,7 +155,7 @@ def from_prometheus(url: str, summaries: list[Any]) -> tuple[list[Any], list[dic
     end = max(s.last_time for s in summaries if s.last_time is not None)
     runs = {s.run.run for s in summaries}
     alerts = []
-    for series in _range(url, 'ALERTS{alertstate="firing"}', start, end + 300):
+    for series in _range(client, 'ALERTS{alertstate="firing"}', start, end + 300):
         labels = {k: v for k, v in series["metric"].items() if k not in ("__name__", "alertstate")}
         if "run" in labels and labels["run"] not in runs:
             continue
@@ -165,16 +169,9 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _range(url: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-    import requests
+def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -> list[dict[str, Any]]:
     step = max(1.0, (end - start) / MAX_QUERY_POINTS)
-    try:
-        response = requests.get(f"{url}/api/v1/query_range", timeout=10,
-                                params={"query": expr, "start": start - step, "end": end + step, "step": step})
-        response.raise_for_status()
-        return response.json()["data"]["result"]
-    except (requests.RequestException, ValueError, KeyError) as exc:
-        raise ReportError(f"query failed ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return client.query_range(expr, start - step, end + step, step)
 
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,

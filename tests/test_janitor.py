@@ -6,6 +6,9 @@ import json
 import logging
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -72,6 +75,57 @@ def test_deletes_only_dualtrack_runs_older_than_their_retention(pgw):
         dead_run.close()
 
 
+@pytest.mark.parametrize("skew", [11 * 60, 25 * 3600], ids=["11min-ahead", "25h-ahead"])
+def test_the_janitors_own_clock_never_decides_an_age(pgw, monkeypatch, skew):
+    finished, live = run_id("finished"), run_id("live")
+    with TrainingMonitor(job="jan", run=finished, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
+        m.log({"loss": 1.0}, step=0)
+    live_run = TrainingMonitor(job="jan", run=live, pushgateway=pgw.url, push_interval=0.2, record_path=False,
+                               delete_after=0)
+    try:
+        processes.wait_until(lambda: {finished, live} <= runs(pgw.url), 10, what="both groups")
+        real_time = time.time
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "time", lambda: real_time() + skew)  # the janitor's host clock is off
+            assert janitor(pgw.url, "--finished-retention=10m", "--retention=24h") == 0
+        assert {finished, live} <= runs(pgw.url)  # a run that finished seconds ago and a live run stay
+        processes.wait_until(lambda: janitor(pgw.url, "--finished-retention=0.5s", "--retention=24h") == 0
+                             and finished not in runs(pgw.url), 10, what="the finished run deleted once due")
+        assert live in runs(pgw.url)
+    finally:
+        live_run.close()
+
+
+def test_without_a_date_header_the_newest_push_is_the_pushgateways_now(caplog):
+    """A proxy that drops `Date`: ages count from the newest push listed, never from the janitor's clock."""
+    def group(run: str, pushed: float) -> dict:
+        return {"labels": {"job": "j", "run": run, "rank": "0"},
+                "training_run_state": {"metrics": [{"labels": {"state": "finished"}, "value": "1"}]},
+                "push_time_seconds": {"metrics": [{"value": str(pushed)}]}}
+    listing = json.dumps({"status": "success", "data": [group("old", 1000.0), group("new", 1000.0 + 700)]}).encode()
+
+    class NoDate(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response_only(200)
+            self.send_header("Content-Length", str(len(listing)))
+            self.end_headers()
+            self.wfile.write(listing)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NoDate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        caplog.set_level(logging.INFO, logger="dualtrack.janitor")
+        assert janitor(f"http://127.0.0.1:{server.server_port}", "--finished-retention=10m", "--dry-run") == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "would delete job=j rank=0 run=old (finished, last push 700s ago)" in caplog.text
+    assert "run=new" not in caplog.text
+
+
 def test_dry_run_deletes_nothing(pgw, caplog):
     caplog.set_level(logging.INFO, logger="dualtrack.janitor")
     run = run_id("dry")
@@ -97,11 +151,14 @@ def test_unreachable_pushgateway_and_malformed_groups_are_logged_not_fatal(caplo
         {"labels": {"job": "j", "run": "r1", "rank": "0"}, "training_run_state": {}},
         {"labels": {"job": "j", "run": "r2", "rank": "0"}, "training_run_state": {"metrics": []},
          "push_time_seconds": {"metrics": [{"value": "soon"}]}},
-        {"labels": {"job": "other"}, "push_time_seconds": {"metrics": [{"value": "1"}]}}]}
+        {"labels": {"job": "other"}, "push_time_seconds": {"metrics": [{"value": "1"}]}},
+        *({"labels": {"job": "j", "run": f"garbage-{value}", "rank": "0"},  # never grounds for deletion
+           "training_run_state": {"metrics": [{"labels": {"state": "finished"}, "value": "1"}]},
+           "push_time_seconds": {"metrics": [{"value": value}]}} for value in ("NaN", "-Inf", "0"))]}
     with answering(json.dumps(malformed).encode()) as url:
         assert janitor(url, "--retention=1s", "--finished-retention=1s") == 0
-    assert caplog.text.count("skipping a malformed group") == 3
-    assert "deleted" not in caplog.text
+    assert caplog.text.count("skipping a malformed group") == 6
+    assert "delete" not in caplog.text
 
 
 def test_daemon_keeps_running_while_the_pushgateway_is_down_and_then_cleans_up(tmp_path, start_service):
@@ -131,6 +188,14 @@ def test_bad_flags_exit_2_with_one_line(args, message):
                             cwd=processes.REPO, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_the_janitor_never_imports_torch():
+    code = ("import sys; from dualtrack.cli import main; "
+            "assert main(['janitor', '--once', '--pushgateway=http://127.0.0.1:1']) == 1; print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=processes.REPO,
+                            timeout=60)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
 
 
 def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, caplog):

@@ -98,7 +98,8 @@ def pod_info(rig: Rig) -> set[tuple[str, ...]]:
 
 def test_a_real_kubelet_answer_maps_gpus_mig_devices_and_replicas_and_skips_what_it_does_not_read():
     response = podresources.messages()["ListPodResourcesResponse"].FromString(KUBELET_RESPONSE)
-    holders = podresources.device_holders(response)
+    holders, dropped = podresources.device_holders(response)
+    assert dropped == 0
     trainer, notebook = (podresources.Holder("trainer-0", "ml", "pytorch"),
                          podresources.Holder("notebook", "research", "jupyter"))
     assert holders == {WHOLE_GPU: (trainer, notebook), "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee": (trainer,),
@@ -165,6 +166,37 @@ def test_unreachable_kubelet_warns_once_counts_each_failed_call_and_recovers(soc
             assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
         finally:
             fake.stop()
+
+
+def many_pods(count: int, device_id: str) -> bytes:
+    """A ListPodResourcesResponse of `count` pods p000000... each holding `device_id` (repeated fields concatenate)."""
+    one = listing(("p000000", "ml", {"c": [device_id]}))
+    return b"".join(one.replace(b"p000000", f"p{n:06d}".encode()) for n in range(count))
+
+
+def test_pods_per_gpu_are_bounded_and_the_dropped_ones_counted_and_logged_once(kubelet, caplog):
+    rig = Rig(gpus=2, collectors=["utilization", "podresources"])
+    gpu0, gpu1 = (device.uuid for device in rig.sampler.devices)
+    kubelet.response = many_pods(1000, gpu0) + listing(("trainer-1", "ml", {"pytorch": [gpu1]}))
+    with caplog.at_level(logging.WARNING, logger=podresources.__name__):
+        for _ in range(6):  # kubelet calls at 1 s and 6 s
+            rig.step()
+    by_gpu = [s["gpu"] for s in rig.series("nvml_gpu_pod_info")]
+    assert by_gpu.count("0") == podresources.MAX_HOLDERS_PER_DEVICE and by_gpu.count("1") == 1
+    assert rig.value("nvml_exporter_errors_total", collector="podresources", error="too_many_pods") == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"{1000 - podresources.MAX_HOLDERS_PER_DEVICE} dropped" in warnings[0]
+
+
+def test_an_oversized_kubelet_reply_is_refused_not_parsed(kubelet, caplog):
+    rig = Rig(gpus=1, collectors=["utilization", "podresources"])
+    kubelet.response = many_pods(200_000, rig.sampler.devices[0].uuid)  # 15 MiB: past the 11 MiB reply reported
+    assert len(kubelet.response) > podresources.MAX_RESPONSE_BYTES
+    rig.step()
+    assert rig.series("nvml_gpu_pod_info") == []
+    assert rig.value("nvml_exporter_errors_total", collector="podresources", error="resource_exhausted") == 1
+    assert rig.value("nvml_exporter_errors_total", collector="podresources", error="timeout") is None
+    assert rig.value("nvml_exporter_collector_success", collector="utilization") == 1
 
 
 def scrape_with(service: processes.Service, text: str) -> str | None:

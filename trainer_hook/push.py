@@ -6,90 +6,30 @@ Prometheus to scrape it), then deletes its group, so the Pushgateway holds only 
 from __future__ import annotations
 
 import atexit
-import base64
 import dataclasses
 import logging
-import ssl
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
+from dualtrack.connection import Endpoint, push_handler
+
 from .aggregate import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import Settings, connection
+from .settings import Settings
 
 log = logging.getLogger("trainer_hook")
 
 
-class Connection(Protocol):
-    """Where the Pushgateway is and how to reach it (Settings, or GatewayAccess for the janitor)."""
-
-    pushgateway: str | None
-    ca_file: str | None
-    client_cert: tuple[str, str] | None
-    tls_verify: bool
-    basic_auth: tuple[str, str] | None
-    bearer_token: str | None
-
-
-@dataclass(frozen=True)
-class GatewayAccess:
-    """A Pushgateway connection from the hook's environment variables (used by `dualtrack janitor`)."""
-
-    pushgateway: str | None
-    basic_auth: tuple[str, str] | None = None
-    bearer_token: str | None = None
-    ca_file: str | None = None
-    client_cert: tuple[str, str] | None = None
-    tls_verify: bool = True
-
-    @classmethod
-    def from_environment(cls, url: str | None = None) -> "GatewayAccess":
-        """`url` (else $DUALTRACK_PUSHGATEWAY) with the hook's credentials from the environment, checked
-        as the hook checks them (settings.connection); raises ValueError."""
-        return cls(**connection(url))
-
-
-def make_handler(settings: Connection) -> Callable:
-    """A prometheus_client push handler with our auth headers and TLS options.
-
-    The request it returns also hands back the response body (for GET requests).
-    Raises ValueError for unusable TLS files (called at construction, before anything starts).
-    """
-    context = None
-    if settings.pushgateway and settings.pushgateway.startswith("https"):
-        try:
-            context = ssl.create_default_context(cafile=settings.ca_file)
-            if settings.client_cert:
-                context.load_cert_chain(*settings.client_cert)
-        except (ssl.SSLError, OSError) as exc:
-            raise ValueError(f"cannot use the TLS files (ca_file/client_cert): {exc}") from None
-        if not settings.tls_verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-    auth = None
-    if settings.basic_auth:
-        auth = "Basic " + base64.b64encode(":".join(settings.basic_auth).encode()).decode()
-    elif settings.bearer_token:
-        auth = "Bearer " + settings.bearer_token
-
-    def handler(url: str, method: str, timeout: float | None, headers, data: bytes | None):
-        def send() -> bytes:
-            request = urllib.request.Request(url, data=data, method=method)
-            for key, value in headers:
-                request.add_header(key, value)
-            if auth:
-                request.add_header("Authorization", auth)
-            # urlopen raises HTTPError (an OSError) for any status >= 400.
-            with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-                return response.read()
-        return send
-
-    return handler
+def make_handler(settings: Settings) -> Callable:
+    """The prometheus_client handler for the settings' Pushgateway: dualtrack.connection's TLS, auth header
+    and no redirects. Raises ValueError for unusable TLS files (called at construction, before anything
+    starts)."""
+    return push_handler(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token,
+                                 settings.ca_file, settings.client_cert, settings.tls_verify))
 
 
 @dataclass

@@ -7,10 +7,11 @@ import re
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlparse
+
+from dualtrack.connection import resolve as resolve_endpoint, warn_plaintext
 
 from ._torch import torch
 from .values import label_value
@@ -55,8 +56,8 @@ class Settings:
     listen_address: str
     record_path: Path | None
     gpu_uuids: tuple[str, ...]
-    basic_auth: tuple[str, str] | None
-    bearer_token: str | None
+    basic_auth: tuple[str, str] | None = field(repr=False)  # secrets never in repr()
+    bearer_token: str | None = field(repr=False)
     ca_file: str | None
     tls_verify: bool
     client_cert: tuple[str, str] | None
@@ -82,27 +83,12 @@ def _positive(name: str, value: float) -> float:
 
 
 def _pushgateway_url(value: str | bool | None) -> str | None:
+    """The URL argument, else $DUALTRACK_PUSHGATEWAY; None (False, or neither given) pushes nothing."""
     if value is False:
         return None
     if value is None or value is True:
         value = os.environ.get(ENV_PUSHGATEWAY) or None
-        if value is None:
-            return None
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"pushgateway must be a URL like http://host:9091, got {value!r}")
-    url = value.strip()
-    if "://" not in url:
-        url = "http://" + url
-    parsed = urlparse(url)
-    try:
-        parsed.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError:
-        raise ValueError(f"pushgateway URL {value!r} has an invalid port") from None
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"pushgateway must be an http(s) URL like http://host:9091, got {value!r}")
-    if parsed.query or parsed.fragment:
-        raise ValueError(f"pushgateway URL {value!r} must not have a query or fragment")
-    return url.rstrip("/")
+    return value
 
 
 def _name(what: str, value: str | None, env: str, default: str | None = None) -> str:
@@ -209,25 +195,16 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
 
 def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_token: str | None = None,
                ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
-    """The Pushgateway's URL and credentials (hook and `dualtrack janitor` alike): each argument left
-    None falls back to its environment variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN,
-    _CA_FILE). Raises ValueError with one clear message."""
-    if basic_auth is None and os.environ.get(ENV_USERNAME):
-        basic_auth = (os.environ[ENV_USERNAME], os.environ.get(ENV_PASSWORD, ""))
-    if basic_auth is not None and (len(basic_auth) != 2 or not all(isinstance(p, str) for p in basic_auth)):
-        raise ValueError("basic_auth must be a (username, password) pair of strings")
-    bearer_token = bearer_token if bearer_token is not None else os.environ.get(ENV_TOKEN) or None
-    if basic_auth and bearer_token:
-        raise ValueError("give either basic_auth or bearer_token, not both")
-    ca_file = ca_file if ca_file is not None else os.environ.get(ENV_CA_FILE) or None
-    if ca_file is not None and not Path(ca_file).is_file():
-        raise ValueError(f"ca_file {ca_file!r} does not exist")
-    if client_cert is not None and (len(client_cert) != 2
-                                    or not all(Path(p).is_file() for p in client_cert)):
-        raise ValueError("client_cert must be a (certfile, keyfile) pair of existing files")
-    return {"pushgateway": _pushgateway_url(pushgateway), "basic_auth": tuple(basic_auth) if basic_auth else None,
-            "bearer_token": bearer_token, "ca_file": ca_file,
-            "client_cert": tuple(client_cert) if client_cert else None}
+    """The Pushgateway's URL and credentials: each argument left None falls back to its environment
+    variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN, _CA_FILE), checked by
+    dualtrack.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
+    with the same variables). Warns once when credentials would go over plain http:// to another host.
+    Raises ValueError with one line."""
+    endpoint = resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
+                                bearer_token, ca_file, client_cert)
+    warn_plaintext(endpoint, "Pushgateway", log.warning)
+    return {"pushgateway": endpoint.url, "basic_auth": endpoint.basic_auth, "bearer_token": endpoint.bearer_token,
+            "ca_file": endpoint.ca_file, "client_cert": endpoint.client_cert}
 
 
 def resolve(arguments: Mapping[str, Any]) -> Settings:

@@ -13,6 +13,11 @@ One kubelet call serves every GPU: the first GPU sampler that finds the listing 
 cannot be asked, no pod series are served, the collector reports failure and the error is counted
 once per failed call; the warning is logged once per outage.
 
+The kubelet's answer is bounded: a reply over MAX_RESPONSE_BYTES is refused (`resource_exhausted`),
+parsing it counts against the same deadline as the call (`deadline_exceeded`), and each device keeps
+at most MAX_HOLDERS_PER_DEVICE containers (the others are dropped: `too_many_pods` counted per call,
+a warning logged once while it lasts), so one hostile or broken listing cannot flood Prometheus.
+
 Off by default (`--collector.podresources`); it needs the `kubernetes` extra (grpcio, protobuf).
 The few messages List uses are declared below from the v1 API (k8s.io/kubelet
 pkg/apis/podresources/v1/api.proto): fields the kubelet adds are skipped when parsing.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +39,8 @@ DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 REFRESH_SECONDS = 10.0
 TIMEOUT_SECONDS = 1.0  # well under the sampler's hang watchdog (2 s at least)
 LIST_METHOD = "/v1.PodResourcesLister/List"
-_MAX_RESPONSE_BYTES = 64 * 2**20
+MAX_RESPONSE_BYTES = 4 * 2**20  # ~100 bytes per container and device: tens of thousands of pods
+MAX_HOLDERS_PER_DEVICE = 32  # containers sharing one GPU (time-slicing replicas, MPS) served per device
 
 # message -> (field name, number, type, repeated, message type) of the v1 API, List's part only
 _STRING, _MESSAGE = 9, 11  # FieldDescriptorProto.TYPE_*
@@ -95,23 +102,41 @@ class Holder:
 
 @dataclass(frozen=True)
 class Listing:
-    """The kubelet's answer: holders by device id (replica suffixes removed); `ok` False when it failed."""
+    """The kubelet's answer: holders by device id (replica suffixes removed); `ok` False when it failed;
+    `dropped`: holders left out beyond MAX_HOLDERS_PER_DEVICE."""
 
     ok: bool = False
     holders: dict[str, tuple[Holder, ...]] = field(default_factory=dict)
     generation: int = 0
+    dropped: int = 0
 
 
-def device_holders(response: Any) -> dict[str, tuple[Holder, ...]]:
-    """Holders by device id from a ListPodResourcesResponse; `GPU-x::3` (a time-sliced replica) counts as `GPU-x`."""
+class ParseDeadlineExceeded(TimeoutError):
+    """Reading the kubelet's answer took longer than the call's deadline."""
+
+
+def device_holders(response: Any, limit: int = MAX_HOLDERS_PER_DEVICE,
+                   deadline: float | None = None) -> tuple[dict[str, tuple[Holder, ...]], int]:
+    """Holders by device id from a ListPodResourcesResponse, at most `limit` per device, and how many were
+    dropped; `GPU-x::3` (a time-sliced replica) counts as `GPU-x`. Raises ParseDeadlineExceeded past
+    `deadline` (time.monotonic)."""
     holders: dict[str, dict[Holder, None]] = {}
+    dropped = 0
     for pod in response.pod_resources:
+        if deadline is not None and time.monotonic() > deadline:
+            raise ParseDeadlineExceeded("the kubelet's answer took too long to read")
         for container in pod.containers:
             holder = Holder(pod.name, pod.namespace, container.name)
             for devices in container.devices:
                 for device_id in devices.device_ids:
-                    holders.setdefault(device_id.split("::", 1)[0], {})[holder] = None
-    return {device_id: tuple(found) for device_id, found in holders.items()}
+                    found = holders.setdefault(device_id.split("::", 1)[0], {})
+                    if holder in found:
+                        continue
+                    if len(found) >= limit:
+                        dropped += 1
+                        continue
+                    found[holder] = None
+    return {device_id: tuple(found) for device_id, found in holders.items()}, dropped
 
 
 class Kubelet:
@@ -126,6 +151,7 @@ class Kubelet:
         self._asked_at: float | None = None
         self._lock = threading.Lock()
         self._failing = False
+        self._dropping = False
 
     def current(self, now: float) -> tuple[Listing, str | None]:
         """The latest listing, refreshed first when due; plus the error of the call made here, if one failed.
@@ -140,7 +166,8 @@ class Kubelet:
             self._asked_at = now
             error = None
             try:
-                listing = Listing(True, self.ask(), self.listing.generation + 1)
+                holders, dropped = self.ask()
+                listing = Listing(True, holders, self.listing.generation + 1, dropped)
             except Exception as exc:  # noqa: BLE001 - whatever the kubelet does, the sampler goes on
                 error = _error_name(exc)
                 listing = Listing(False, {}, self.listing.generation + 1)
@@ -150,25 +177,37 @@ class Kubelet:
             else:
                 if self._failing:
                     log.info("kubelet pod-resources at %s answers again", self.socket_path)
-            self._failing = error is not None
+                if listing.dropped:
+                    error = "too_many_pods"
+                    if not self._dropping:
+                        log.warning("kubelet pod-resources at %s lists more than %d containers for a device: %d "
+                                    "dropped from nvml_gpu_pod_info (counted as too_many_pods while it lasts)",
+                                    self.socket_path, MAX_HOLDERS_PER_DEVICE, listing.dropped)
+                self._dropping = listing.dropped > 0
+            self._failing = not listing.ok
             self.listing = listing
             return listing, error
         finally:
             self._lock.release()
 
-    def ask(self) -> dict[str, tuple[Holder, ...]]:
-        """One List call over a fresh channel (a kubelet restart then costs no reconnect backoff)."""
+    def ask(self) -> tuple[dict[str, tuple[Holder, ...]], int]:
+        """One List call over a fresh channel (a kubelet restart then costs no reconnect backoff), read within
+        the same deadline: (holders by device id, holders dropped)."""
         grpc, classes = grpc_module(), messages()
-        options = [("grpc.max_receive_message_length", _MAX_RESPONSE_BYTES)]
+        deadline = time.monotonic() + self.timeout
+        options = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
         with grpc.insecure_channel(f"unix://{self.socket_path}", options=options) as channel:
             call = channel.unary_unary(LIST_METHOD,
                                        request_serializer=classes["ListPodResourcesRequest"].SerializeToString,
                                        response_deserializer=classes["ListPodResourcesResponse"].FromString)
-            return device_holders(call(classes["ListPodResourcesRequest"](), timeout=self.timeout))
+            response = call(classes["ListPodResourcesRequest"](), timeout=self.timeout)
+        return device_holders(response, deadline=deadline)
 
 
 def _error_name(exc: BaseException) -> str:
     """unavailable, deadline_exceeded, unimplemented... for gRPC errors; the exception type otherwise."""
+    if isinstance(exc, ParseDeadlineExceeded):
+        return "deadline_exceeded"
     code = getattr(exc, "code", None)
     status = code() if callable(code) else None
     return getattr(status, "name", "").lower() or type(exc).__name__.lower()
