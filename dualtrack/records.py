@@ -113,7 +113,7 @@ def _rotation_order(path: Path) -> tuple[str, str, float]:
 @functools.lru_cache(maxsize=4096)
 def exported_name(key: str) -> str | None:
     """The suffix the live hook exports a logged key as ("train/loss" -> "loss"); None: not exported."""
-    from trainer_hook.values import Dropped, metric_suffix
+    from trainer_hook.contract import Dropped, metric_suffix
     made = metric_suffix(key)
     return None if isinstance(made, Dropped) else made
 

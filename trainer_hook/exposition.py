@@ -8,10 +8,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
-from .aggregate import STEP_BUCKETS, Snapshot
-from .values import DROP_REASONS, PREFIX
+from .contract import DROP_REASONS, PREFIX, RUN_STATES, STEP_BUCKETS, Snapshot
 
-RUN_STATES = ("running", "finished", "failed")
 #: Log keys with a documented meaning; any other numeric key is a plain gauge.
 KNOWN_GAUGES = {
     "loss": "Training loss at the last logged step.",

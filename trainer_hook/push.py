@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from .aggregate import Snapshot, merge_maxima
+from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
 from .settings import Settings, connection
 

@@ -6,14 +6,14 @@ import os
 import re
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from ._torch import torch
-from .values import label_value
+from .contract import label_value
 
 log = logging.getLogger("trainer_hook")
 
@@ -157,7 +157,8 @@ def _identity(rank: int | None, local_rank: int | None,
     for field, value in given.items():
         if value is not None:
             candidates[field].append(("argument", value))
-    dist = getattr(torch, "distributed", None)
+    # torch.distributed is initialised only if the training code imported torch: never import it here
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         candidates["rank"].append(("torch.distributed", dist.get_rank()))
         candidates["world_size"].append(("torch.distributed", dist.get_world_size()))
