@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from trainer_hook.contract import (PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS, Accumulator, label_name,
-                                   label_value)
+                                   label_value, per_key)
 
 from .records import Run, exported_name, number
 
@@ -113,11 +113,10 @@ class RunSeries:
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
             out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
-        for name, count in state.value_counts.items():
-            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} {fmt(state.value_sums[name])}{ts}')
+        for name, total, count, bad in per_key(state):
+            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} {fmt(total)}{ts}')
             out.append(f'training_logged_value_count{{{labels},key="{name}"}} {count}{ts}')
-        for name, count in state.nonfinite_values.items():
-            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {count}{ts}')
+            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
         out.append(f"training_nonfinite_steps_total{{{labels}}} {state.nonfinite_steps_total}{ts}")
         if state.skipped_steps_total:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '

@@ -282,6 +282,14 @@ class Accumulator:
         return tuple(out)
 
 
+def per_key(state: Snapshot) -> list[tuple[str, float, int, int]]:
+    """(key, sum, count, non-finite count) for every key that has a value: the rows of
+    training_logged_value_sum/_count{key} and training_nonfinite_values_total{key} (0 included)."""
+    return [(key, state.value_sums.get(key, 0.0), state.value_counts.get(key, 0),
+             state.nonfinite_values.get(key, 0))
+            for key in sorted({*state.value_counts, *state.nonfinite_values})]
+
+
 def raise_max(maxima: Window, name: str, value: float, step: int) -> None:
     """Keep the larger value and its step (the earlier step on a tie)."""
     if name not in maxima or value > maxima[name][0]:
