@@ -137,9 +137,30 @@ def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_
     # The sequence did what it says (so the comparison above covers it).
     steps = [json.loads(line) for line in record.read_text().splitlines()[1:-1]]
     assert 3 <= sum(line.get("skipped") == "overflow" for line in steps) < 20
+    assert live[key("training_grad_norm_max", {})] == 9.9e5
     assert live[key("training_first_nonfinite_step", {})] == 25
     assert live[key("training_first_nonfinite_batch_id", {})] == 1025
     assert live[key("training_nonfinite_values_total", {"key": "grad_norm"})] == 1
+
+
+def test_a_spike_followed_by_inf_in_one_push_keeps_the_spike_and_its_step(tmp_path) -> None:
+    """The largest finite value is the window maximum; the Inf right after it is counted apart."""
+    # Whatever the push boundaries, max_hold (30 s) merges these steps' windows into one maximum.
+    with pull_monitor(tmp_path, "spike") as monitor:
+        for step in range(2790, 2797):
+            monitor.log({"grad_norm": torch.tensor(1.0 + step % 3), "loss": 0.5}, step=step)
+        monitor.log({"grad_norm": torch.tensor(9.9e5), "loss": 0.7}, step=2797)
+        monitor.log({"grad_norm": torch.tensor(math.inf), "loss": math.inf}, step=2798, batch_id=11)
+        monitor.log({"grad_norm": torch.tensor(math.nan), "loss": math.nan}, step=2799)
+        wait_pulled(monitor, "training_steps_total", lambda v: v == 10)
+        assert pulled(monitor, "training_grad_norm_max") == 9.9e5
+        assert pulled(monitor, "training_grad_norm_max_step") == 2797
+        assert pulled(monitor, "training_loss_max") == 0.7
+        assert pulled(monitor, "training_loss_max_step") == 2797
+        assert pulled(monitor, "training_grad_norm") != pulled(monitor, "training_grad_norm")  # NaN, last
+        assert pulled(monitor, "training_nonfinite_values_total", key="grad_norm") == 2
+        assert pulled(monitor, "training_first_nonfinite_step") == 2798
+        assert pulled(monitor, "training_first_nonfinite_batch_id") == 11
 
 
 #: Runs `dualtrack ARGS...` in this process and prints whether torch got imported (even on exit 2).

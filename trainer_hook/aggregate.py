@@ -104,7 +104,8 @@ class Aggregator:
 
         The published maxima cover the windows published in the last `max_hold` seconds, so a
         one-step spike stays visible long enough for a Prometheus scrape (15 s by default) however
-        short the push interval; the latest window with steps is always included.
+        short the push interval; the latest window with a finite value is always included (a window
+        whose values were all NaN/Inf leaves the previous maxima in place).
         """
         with self._lock:
             state = self._state

@@ -3,7 +3,8 @@
 One place for the series names (how a logged key becomes `training_<key>`, the reserved names),
 the run states, the record format version, and the aggregation of one step into the exported state:
 sums and counts of finite values, non-finite counts, the non-finite streak, skipped steps, the
-step-duration histogram and the window maxima and their steps. The live
+step-duration histogram and the window maxima: the largest *finite* value and its step, so that a
+spike followed at once by Inf is still named (the Inf is counted in the non-finite series). The live
 hook (trainer_hook.aggregate, on its background thread) and replay (dualtrack.openmetrics, from
 record lines) both call `Accumulator.fold`, so the two cannot drift apart.
 
@@ -164,7 +165,7 @@ class Snapshot:
     """
 
     gauges: dict[str, float] = field(default_factory=dict)
-    maxima: dict[str, float] = field(default_factory=dict)  # window maxima (NaN ignored)
+    maxima: dict[str, float] = field(default_factory=dict)  # largest finite value of the window
     max_steps: dict[str, int] = field(default_factory=dict)  # step at which each maximum was seen
     value_sums: dict[str, float] = field(default_factory=dict)  # finite values only
     value_counts: dict[str, int] = field(default_factory=dict)
@@ -223,7 +224,7 @@ class Accumulator:
         A non-finite value counts in training_nonfinite_values_total and makes the step non-finite,
         except an overflow (OVERFLOW_KEYS) on a step the GradScaler skipped: that one changes
         nothing, and a skipped step neither starts nor ends a non-finite streak. Only finite values
-        go into the sums; the window maxima ignore NaN and keep the earlier step on a tie.
+        go into the sums and the window maxima; on a tie the earlier step is kept.
         """
         state = self.state
         state.step = step
@@ -236,14 +237,14 @@ class Accumulator:
             if math.isfinite(value):
                 state.value_sums[suffix] = state.value_sums.get(suffix, 0.0) + value
                 state.value_counts[suffix] = state.value_counts.get(suffix, 0) + 1
+                if suffix in WINDOW_MAX_KEYS:
+                    raise_max(self.window, suffix, value, step)
             elif skipped and suffix in OVERFLOW_KEYS:
                 continue  # the GradScaler skipped this step: an overflow, not a divergence
             else:
                 nonfinite.append(key)
                 state.nonfinite_values[suffix] = state.nonfinite_values.get(suffix, 0) + 1
             gauges[suffix] = state.gauges[suffix] = value
-            if suffix in WINDOW_MAX_KEYS and not math.isnan(value):
-                raise_max(self.window, suffix, value, step)
         if loss_scale is not None:
             state.gauges["loss_scale"] = loss_scale
         state.steps_total += 1
@@ -269,7 +270,7 @@ class Accumulator:
         return Folded(gauges, nonfinite)
 
     def take_window(self) -> Window:
-        """The maxima since the previous call; starts a new window."""
+        """The maxima since the previous call (keys that had a finite value); starts a new window."""
         window, self.window = self.window, {}
         return window
 

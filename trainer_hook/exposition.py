@@ -35,8 +35,9 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name, value in sorted(snap.gauges.items()):
         yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
     for name, value in sorted(snap.maxima.items()):
-        yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least "
-                "since the previous push (NaN ignored).", value)
+        yield g(f"{name}_max", f"Largest finite {name} over the steps of the last max_hold seconds, at "
+                "least since the previous push (NaN/Inf are counted in training_nonfinite_values_total).",
+                value)
         yield g(f"{name}_max_step", f"Step at which training_{name}_max was seen.", snap.max_steps[name])
     summary = SummaryMetricFamily(PREFIX + "logged_value", "Finite logged values per key: "
                                   "rate(_sum)/rate(_count) is their exact mean over any range.",
