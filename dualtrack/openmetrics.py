@@ -113,10 +113,9 @@ class RunSeries:
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
             out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
-        for name, total, count, bad in per_key(state):
+        for name, total, count, _ in per_key(state):
             out.append(f'training_logged_value_sum{{{labels},key="{name}"}} {fmt(total)}{ts}')
             out.append(f'training_logged_value_count{{{labels},key="{name}"}} {count}{ts}')
-            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
         out.append(f"training_nonfinite_steps_total{{{labels}}} {state.nonfinite_steps_total}{ts}")
         if state.skipped_steps_total:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '
@@ -157,6 +156,8 @@ class RunSeries:
         for name in ("first_nonfinite_step", "first_nonfinite_batch_id", "last_nonfinite_step",
                      "last_nonfinite_batch_id"):
             out.append(f"training_{name}{{{labels}}} {fmt(getattr(state, name))}{ts}")
+        for name, _, _, bad in per_key(state):
+            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
         buckets = self._run.cumulative_buckets()
         for bound, count in zip(_BOUNDS, buckets):
             out.append(f'training_step_duration_seconds_bucket{{{labels},le="{bound}"}} {count}{ts}')
