@@ -1,9 +1,9 @@
 """Record lines -> OpenMetrics samples with the live series' names and labels, one step at a time.
 
-Each step line is folded into the exported state by the hook's own aggregation
-(trainer_hook.contract.Accumulator, the one the live hook runs) and becomes the samples a scrape of the
-Pushgateway would have shown right after that step, stamped with the step's own time: per-step series (training_step, the logged values, the
-counters) at every step; slowly changing ones (state, info, start time, histogram, non-finite
+Each step line is folded into the exported state by the live hook's own aggregation
+(trainer_hook.contract.Accumulator) and becomes the samples a scrape of the Pushgateway would have
+shown right after that step, stamped with the step's own time: per-step series (training_step, the
+logged values, the counters) at every step; slowly changing ones (state, info, start time, histogram, non-finite
 markers) when they change and at least every REFRESH_SECONDS of record time, so that PromQL's
 5-minute lookback always finds them. Every series carries REPLAY_LABEL.
 """
@@ -158,6 +158,8 @@ class RunSeries:
             out.append(f"training_{name}{{{labels}}} {fmt(getattr(state, name))}{ts}")
         for name, _, _, bad in per_key(state):
             out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
+        if not state.skipped_steps_total:  # once it counts, it is written at every step
+            out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} 0{ts}')
         buckets = self._run.cumulative_buckets()
         for bound, count in zip(_BOUNDS, buckets):
             out.append(f'training_step_duration_seconds_bucket{{{labels},le="{bound}"}} {count}{ts}')

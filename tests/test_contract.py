@@ -38,12 +38,13 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def feed(monitor: TrainingMonitor) -> None:
-    """The same mixed sequence for every test: a real fp16 loop whose GradScaler skips overflow
-    steps, keys logged by their W&B names, numpy batch ids, a grad-norm spike followed at once by
-    an infinite one, NaN/Inf losses in two streaks (one with a skipped step inside)."""
+def feed(monitor: TrainingMonitor, watch_scaler: bool) -> None:
+    """A mixed sequence: a real fp16 loop whose GradScaler skips overflow steps (counted as skipped
+    when the scaler is watched, as non-finite norms otherwise), keys logged by their W&B names,
+    numpy batch ids, a grad-norm spike followed at once by an infinite one, NaN/Inf losses in two
+    streaks."""
     run = Fp16Run()
-    monitor.watch(run.model, run.optimizer, scaler=run.scaler)
+    monitor.watch(run.model, run.optimizer, scaler=run.scaler if watch_scaler else None)
     step = 0
 
     def log(values: dict, **extra) -> None:
@@ -105,14 +106,16 @@ def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-5)
 
 
-def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_path, start_service) -> None:
+@pytest.mark.parametrize("watch_scaler", [True, False], ids=["scaler-watched", "scaler-not-watched"])
+def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_path, start_service,
+                                                                             watch_scaler: bool) -> None:
     pushgateway = start_service(processes.pushgateway(tmp_path))
     run = run_id("contract")
     record = tmp_path / "record.jsonl"
     # One window: every step lands in the final push, whose maxima then cover the whole run.
     with TrainingMonitor(job="contract", run=run, pushgateway=pushgateway.url, push_interval=3600,
                          delete_after=None, record_path=record, config={"lr": 0.01, "model": "mlp"}) as monitor:
-        feed(monitor)
+        feed(monitor, watch_scaler)
     live = live_series(requests.get(pushgateway.url + "/metrics", timeout=5).text, run)
 
     class Capture:
@@ -136,11 +139,16 @@ def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_
     assert differ == {}, "live vs replayed"
     # The sequence did what it says (so the comparison above covers it).
     steps = [json.loads(line) for line in record.read_text().splitlines()[1:-1]]
-    assert 3 <= sum(line.get("skipped") == "overflow" for line in steps) < 20
+    skipped = sum(line.get("skipped") == "overflow" for line in steps)
+    assert live[key("training_skipped_steps_total", {"reason": "overflow"})] == skipped
     assert live[key("training_grad_norm_max", {})] == 9.9e5
     assert live[key("training_first_nonfinite_step", {})] == 25
     assert live[key("training_first_nonfinite_batch_id", {})] == 1025
-    assert live[key("training_nonfinite_values_total", {"key": "grad_norm"})] == 1
+    if watch_scaler:
+        assert 3 <= skipped < 20
+        assert live[key("training_nonfinite_values_total", {"key": "grad_norm"})] == 1
+    else:
+        assert skipped == 0 and live[key("training_nonfinite_values_total", {"key": "grad_norm"})] > 1
 
 
 def test_a_spike_followed_by_inf_in_one_push_keeps_the_spike_and_its_step(tmp_path) -> None:
