@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-#: Runs a dualtrack subcommand in-process; prints its RSS once the modules are imported (mostly torch,
-#: through trainer_hook) and its peak RSS at the end (KiB).
+#: Runs a dualtrack subcommand in-process; prints its RSS once the modules are imported (no torch:
+#: trainer_hook.contract only) and its peak RSS at the end (KiB).
 RUNNER = ("import resource, sys; import dualtrack.openmetrics, dualtrack.report, dualtrack.summary; "
           "base = int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]); "
           "from dualtrack.cli import main; code = main(sys.argv[1:]); "

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-#: The newest record format this reader knows (trainer_hook.record.FORMAT_VERSION).
-KNOWN_FORMAT = 2
+from trainer_hook.contract import FORMAT_VERSION, Dropped, metric_suffix
+
+#: The newest record format this reader knows: the one the hook of this version writes.
+KNOWN_FORMAT = FORMAT_VERSION
 _ROTATED = re.compile(r"^(?P<stem>.+)\.(?P<n>\d+)\.jsonl$")
 #: Problem kinds whose plural is not the kind plus "s".
 _PLURALS = {"run mixed into another run's file": "runs mixed into another run's file",
@@ -113,7 +115,6 @@ def _rotation_order(path: Path) -> tuple[str, str, float]:
 @functools.lru_cache(maxsize=4096)
 def exported_name(key: str) -> str | None:
     """The suffix the live hook exports a logged key as ("train/loss" -> "loss"); None: not exported."""
-    from trainer_hook.values import Dropped, metric_suffix
     made = metric_suffix(key)
     return None if isinstance(made, Dropped) else made
 

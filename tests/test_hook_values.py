@@ -10,7 +10,7 @@ import torch
 from stack.processes import free_port
 from tests.hook_support import pull_monitor, pulled, record_lines, wait_pulled
 from trainer_hook import TrainingMonitor
-from trainer_hook.aggregate import Snapshot
+from trainer_hook.contract import Snapshot
 from trainer_hook.push import Pusher, make_handler
 
 NAN = float("nan")

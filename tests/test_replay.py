@@ -170,7 +170,7 @@ def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
         return [float(v) for _, v, _ in dump(out, metric)]
 
     assert values("training_loss_scale") == [65536, 32768, 32768]
-    assert values("training_skipped_steps_total") == [1, 1, 2, 3, 3]
+    assert values("training_skipped_steps_total") == [0, 1, 1, 2, 3, 3]  # 0 until a skip, as live
     assert values("training_cuda_memory_allocated_bytes") == [1024, 2048]
     assert values("training_world_size")[-1] == 8 and values("training_local_rank")[-1] == 1
     assert values("training_grad_norm") == [2.0]  # overflows leave the gauge as it was

@@ -8,10 +8,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
-from .aggregate import STEP_BUCKETS, Snapshot
-from .values import DROP_REASONS, PREFIX
+from .contract import DROP_REASONS, PREFIX, RUN_STATES, STEP_BUCKETS, Snapshot, per_key
 
-RUN_STATES = ("running", "finished", "failed")
 #: Log keys with a documented meaning; any other numeric key is a plain gauge.
 KNOWN_GAUGES = {
     "loss": "Training loss at the last logged step.",
@@ -37,19 +35,18 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for name, value in sorted(snap.gauges.items()):
         yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
     for name, value in sorted(snap.maxima.items()):
-        yield g(f"{name}_max", f"Maximum {name} over the steps of the last max_hold seconds, at least "
-                "since the previous push (NaN ignored).", value)
+        yield g(f"{name}_max", f"Largest finite {name} over the steps of the last max_hold seconds, at "
+                "least since the previous push (NaN/Inf are counted in training_nonfinite_values_total).",
+                value)
         yield g(f"{name}_max_step", f"Step at which training_{name}_max was seen.", snap.max_steps[name])
-    keys = sorted({*snap.value_counts, *snap.nonfinite_values})
     summary = SummaryMetricFamily(PREFIX + "logged_value", "Finite logged values per key: "
                                   "rate(_sum)/rate(_count) is their exact mean over any range.",
                                   labels=[*const, "key"])
     nonfinite = CounterMetricFamily(PREFIX + "nonfinite_values", "NaN or infinite logged values per "
                                     "key (never in training_logged_value_sum).", labels=[*const, "key"])
-    for key in keys:
-        summary.add_metric([*const.values(), key], snap.value_counts.get(key, 0),
-                           snap.value_sums.get(key, 0.0))
-        nonfinite.add_metric([*const.values(), key], snap.nonfinite_values.get(key, 0))
+    for key, total, count, bad in per_key(snap):
+        summary.add_metric([*const.values(), key], count, total)
+        nonfinite.add_metric([*const.values(), key], bad)
     yield summary
     yield nonfinite
     yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)

@@ -14,14 +14,16 @@ from prometheus_client import start_http_server
 
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
-from .aggregate import Aggregator, Entry, ProcessIdentity, Snapshot, merge_maxima
+from .aggregate import Aggregator, Entry
+from .contract import (DROP_REASONS, FORMAT_VERSION, Dropped, ProcessIdentity, Snapshot, config_labels,
+                       merge_maxima, metric_suffix)
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .settings import DEFAULT_DELETE_AFTER, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
-from .values import DROP_REASONS, Dropped, config_labels, metric_suffix, scalar
+from .values import scalar
 from .watch import ScalerWatch, on_step, sharding
 
 log = logging.getLogger("trainer_hook")
@@ -115,7 +117,7 @@ class TrainingMonitor:
     def _start_line(self) -> dict[str, Any]:
         """The record's first line: who wrote it (format 2 adds local_rank, world_size and pid)."""
         s = self.settings
-        return {"event": "start", "format": 2, "time": self._start_time, "job": s.job, "run": s.run,
+        return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
                 "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size,
                 "instance": s.instance, "pid": self._pid, "config": self._run_labels}
 

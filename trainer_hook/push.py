@@ -17,7 +17,7 @@ from prometheus_client import delete_from_gateway, push_to_gateway
 
 from dualtrack.connection import Endpoint, push_handler
 
-from .aggregate import Snapshot, merge_maxima
+from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
 from .settings import Settings
 

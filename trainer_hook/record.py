@@ -12,10 +12,10 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
+from .contract import FORMAT_VERSION
+
 log = logging.getLogger("trainer_hook")
 
-#: The record format written on start lines ("format"); lines without it are format 1.
-FORMAT_VERSION = 2
 #: Default size at which the record file is rotated (TrainingMonitor(record_max_bytes=...)).
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 #: Smallest accepted rotation size: a file must hold at least its start line and a few steps.

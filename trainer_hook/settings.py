@@ -6,6 +6,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,8 +14,7 @@ from typing import Any, Mapping
 
 from dualtrack.connection import resolve as resolve_endpoint, warn_plaintext
 
-from ._torch import torch
-from .values import label_value
+from .contract import label_value
 
 log = logging.getLogger("trainer_hook")
 
@@ -143,7 +143,8 @@ def _identity(rank: int | None, local_rank: int | None,
     for field, value in given.items():
         if value is not None:
             candidates[field].append(("argument", value))
-    dist = getattr(torch, "distributed", None)
+    # torch.distributed is initialised only if the training code imported torch: never import it here
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         candidates["rank"].append(("torch.distributed", dist.get_rank()))
         candidates["world_size"].append(("torch.distributed", dist.get_world_size()))

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple
 
 from ._torch import TENSOR_TYPES, torch
-from .values import Dropped, check_tensor
+from .contract import Dropped
+from .values import check_tensor
 
 
 #: Exact tensor types log() stacks without further checks (subclasses go through values.scalar()).

@@ -1,0 +1,310 @@
+"""The hook's metric contract, without torch: what the live hook exports and `dualtrack replay` rebuilds.
+
+One place for the series names (how a logged key becomes `training_<key>`, the reserved names),
+the run states, the record format version, and the aggregation of one step into the exported state:
+sums and counts of finite values, non-finite counts, the non-finite streak, skipped steps, the
+step-duration histogram and the window maxima: the largest *finite* value and its step, so that a
+spike followed at once by Inf is still named (the Inf is counted in the non-finite series). The live
+hook (trainer_hook.aggregate, on its background thread) and replay (dualtrack.openmetrics, from
+record lines) both call `Accumulator.fold`, so the two cannot drift apart.
+
+Imports only the standard library: `import trainer_hook.contract` never loads torch.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple
+
+PREFIX = "training_"
+#: The record format written on start lines ("format"); lines without it are format 1.
+FORMAT_VERSION = 2
+#: training_run_state{state}: one of these is 1.
+RUN_STATES = ("running", "finished", "failed")
+#: Upper bounds (seconds) of training_step_duration_seconds; +Inf is implicit.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0)
+#: Keys exported with a window maximum (training_<key>_max) and its step (training_<key>_max_step).
+WINDOW_MAX_KEYS = ("loss", "grad_norm")
+#: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.
+OVERFLOW_KEYS = ("grad_norm",)
+#: training_skipped_steps_total{reason}, and the record's "skipped" field.
+SKIP_REASON = "overflow"
+#: training_dropped_values_total{reason}: why a logged value was not kept.
+DROP_REASONS = ("invalid_key", "not_numeric", "not_scalar", "out_of_range", "unreadable",
+                "reserved_name")
+MAX_LABEL_LENGTH = 256
+#: W&B/HF spellings of the standard keys.
+ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "grad_norm",
+           "grad_norm_total": "grad_norm", "train_loss": "loss"}
+#: Series the hook computes itself; a log key may not shadow them.
+RESERVED = frozenset({
+    "step", "steps_total", "samples_total", "tokens_total", "step_duration_seconds",
+    "step_duration_seconds_bucket", "step_duration_seconds_count", "step_duration_seconds_sum",
+    "data_wait_seconds_total", "nonfinite_steps_total", "last_nonfinite_step",
+    "last_nonfinite_batch_id", "loss_max", "grad_norm_max", "run_info", "gpu_info",
+    "dropped_values_total", "push_failures_total", "record_failures_total",
+    "last_update_timestamp_seconds", "start_timestamp_seconds", "run_state",
+    "cuda_memory_allocated_bytes", "cuda_memory_reserved_bytes", "cuda_alloc_retries_total",
+    "cuda_ooms_total", "local_rank", "world_size", "process_info", "logged_value_sum",
+    "logged_value_count", "nonfinite_values_total", "first_nonfinite_step",
+    "first_nonfinite_batch_id", "loss_max_step", "grad_norm_max_step", "skipped_steps_total",
+    # counters' family names, which would clash with a gauge of the same name
+    "steps", "samples", "tokens", "data_wait_seconds", "nonfinite_steps", "dropped_values",
+    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms", "logged_value",
+    "nonfinite_values", "skipped_steps",
+})
+RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"})
+
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_]+")
+_UNDERSCORES = re.compile("_{2,}")
+_SECTION = re.compile(r"^(train|training)/", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+# ---------------------------------------------------------------------- names and labels
+class Dropped(str):
+    """A value that is not kept; the string is the reason (one of DROP_REASONS)."""
+
+
+def _sanitize(text: str) -> str:
+    """Letters, digits and single underscores: "a.b--c" -> "a_b_c"."""
+    return _UNDERSCORES.sub("_", _NOT_NAME.sub("_", text).strip("_"))
+
+
+def metric_suffix(key: object) -> str | Dropped:
+    """The metric name after `training_` for a log key, e.g. "train/loss" -> "loss"."""
+    name = _sanitize(_SECTION.sub("", str(key).strip()))
+    name = ALIASES.get(name.lower(), name)
+    if not name:
+        return Dropped("invalid_key")
+    if name in RESERVED:
+        return Dropped("reserved_name")
+    return name
+
+
+def label_name(key: object) -> str:
+    """A valid, non-reserved Prometheus label name for a config key."""
+    name = _sanitize(str(key)) or "key"
+    if name[0].isdigit() or name in RESERVED_LABELS:
+        name = "config_" + name
+    return name
+
+
+def label_value(value: object) -> str:
+    """A printable, bounded label value: control characters become spaces, UTF-8 safe."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (list, tuple, dict)):
+        text = json.dumps(value, default=str, ensure_ascii=False, sort_keys=True)
+    else:
+        text = str(value)
+    text = _CONTROL.sub(" ", text).encode("utf-8", "replace").decode("utf-8")
+    return text[:MAX_LABEL_LENGTH]
+
+
+def config_labels(config: Mapping[str, Any] | None) -> dict[str, str]:
+    """Hyper-parameters as labels: nested mappings flattened with `_`, names and values sanitized."""
+    labels: dict[str, str] = {}
+
+    def walk(prefix: str, mapping: Mapping[Any, Any]) -> None:
+        for key, value in mapping.items():
+            name = f"{prefix}_{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                walk(name, value)
+            else:
+                labels[label_name(name)] = label_value(value)
+
+    if config:
+        walk("", config)
+    return dict(sorted(labels.items()))
+
+
+# ---------------------------------------------------------------------- record numbers
+def json_number(value: float | None) -> float | str | None:
+    """JSON has no NaN/Infinity: non-finite values are written as "nan", "inf", "-inf"."""
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+def record_id(batch_id: Any) -> Any:
+    """A batch id as the record holds it: numbers (numpy's too) as JSON numbers, the rest as given."""
+    if type(batch_id) in (int, float, str) or batch_id is None or isinstance(batch_id, bool) \
+            or not isinstance(batch_id, numbers.Real):
+        return batch_id
+    return int(batch_id) if isinstance(batch_id, numbers.Integral) else json_number(float(batch_id))
+
+
+def numeric_id(batch_id: Any) -> float:
+    """A batch id as training_*_nonfinite_batch_id shows it: a number (not a bool), else -1."""
+    if isinstance(batch_id, numbers.Real) and not isinstance(batch_id, bool):
+        return float(batch_id)
+    return -1.0
+
+
+# ---------------------------------------------------------------------- the exported state
+class ProcessIdentity(NamedTuple):
+    """The pushing process (training_local_rank, training_world_size, training_process_info)."""
+
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    hostname: str = ""
+
+
+@dataclass
+class Snapshot:
+    """The state published once per push interval (what both push and pull expose).
+
+    A published snapshot is never changed (pull mode may be serving it): derive a new one with
+    dataclasses.replace or merge_maxima.
+    """
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)  # largest finite value of the window
+    max_steps: dict[str, int] = field(default_factory=dict)  # step at which each maximum was seen
+    value_sums: dict[str, float] = field(default_factory=dict)  # finite values only
+    value_counts: dict[str, int] = field(default_factory=dict)
+    nonfinite_values: dict[str, int] = field(default_factory=dict)
+    step: int = -1
+    steps_total: int = 0
+    samples_total: float = 0.0
+    tokens_total: float | None = None
+    bucket_counts: tuple[int, ...] = (0,) * (len(STEP_BUCKETS) + 1)  # cumulative
+    duration_sum: float = 0.0
+    nonfinite_steps_total: int = 0
+    first_nonfinite_step: int = -1  # of the current (or latest) streak of non-finite steps
+    first_nonfinite_batch_id: float = -1
+    last_nonfinite_step: int = -1
+    last_nonfinite_batch_id: float = -1
+    skipped_steps_total: int = 0
+    last_update: float = 0.0
+    dropped: dict[str, int] = field(default_factory=dict)
+    # Filled in by the monitor when it publishes:
+    data_wait_seconds: float = 0.0
+    state: str = "running"
+    failure_reason: str = ""  # a failed run's end: the exception's class name (or "SIGTERM")
+    start_time: float = 0.0
+    push_failures: int = 0
+    record_failures: int = 0
+    run_labels: dict[str, str] = field(default_factory=dict)
+    gpus: tuple[tuple[str, str], ...] = ()
+    cuda: dict[str, float] | None = None
+    process: ProcessIdentity = ProcessIdentity()
+
+
+class Folded(NamedTuple):
+    """What one step changed: the gauges it set (suffix -> value) and its non-finite keys."""
+
+    gauges: dict[str, float]
+    nonfinite: list[Any]
+
+
+Window = dict[str, tuple[float, int]]  # suffix -> (largest finite value, its step)
+
+
+class Accumulator:
+    """The exported state of one rank, one step at a time (the hook's and replay's one aggregation)."""
+
+    def __init__(self) -> None:
+        self.state = Snapshot()
+        self.bucket_counts = [0] * (len(STEP_BUCKETS) + 1)  # not cumulative
+        self.window: Window = {}  # since the last take_window()
+        self._in_streak = False  # the previous step that was not skipped had a non-finite value
+
+    def fold(self, step: int, values: Mapping[Any, float], name: Callable[[Any], str | None], *,
+             time: float, batch_id: Any = None, samples: float | None = None,
+             tokens: float | None = None, duration: float | None = None, skipped: int = 0,
+             loss_scale: float | None = None) -> Folded:
+        """Fold one step in. `values`: logged key -> float; `name(key)`: its suffix (None: not exported).
+
+        A non-finite value counts in training_nonfinite_values_total and makes the step non-finite,
+        except an overflow (OVERFLOW_KEYS) on a step the GradScaler skipped: that one changes
+        nothing, and a skipped step neither starts nor ends a non-finite streak. Only finite values
+        go into the sums and the window maxima; on a tie the earlier step is kept.
+        """
+        state = self.state
+        state.step = step
+        gauges: dict[str, float] = {}
+        nonfinite: list[Any] = []
+        for key, value in values.items():
+            suffix = name(key)
+            if suffix is None:
+                continue
+            if math.isfinite(value):
+                state.value_sums[suffix] = state.value_sums.get(suffix, 0.0) + value
+                state.value_counts[suffix] = state.value_counts.get(suffix, 0) + 1
+                if suffix in WINDOW_MAX_KEYS:
+                    raise_max(self.window, suffix, value, step)
+            elif skipped and suffix in OVERFLOW_KEYS:
+                continue  # the GradScaler skipped this step: an overflow, not a divergence
+            else:
+                nonfinite.append(key)
+                state.nonfinite_values[suffix] = state.nonfinite_values.get(suffix, 0) + 1
+            gauges[suffix] = state.gauges[suffix] = value
+        if loss_scale is not None:
+            state.gauges["loss_scale"] = loss_scale
+        state.steps_total += 1
+        state.skipped_steps_total += skipped
+        state.last_update = time
+        if samples is not None and math.isfinite(samples):
+            state.samples_total += samples
+        if tokens is not None and math.isfinite(tokens):
+            state.tokens_total = (state.tokens_total or 0.0) + tokens
+        if duration is not None and math.isfinite(duration):
+            self.bucket_counts[bisect.bisect_left(STEP_BUCKETS, duration)] += 1
+            state.duration_sum += duration
+        if nonfinite:
+            if not self._in_streak:
+                state.first_nonfinite_step = step
+                state.first_nonfinite_batch_id = numeric_id(batch_id)
+            self._in_streak = True
+            state.nonfinite_steps_total += 1
+            state.last_nonfinite_step = step
+            state.last_nonfinite_batch_id = numeric_id(batch_id)
+        elif not skipped:
+            self._in_streak = False
+        return Folded(gauges, nonfinite)
+
+    def take_window(self) -> Window:
+        """The maxima since the previous call (keys that had a finite value); starts a new window."""
+        window, self.window = self.window, {}
+        return window
+
+    def cumulative_buckets(self) -> tuple[int, ...]:
+        """training_step_duration_seconds_bucket counts, cumulative, the +Inf bucket last."""
+        total, out = 0, []
+        for count in self.bucket_counts:
+            total += count
+            out.append(total)
+        return tuple(out)
+
+
+def per_key(state: Snapshot) -> list[tuple[str, float, int, int]]:
+    """(key, sum, count, non-finite count) for every key that has a value: the rows of
+    training_logged_value_sum/_count{key} and training_nonfinite_values_total{key} (0 included)."""
+    return [(key, state.value_sums.get(key, 0.0), state.value_counts.get(key, 0),
+             state.nonfinite_values.get(key, 0))
+            for key in sorted({*state.value_counts, *state.nonfinite_values})]
+
+
+def raise_max(maxima: Window, name: str, value: float, step: int) -> None:
+    """Keep the larger value and its step (the earlier step on a tie)."""
+    if name not in maxima or value > maxima[name][0]:
+        maxima[name] = (value, step)
+
+
+def merge_maxima(older: Snapshot, newer: Snapshot) -> Snapshot:
+    """`newer` with the maxima of `older` (one that never reached the Pushgateway) carried in.
+
+    Returns a new snapshot; neither argument is changed.
+    """
+    maxima = {name: (value, newer.max_steps.get(name, -1)) for name, value in newer.maxima.items()}
+    for name, value in older.maxima.items():
+        raise_max(maxima, name, value, older.max_steps.get(name, -1))
+    return dataclasses.replace(newer, maxima={name: value for name, (value, _) in maxima.items()},
+                               max_steps={name: step for name, (_, step) in maxima.items()})
