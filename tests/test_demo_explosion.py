@@ -88,7 +88,10 @@ def test_the_demo_explosion_fires_and_names_the_spike_step(tmp_path: Path, start
                                    "instance": "node"},
                     "exp_annotations": {"summary": "Gradient explosion in run explode rank 0",
                                         "description": description,
-                                        "runbook_url": "#traininggradientexplosion"}}]}]}]}))
+                                        "runbook_url": "#traininggradientexplosion",
+                                        "dashboard_url": "/d/dualtrack-training-run?var-job=demo&var-run=explode"
+                                                         f"&from={15_000 * at - 3_600_000}"
+                                                         f"&to={15_000 * at + 600_000}"}}]}]}]}))
     done = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
