@@ -177,29 +177,37 @@ def _site_pip_context(context: Path) -> None:
 
 def ensure_images(podman: Podman, log=print) -> None:
     """Build each stand-in image unless the store already holds it from the same recipe."""
-    built_rootfs: set[str] = set()
-    for image, (rootfs, containerfile, target) in IMAGES.items():
-        recipe = _recipe(rootfs, containerfile)
-        if podman.image_label(image, "org.dualtrack.recipe") == recipe:
-            continue
-        with tempfile.TemporaryDirectory(dir=podman.cache / "tmp") as scratch:
-            context = Path(scratch)
-            if rootfs not in built_rootfs:
-                started = time.monotonic()
-                tarball = context / f"{rootfs}.tar"
-                result = subprocess.run(
-                    ["mmdebstrap", "--variant=minbase", "--format=tar", "--include=" + ",".join(ROOTFS[rootfs]),
-                     "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
-                     "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", str(tarball), DEBIAN],
-                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
-                if result.returncode:
-                    raise EngineError(f"mmdebstrap {rootfs}: {result.stderr.strip()[-2000:]}")
-                podman("import", str(tarball), f"localhost/dualtrack-rootfs-{rootfs}:bookworm")
-                tarball.unlink()
-                built_rootfs.add(rootfs)
-                log(f"rootfs {rootfs}: {time.monotonic() - started:.0f} s")
+    stale = {image: spec for image, spec in IMAGES.items()
+             if podman.image_label(image, "org.dualtrack.recipe") != _recipe(spec[0], spec[1])}
+    if not stale:
+        return
+    with tempfile.TemporaryDirectory(dir=podman.cache / "tmp") as scratch:
+        scratch = Path(scratch)
+        started = time.monotonic()
+        # Both rootfs at once: mostly downloads and dpkg, which a 2-core machine overlaps well.
+        debootstraps = {rootfs: subprocess.Popen(
+            ["mmdebstrap", "--variant=minbase", "--format=tar", "--include=" + ",".join(ROOTFS[rootfs]),
+             "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
+             "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", str(scratch / f"{rootfs}.tar"), DEBIAN],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(scratch / f"{rootfs}.log", "w"))
+            for rootfs in {spec[0] for spec in stale.values()}}
+        try:
+            for rootfs, process in debootstraps.items():
+                if process.wait(timeout=900):
+                    raise EngineError(f"mmdebstrap {rootfs}: {(scratch / f'{rootfs}.log').read_text().strip()[-2000:]}")
+                podman("import", str(scratch / f"{rootfs}.tar"), f"localhost/dualtrack-rootfs-{rootfs}:bookworm")
+        finally:
+            for process in debootstraps.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        log(f"rootfs {', '.join(debootstraps)}: {time.monotonic() - started:.0f} s")
+        for image, (rootfs, containerfile, target) in stale.items():
+            context = scratch / image.replace("/", "_").replace(":", "_")
+            context.mkdir()
             shutil.copy(HERE / containerfile, context / "Containerfile")
             _site_pip_context(context)
-            podman("build", "--pull=never", "--label", f"org.dualtrack.recipe={recipe}", "-t", image,
-                   *(["--target", target] if target else []), "-f", str(context / "Containerfile"), str(context))
+            podman("build", "--pull=never", "--label", f"org.dualtrack.recipe={_recipe(rootfs, containerfile)}",
+                   "-t", image, *(["--target", target] if target else []), "-f", str(context / "Containerfile"),
+                   str(context))
             log(f"built {image}")
