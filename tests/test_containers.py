@@ -124,9 +124,8 @@ def stack(tmp_path_factory):
     subprocess.run([sys.executable, str(tree / "deploy/compose/make_secrets.py"), "--host", BIND],
                    check=True, capture_output=True)
     stack = Stack(podman, tree)
-    bridge = None
-    podman.start()
     try:
+        podman.start()
         started = time.monotonic()
         ensure_images(podman, log=lambda line: print(line, file=sys.__stderr__))
         _figure(base_images_s=round(time.monotonic() - started))
@@ -139,19 +138,27 @@ def stack(tmp_path_factory):
         def watch_ready():  # the exporter's first answer on its published port, seen from the host
             def probe():
                 return stack.get(9942, "/-/ready", user="prometheus").status_code == 200
-            wait_until(probe, 300, interval=0.05, what="exporter ready")
-            ready["at"] = time.time()
+            try:
+                wait_until(probe, 120, interval=0.05, what="exporter ready")
+                ready["at"] = time.time()
+            except TimeoutError:
+                pass  # reported below, with the exporter's restarts and logs
         watcher = threading.Thread(target=watch_ready, daemon=True)
         watcher.start()
         started = time.monotonic()
         stack.compose("up", "-d", *SERVICES)
         _figure(compose_up_s=round(time.monotonic() - started))
-        watcher.join(300)
+        watcher.join(120)
+        if "at" not in ready:
+            exporter = stack.container("exporter")
+            logs = stack.podman("logs", "--tail", "5", exporter["Id"], check=False)
+            raise AssertionError(f"the exporter never answered on {BIND}:9942 ({exporter['RestartCount']} restarts): "
+                                 f"{(logs.stdout + logs.stderr)[-1500:]}")
         _figure(exporter_start_to_ready_s=round(ready["at"] - _started_at(stack.container("exporter")), 2))
-        network = json.loads(podman("network", "inspect", f"{PROJECT}_default").stdout)[0]
-        bridge = network.get("network_interface")
         yield stack
     finally:
+        network = podman("network", "inspect", f"{PROJECT}_default", check=False)
+        bridge = json.loads(network.stdout)[0].get("network_interface") if network.returncode == 0 else None
         try:
             stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
             podman("network", "rm", "-f", f"{PROJECT}_default", check=False)
