@@ -203,11 +203,18 @@ def test_compose_prometheus_and_grafana_use_only_files_and_users_make_secrets_pr
     for name, text in sources.items():
         for file in re.findall(re.escape(SECRETS_MOUNT) + r"/([\w.-]+)", text):
             assert (secrets_dir / file).is_file(), f"{name} reads {file}, which make_secrets does not write"
-    readers = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana"}
-    for service in readers:
-        assert f"./deploy/compose/secrets:{SECRETS_MOUNT}:ro" in compose[service]["volumes"], service
-    for service in readers - {"grafana"}:
-        assert f"{SECRETS_MOUNT}/{service}-web.yml" in str(compose[service]), service
+    # Each service mounts, file by file, what it reads: its compose settings, prometheus.yml for
+    # Prometheus, the datasources for Grafana, and the certificate and key its web-config names.
+    reads = {service: set(re.findall(re.escape(SECRETS_MOUNT) + r"/([\w.-]+)", str(compose[service])))
+             for service in compose}
+    reads["prometheus"] |= set(re.findall(re.escape(SECRETS_MOUNT) + r"/([\w.-]+)", sources["prometheus.yml"]))
+    reads["grafana"] |= set(re.findall(re.escape(SECRETS_MOUNT) + r"/([\w.-]+)", sources["datasources"]))
+    for service in ("exporter", "pushgateway", "prometheus", "alertmanager"):
+        assert f"{service}-web.yml" in reads[service], service
+        reads[service] |= {"tls.crt", "tls.key"}
+    for service, files in reads.items():
+        mounted = {volume["target"] for volume in compose[service].get("volumes", []) if isinstance(volume, dict)}
+        assert {f"{SECRETS_MOUNT}/{file}" for file in files} <= mounted, (service, files, mounted)
 
     config = yaml.safe_load(sources["prometheus.yml"])
     targets = {job["job_name"]: job for job in config["scrape_configs"]}
