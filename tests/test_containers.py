@@ -126,6 +126,7 @@ def stack(tmp_path_factory):
     stack = Stack(podman, tree)
     try:
         podman.start()
+        podman.remove_build_leftovers()  # of a run that was killed
         started = time.monotonic()
         ensure_images(podman, log=lambda line: print(line, file=sys.__stderr__))
         _figure(base_images_s=round(time.monotonic() - started))
@@ -165,6 +166,7 @@ def stack(tmp_path_factory):
             podman("image", "prune", "-f", check=False)
         finally:
             podman.stop()
+            podman.remove_build_leftovers()
             _cleanup_bridge(podman, bridge)
 
 

@@ -153,6 +153,15 @@ class Podman:
             except (EngineError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
                 self.health_errors.append(str(exc))
 
+    def remove_build_leftovers(self) -> None:
+        """Builds cut short (the API service stopped mid-build) leave buildah working containers that
+        hold overlay mounts; this store is ours alone, so every such container goes."""
+        listed = self("ps", "-a", "--external", "--format", "{{.ID}} {{.Names}}", check=False).stdout.splitlines()
+        for line in listed:
+            cid, _, name = line.partition(" ")
+            if name.endswith("-working-container"):
+                self("rm", "-f", "--storage", cid, check=False)
+
     def image_label(self, image: str, label: str) -> str | None:
         result = self("image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', image, check=False)
         return result.stdout.strip() if result.returncode == 0 else None
