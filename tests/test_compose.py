@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.compose import make_secrets
 from stack.processes import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
 SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana", "janitor"}
 PASSWORD = "GRAFANA_ADMIN_PASSWORD"
+GID = "DUALTRACK_SECRETS_GID"
+SECRETS = "./deploy/compose/secrets"
 
 
 @lru_cache(maxsize=1)
@@ -31,14 +34,21 @@ def services() -> dict[str, dict]:
     return compose()["services"]
 
 
+def mounts(service: dict) -> list[tuple[str, str, bool]]:
+    """(source, container target, read-only) of every volume of `service`, short or long syntax."""
+    found = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            found.append((volume["source"], volume["target"], bool(volume.get("read_only"))))
+        else:
+            source, target, *options = volume.split(":")
+            found.append((source, target, "ro" in options))
+    return found
+
+
 def bind_mounts(service: dict) -> list[tuple[str, str]]:
     """(repo-relative source, container target) of every bind mount of `service`."""
-    mounts = []
-    for volume in service.get("volumes", []):
-        source, target, *_ = volume.split(":")
-        if source.startswith((".", "/")):
-            mounts.append((source, target))
-    return mounts
+    return [(source, target) for source, target, _ in mounts(service) if source.startswith((".", "/"))]
 
 
 @pytest.fixture
@@ -49,7 +59,7 @@ def docker_compose(tmp_path):
         pytest.skip("docker-compose not installed (scripts/setup --test installs it)")
     empty = tmp_path / "empty.env"
     empty.touch()
-    base = {k: v for k, v in os.environ.items() if k not in (PASSWORD, "DUALTRACK_BIND")}
+    base = {k: v for k, v in os.environ.items() if k not in (PASSWORD, GID, "DUALTRACK_BIND")}
 
     def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         return subprocess.run([binary, "--env-file", str(empty), "-f", str(COMPOSE), *args],
@@ -64,17 +74,28 @@ def test_compose_spec_schema():
 
 
 def test_docker_compose_config_accepts_the_file(docker_compose):
-    result = docker_compose("config", "-q", env={PASSWORD: "not-a-real-password"})
+    result = docker_compose("config", "-q", env={PASSWORD: "not-a-real-password", GID: "2300"})
     assert result.returncode == 0, result.stderr
 
 
 def test_grafana_password_has_no_default(docker_compose):
-    result = docker_compose("config", "-q", env={})
+    result = docker_compose("config", "-q", env={GID: "2300"})
     assert result.returncode != 0
     assert PASSWORD in result.stderr
     password = services()["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
     assert password.startswith("${" + PASSWORD + ":?"), password
     assert services()["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def test_every_service_reads_its_secrets_through_the_group_make_secrets_gave_them(docker_compose):
+    """Keys and passwords are 0640 with make_secrets.py's --group: a container without that group
+    (its own user is nobody, grafana or uid 10001) could not read them and would not start."""
+    result = docker_compose("config", "-q", env={PASSWORD: "x"})
+    assert result.returncode != 0 and GID in result.stderr, result.stderr
+    rendered = yaml.safe_load(docker_compose("config", env={PASSWORD: "x", GID: "2300"}).stdout)["services"]
+    for name, service in services().items():
+        if any(source.startswith(SECRETS + "/") for source, _, _ in mounts(service)):
+            assert [str(group) for group in rendered[name].get("group_add", [])] == ["2300"], name
 
 
 def published_ports(rendered: str) -> list[tuple[str, str, str]]:
@@ -84,12 +105,13 @@ def published_ports(rendered: str) -> list[tuple[str, str, str]]:
 
 
 def test_ports_bind_to_localhost_unless_opted_out(docker_compose):
-    published = published_ports(docker_compose("config", env={PASSWORD: "x"}).stdout)
+    published = published_ports(docker_compose("config", env={PASSWORD: "x", GID: "2300"}).stdout)
     assert {name for name, _, _ in published} == SERVICES - {"janitor"}  # the janitor listens on nothing
     assert {ip for _, ip, _ in published} == {"127.0.0.1"}, published
     host_ports = [port for _, _, port in published]
     assert len(host_ports) == len(set(host_ports)), host_ports
-    opened = published_ports(docker_compose("config", env={PASSWORD: "x", "DUALTRACK_BIND": "0.0.0.0"}).stdout)
+    opened = published_ports(docker_compose("config", env={PASSWORD: "x", GID: "2300",
+                                                           "DUALTRACK_BIND": "0.0.0.0"}).stdout)
     assert {ip for _, ip, _ in opened} == {"0.0.0.0"}
 
 
@@ -109,13 +131,39 @@ def test_images_are_pinned():
 
 
 def test_every_bind_mount_exists_in_the_repo_and_is_read_only():
-    mounts = [(name, volume) for name, service in services().items() for volume in service.get("volumes", [])
-              if volume.startswith(".")]
-    assert len(mounts) >= 5
-    for name, volume in mounts:
-        source = volume.split(":")[0]
-        assert (REPO / source).exists(), f"{name} mounts {source}, which is not in the repo"
-        assert volume.endswith(":ro"), f"{name}: {volume} is writable"
+    made = {f"{user}.password" for users in make_secrets.USERS.values() for user in users}
+    made |= {f"{service}-web.yml" for service in make_secrets.SERVICES} | {"ca.crt", "tls.crt", "tls.key"}
+    found = [(name, source, read_only) for name, service in services().items()
+             for source, _, read_only in mounts(service) if source.startswith(".")]
+    assert len(found) >= 5
+    for name, source, read_only in found:
+        if source.startswith(SECRETS + "/"):  # made by make_secrets.py, never committed
+            assert source[len(SECRETS) + 1:] in made, f"{name} mounts {source}, which make_secrets.py does not make"
+        else:
+            assert (REPO / source).exists(), f"{name} mounts {source}, which is not in the repo"
+        assert read_only, f"{name}: {source} is writable"
+
+
+def test_services_mount_only_the_secret_files_they_use():
+    """A daemon that is broken into reads only its own secrets: no service mounts the whole folder, and
+    the private key and the admin password stay out of the services that do not use them."""
+    for name, service in services().items():
+        secrets = {source[len(SECRETS) + 1:] for source, _ in bind_mounts(service) if source.startswith(SECRETS)}
+        assert "" not in secrets and SECRETS not in {source.rstrip("/") for source, _ in bind_mounts(service)}, \
+            f"{name} mounts the whole secrets folder"
+        assert "admin.password" not in secrets and "ca.key" not in secrets, (name, secrets)
+        if name in ("grafana", "janitor"):
+            assert "tls.key" not in secrets, (name, secrets)
+
+
+def test_no_health_check_puts_a_password_on_a_command_line():
+    """Health checks run as processes every host user can list (`ps`): no password in their argv."""
+    for name, service in services().items():
+        test = " ".join(service.get("healthcheck", {}).get("test", []))
+        assert "password" not in test and "$(cat" not in test and "$$(cat" not in test, (name, test)
+        assert "@127.0.0.1" not in test, (name, test)  # user:password@host
+    healthcheck = (REPO / "deploy" / "healthcheck.py").read_text()
+    assert "read_text()" in healthcheck and "Authorization" in healthcheck  # the exporter's reads its file
 
 
 def test_depends_on_targets_exist_and_are_healthchecked():
@@ -134,8 +182,8 @@ def test_services_have_healthchecks_and_named_volumes():
             assert re.search(r"^HEALTHCHECK .*\n?.*CMD .*/-/ready", dockerfile, re.MULTILINE), name
         else:
             assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
-    named = {volume.split(":")[0] for service in services().values() for volume in service.get("volumes", [])
-             if not volume.startswith((".", "/"))}
+    named = {source for service in services().values() for source, _, _ in mounts(service)
+             if not source.startswith((".", "/"))}
     assert named == set(compose()["volumes"]) and {"prometheus-data", "grafana-data"} <= named
 
 
@@ -177,11 +225,11 @@ def test_prometheus_paths_match_prometheus_yml():
 def test_alertmanager_entrypoint_renders_a_valid_config_with_the_webhook(tmp_path):
     """Run the service's entrypoint as the container would (paths mapped to the repo and tmp_path)."""
     alertmanager = services()["alertmanager"]
-    mounts = {target: REPO / source for source, target in bind_mounts(alertmanager)}
-    data = next(v.split(":")[1] for v in alertmanager["volumes"] if v.startswith("alertmanager-data:"))
+    mapped = {target: REPO / source for source, target in bind_mounts(alertmanager)}
+    data = next(target for source, target, _ in mounts(alertmanager) if source == "alertmanager-data")
 
     def local(path: str) -> str:
-        for target, source in mounts.items():
+        for target, source in mapped.items():
             if path.startswith(target + "/"):
                 return str(source / path[len(target) + 1:])
         return str(tmp_path / path[len(data) + 1:]) if path.startswith(data + "/") else path

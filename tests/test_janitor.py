@@ -225,5 +225,5 @@ def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
     assert "cat /etc/dualtrack/secrets/hook.password" in janitor["entrypoint"][2]
     store = next(arg.split("=", 1)[1] for arg in services["pushgateway"]["command"]
                  if arg.startswith("--persistence.file="))
-    assert any(volume.startswith("pushgateway-data:") and store.startswith(volume.split(":")[1] + "/")
-               for volume in services["pushgateway"]["volumes"])
+    assert any(isinstance(volume, str) and volume.startswith("pushgateway-data:")
+               and store.startswith(volume.split(":")[1] + "/") for volume in services["pushgateway"]["volumes"])

@@ -1,0 +1,262 @@
+"""The image and `docker compose up`, for real: the project's docker-compose.yml driven by a real compose
+client (Debian's docker-compose) on podman, with locally built stand-ins for the upstream images
+(tests/containers/engine.py). Overridden: the GPU reservation (simulated GPUs instead) and Grafana,
+which is left out of the run (tests/containers/compose.override.yml).
+
+Run with `pytest -m containers` (.ci/containers installs podman and the rest, as root).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from stack.processes import REPO, wait_until
+from tests.containers.engine import CACHE, Podman, ensure_images, missing_tools
+
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(1200)]
+
+BIND = "127.0.0.42"  # not 127.0.0.1, where the other tests and the demo publish the same ports
+PROJECT = "dualtrack-ci"
+SECRETS_GID = 47042  # make_secrets.py --group: the containers (nobody, uid 10001) read the 0640 secrets through it
+OVERRIDE = REPO / "tests" / "containers" / "compose.override.yml"
+SERVICES = ("exporter", "pushgateway", "janitor", "prometheus", "alertmanager")  # all but Grafana
+HEALTHCHECKED = ("exporter", "pushgateway", "prometheus", "alertmanager")
+FIGURES = CACHE / "figures.json"
+
+
+def _tree_copy(destination: Path) -> Path:
+    """The repo's files (tracked and not ignored) in a scratch folder: the secrets made for this run go
+    there, never into the user's deploy/compose/secrets."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+    return destination
+
+
+class Stack:
+    def __init__(self, podman: Podman, tree: Path) -> None:
+        self.podman = podman
+        self.tree = tree
+        self.secrets = tree / "deploy" / "compose" / "secrets"
+        self.ca = str(self.secrets / "ca.crt")
+        self.env = {**podman.env, "DUALTRACK_BIND": BIND, "COMPOSE_PROJECT_NAME": PROJECT,
+                    "GRAFANA_ADMIN_PASSWORD": os.urandom(8).hex(),  # compose evaluates it even for a left-out service
+                    "DUALTRACK_SECRETS_GID": str(SECRETS_GID)}
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f", str(OVERRIDE), *args],
+                                cwd=self.tree, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode:
+            raise AssertionError(f"docker-compose {' '.join(args)}: {result.stderr[-3000:]}")
+        return result
+
+    def password(self, user: str) -> str:
+        return (self.secrets / f"{user}.password").read_text().strip()
+
+    def url(self, port: int) -> str:
+        return f"https://{BIND}:{port}"
+
+    def get(self, port: int, path: str, user: str = "admin", **params) -> requests.Response:
+        return requests.get(self.url(port) + path, params=params, auth=(user, self.password(user)),
+                            verify=self.ca, timeout=10)
+
+    def query(self, promql: str, **params) -> list[dict]:
+        response = self.get(9090, "/api/v1/query", query=promql, **params)
+        response.raise_for_status()
+        return response.json()["data"]["result"]
+
+    def container(self, service: str) -> dict:
+        ids = self.compose("ps", "-q", service).stdout.split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return json.loads(self.podman("inspect", ids[0]).stdout)[0]
+
+    def health(self, service: str) -> str:
+        state = self.container(service)["State"]
+        return (state.get("Health") or state.get("Healthcheck") or {}).get("Status", "")
+
+
+def _figure(**values) -> None:
+    figures = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    figures.update(values)
+    FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"containers figures: {values}", file=sys.__stderr__)
+
+
+def _started_at(container: dict) -> float:
+    """State.StartedAt (RFC 3339 with nanoseconds, which datetime does not parse) as a Unix time."""
+    base, fraction, zone = re.match(r"(.*?T[\d:]+)(?:\.(\d+))?(.*)$", container["State"]["StartedAt"]).groups()
+    zone = "+00:00" if zone in ("Z", "") else zone
+    return datetime.fromisoformat(base + zone).timestamp() + float("0." + (fraction or "0"))
+
+
+def _cleanup_bridge(podman: Podman, bridge: str | None) -> None:
+    """netavark can leave firewall rules for a deleted bridge: delete those naming ours, only."""
+    if not bridge or shutil.which("iptables-save") is None:
+        return
+    for table in ("filter", "nat"):
+        rules = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True).stdout
+        for rule in rules.splitlines():
+            if rule.startswith("-A ") and f" {bridge} " in f"{rule} ":
+                subprocess.run(["iptables", "-t", table, "-D", *rule.split()[1:]], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if os.geteuid() != 0 or missing_tools():
+        pytest.fail(f"needs root and {', '.join(missing_tools()) or 'nothing else'}: run .ci/containers")
+    podman = Podman()
+    tree = _tree_copy(tmp_path_factory.mktemp("tree"))
+    subprocess.run([sys.executable, str(tree / "deploy/compose/make_secrets.py"), "--host", BIND,
+                    "--group", str(SECRETS_GID)],
+                   check=True, capture_output=True)
+    stack = Stack(podman, tree)
+    try:
+        podman.start()
+        podman.remove_build_leftovers()  # of a run that was killed
+        started = time.monotonic()
+        ensure_images(podman, log=lambda line: print(line, file=sys.__stderr__))
+        _figure(base_images_s=round(time.monotonic() - started))
+        stack.compose("down", "-v", "--remove-orphans", check=False)  # what a killed earlier run left
+        started = time.monotonic()
+        stack.compose("build", "exporter", "janitor")
+        _figure(image_build_s=round(time.monotonic() - started))
+        ready = {}
+
+        def watch_ready():  # the exporter's first answer on its published port, seen from the host
+            def probe():
+                return stack.get(9942, "/-/ready", user="prometheus").status_code == 200
+            try:
+                wait_until(probe, 120, interval=0.05, what="exporter ready")
+                ready["at"] = time.time()
+            except TimeoutError:
+                pass  # reported below, with the exporter's restarts and logs
+        watcher = threading.Thread(target=watch_ready, daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        stack.compose("up", "-d", *SERVICES)
+        _figure(compose_up_s=round(time.monotonic() - started))
+        watcher.join(120)
+        if "at" not in ready:
+            exporter = stack.container("exporter")
+            logs = stack.podman("logs", "--tail", "5", exporter["Id"], check=False)
+            raise AssertionError(f"the exporter never answered on {BIND}:9942 ({exporter['RestartCount']} restarts): "
+                                 f"{(logs.stdout + logs.stderr)[-1500:]}")
+        _figure(exporter_start_to_ready_s=round(ready["at"] - _started_at(stack.container("exporter")), 2))
+        yield stack
+    finally:
+        network = podman("network", "inspect", f"{PROJECT}_default", check=False)
+        bridge = json.loads(network.stdout)[0].get("network_interface") if network.returncode == 0 else None
+        try:
+            stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
+            podman("network", "rm", "-f", f"{PROJECT}_default", check=False)
+            podman("image", "prune", "-f", check=False)
+        finally:
+            podman.stop()
+            podman.remove_build_leftovers()
+            _cleanup_bridge(podman, bridge)
+
+
+def test_image_builds_and_every_service_runs_healthy(stack):
+    image = stack.container("exporter")["Image"]
+    size = json.loads(stack.podman("image", "inspect", image).stdout)[0]["Size"]
+    _figure(image_size_mb=round(size / 1e6))
+    for service in HEALTHCHECKED:  # health checks run on their 30 s interval (podman: engine.py)
+        try:
+            wait_until(lambda: stack.health(service) == "healthy", 150, interval=1, what=f"{service} healthy")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; health-check runner errors: {stack.podman.health_errors[-3:]}") from None
+    for service in SERVICES:
+        assert stack.container(service)["State"]["Status"] == "running", service
+
+
+def test_exporter_serves_gpu_series_over_tls_with_basic_auth(stack):
+    response = stack.get(9942, "/metrics", user="prometheus")
+    assert response.status_code == 200
+    assert 'nvml_gpu_info{' in response.text and "nvml_gpu_utilization" in response.text
+    assert requests.get(stack.url(9942) + "/metrics", verify=stack.ca, timeout=10).status_code == 401
+    with pytest.raises(requests.exceptions.SSLError):  # TLS, with the certificate of the stack's CA
+        requests.get(stack.url(9942) + "/metrics", timeout=10)
+
+
+def test_prometheus_scrapes_every_target_and_loads_the_rules(stack):
+    def all_up():
+        targets = stack.get(9090, "/api/v1/targets").json()["data"]["activeTargets"]
+        jobs = {t["labels"]["job"]: t["health"] for t in targets}
+        return jobs == {"dualtrack-exporter": "up", "pushgateway": "up", "prometheus": "up"} and jobs
+    wait_until(all_up, 90, interval=1, what="every Prometheus target up")
+    loaded = {group["name"] for group in stack.get(9090, "/api/v1/rules").json()["data"]["groups"]}
+    shipped = {group["name"] for path in (REPO / "rules").glob("*.yml")
+               for group in yaml.safe_load(path.read_text())["groups"]}
+    assert loaded == shipped
+    assert stack.query("nvml_gpu_info")
+
+
+def test_training_run_reaches_prometheus_and_a_nan_loss_alertmanager(stack, tmp_path, monkeypatch):
+    from trainer_hook import TrainingMonitor
+
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_USERNAME", "hook")
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_PASSWORD", stack.password("hook"))
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_CA_FILE", stack.ca)
+    run = f"containers-{os.urandom(3).hex()}"
+    with TrainingMonitor(job="containers-ci", run=run, pushgateway=stack.url(9091), push_interval=1,
+                         record_path=tmp_path / "run.jsonl") as monitor:
+        monitor.log({"loss": 0.5}, step=1)
+        monitor.log({"loss": math.nan}, step=2)
+        wait_until(lambda: stack.query(f'training_nonfinite_steps_total{{run="{run}"}}'), 120, interval=1,
+                   what="the run's series in Prometheus")
+
+        def alert():
+            alerts = stack.get(9093, "/api/v2/alerts").json()
+            return [a for a in alerts if a["labels"].get("alertname") == "TrainingLossNonFinite"
+                    and a["labels"].get("run") == run]
+        wait_until(alert, 180, interval=2, what="TrainingLossNonFinite in Alertmanager")
+        assert monitor._pusher.failures == 0
+
+
+def test_janitor_runs_and_authenticates(stack):
+    assert stack.container("janitor")["State"]["Status"] == "running"
+    logs = stack.compose("logs", "--no-color", "janitor").stdout
+    assert "janitor: watching https://pushgateway:9091" in logs and "cannot read" not in logs, logs
+    # One more pass, through the service's own entrypoint (`compose run` needs links, which podman lacks).
+    entrypoint = [arg.replace("$$", "$") for arg in yaml.safe_load((stack.tree / "docker-compose.yml")
+                                                                     .read_text())["services"]["janitor"]["entrypoint"]]
+    once = stack.podman("exec", stack.container("janitor")["Id"], *entrypoint, "--once", check=False, timeout=120)
+    assert once.returncode == 0, once.stdout + once.stderr  # 1 when the groups could not be read (401, TLS)
+    assert stack.password("hook") not in once.stdout + once.stderr + logs
+
+
+def test_no_container_restarted(stack):
+    for service in SERVICES:
+        assert stack.container(service)["RestartCount"] == 0, service
+
+
+def test_down_then_up_keeps_prometheus_data_and_pushgateway_groups(stack):
+    group = "/metrics/job/containers-persist/run/kept"
+    pushed = requests.put(stack.url(9091) + group, data="containers_persisted 42\n", verify=stack.ca,
+                          auth=("hook", stack.password("hook")), timeout=10)
+    assert pushed.status_code == 200
+    wait_until(lambda: stack.query("containers_persisted"), 60, interval=1, what="the pushed series scraped")
+    before = time.time()
+    stack.compose("down", timeout=300)  # no -v: the named volumes stay
+    stack.compose("up", "-d", *SERVICES)
+    wait_until(lambda: stack.health("prometheus") == "healthy", 150, interval=1, what="prometheus healthy again")
+    groups = stack.get(9091, "/api/v1/metrics").json()["data"]
+    assert any(g["labels"].get("job") == "containers-persist" for g in groups), "the Pushgateway lost its groups"
+    assert stack.query("containers_persisted", time=before), "Prometheus lost its data"
