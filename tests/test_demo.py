@@ -214,3 +214,32 @@ def test_the_sweep_gpus_each_run_their_runs_scenario() -> None:
     assert nvml.memory_used(3, 600) > nvml.memory_used(3, 0)
     assert nvml.memory_used(0, 600) == nvml.memory_used(0, 0)
     assert main(["--simulate=healthy,melting"]) == 2
+
+
+def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path: Path, monkeypatch) -> None:
+    """Stopping the stack stops its runs on purpose: each pushes `finished` (not `failed`, reason
+    SIGTERM) and exits at once, without waiting to delete its group (the stack's stop() would
+    SIGKILL it), also with SIGINT and SIGTERM inherited as ignored."""
+    from exporter.simulated import simulated_uuid
+    from stack import processes
+    from stack.demo import sweep, training_service
+    from tests.hook_support import pushed_value, record_lines
+    monkeypatch.delenv("DUALTRACK_DELETE_AFTER", raising=False)  # the default: wait at exit to delete
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = sweep(150)[0]
+    service = training_service(tmp_path, run, pgw.url, simulated_uuid(0), None)
+    service.argv += ["--push-interval", "0.5"]
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        start_service(service)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    wait_until(lambda: (pushed_value(pgw.url, "training_steps_total", run.name) or 0) > 0, 60,
+               what="the run's first push")
+    service.stop()
+    assert service.proc.returncode == -signal.SIGTERM, service.log_tail()
+    assert pushed_value(pgw.url, "training_run_state", run.name, state="finished") == 1
+    assert pushed_value(pgw.url, "training_run_state", run.name, state="failed") == 0
+    end = record_lines(tmp_path / f"record-{run.name}.jsonl")[1][-1]
+    assert end["event"] == "end" and end["state"] == "finished" and "reason" not in end, end
