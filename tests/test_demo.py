@@ -22,7 +22,7 @@ from stack.processes import REPO, query, wait_for_series, wait_until
 
 pytestmark = pytest.mark.e2e
 
-FIRST_ALERT = re.compile(r"FIRING\s+(\w+) \[\w+\] run (\S+) \(\+(\d+)m(\d+)s\).*\n\s+open the dashboard (.+)")
+FIRST_ALERT = re.compile(r"FIRING\s+(\w+) \[\w+\] run (\S+) \(\+(\d+)m(\d+)s after up\).*\n\s+open (.+)")
 
 
 def children(pid: int) -> set[int]:
@@ -126,7 +126,13 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     seconds = time.monotonic() - started
     print(f"first alert printed {seconds:.0f} s after the command started: {first.group(0)!r}")
     assert first.group(1) == "TrainingLossNonFinite" and first.group(2) == "explode-lr3e-2", first.group(0)
-    assert first.group(5) == '"Training run" with run=explode-lr3e-2'
+    # No Grafana here: the line names what there is to open, and its report command works.
+    opened = first.group(5)
+    assert opened.startswith(f"the Prometheus alerts page {alerts_url}, or write the run's report: "), opened
+    report = subprocess.run(opened.split(": ", 1)[1].split(), cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "explode-lr3e-2.html").stat().st_size > 0
 
     tee.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole pipeline: tee goes first
     tee.wait(10)
@@ -243,3 +249,24 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     assert pushed_value(pgw.url, "training_run_state", run.name, state="failed") == 0
     end = record_lines(tmp_path / f"record-{run.name}.jsonl")[1][-1]
     assert end["event"] == "end" and end["state"] == "finished" and "reason" not in end, end
+
+
+def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
+    """Without Grafana an alert line points at the Prometheus alerts page and the run's report
+    command (there is no dashboard to open); with Grafana, at the dashboard filtered to the run."""
+    from stack.demo import AlertPrinter
+    printer = AlertPrinter({"GPU-0": "leak-bs128"}, {"leak-bs128": Path("/w/record-leak-bs128.jsonl")})
+    printer.prometheus_url, printer.alerts_url = "http://127.0.0.1:9090", "http://127.0.0.1:9090/classic/alerts"
+    payload = {"alerts": [{"status": "firing", "labels": {"alertname": "GPUMemoryLeakSuspected", "uuid": "GPU-0"}},
+                          {"status": "firing", "labels": {"alertname": "GPUXidError", "uuid": "GPU-9"}}]}
+    printer(payload)
+    lines = capsys.readouterr().out
+    assert "dashboard" not in lines
+    assert ("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts, or write the run's report: "
+            f"{sys.executable} -m dualtrack report /w/record-leak-bs128.jsonl --prometheus http://127.0.0.1:9090 "
+            "--out leak-bs128.html") in lines
+    assert lines.rstrip().endswith("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts")
+    printer.grafana_url = "http://127.0.0.1:3000"
+    printer(payload)
+    assert "open the dashboard http://127.0.0.1:3000/d/dualtrack-training-run?var-job=demo&var-run=leak-bs128" \
+        in capsys.readouterr().out
