@@ -54,10 +54,13 @@ def alive(pids: set[int]) -> set[int]:
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
     """Popen that never outlives the test: whatever is still running at teardown (a test that
-    timed out or failed) is killed, and with it (PR_SET_PDEATHSIG) every daemon it started."""
+    timed out or failed) is killed, and with it (PR_SET_PDEATHSIG) every daemon it started.
+    The child gets the default SIGINT action (Ctrl-C kills it), even when pytest runs with SIGINT
+    ignored (a background job), unless `preexec_fn` says otherwise."""
     started: list[subprocess.Popen] = []
 
     def start(argv: list[str], **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
         started.append(proc)
         return proc
@@ -144,10 +147,10 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
 @pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM", "SIGINT inherited as ignored"])
 def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path, how: str) -> None:
     log = tmp_path / "demo.log"
-    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "ignored" in how else None
+    ignore_sigint = signal.SIG_IGN if "ignored" in how else signal.SIG_DFL
     with log.open("wb") as out:
         demo = spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT,
-                     preexec_fn=ignore_sigint)
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, ignore_sigint))
     wait_for_output(log, "dualtrack is up", 90)
     daemons = children(demo.pid)
     assert len(daemons) >= 8
