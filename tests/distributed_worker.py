@@ -11,12 +11,15 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 """
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
+import torch  # noqa: E402 - after the stack-dump handler, so a hang in an import shows too
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402

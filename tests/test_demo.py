@@ -1,5 +1,5 @@
 """The README's main command (`python -m stack`): the whole stack comes up with its sweep, the first
-alert prints with the run and the dashboard to open, and however the command ends (Ctrl-C through a
+alert prints with the run and what to open, and however the command ends (Ctrl-C through a
 pipe whose reader died, SIGHUP, SIGTERM, SIGINT inherited as ignored, the owner killed outright) no
 process it started is left behind."""
 from __future__ import annotations
@@ -19,36 +19,11 @@ import pytest
 import requests
 
 from stack.processes import REPO, query, wait_for_series, wait_until
+from tests.process_support import alive, children
 
 pytestmark = pytest.mark.e2e
 
 FIRST_ALERT = re.compile(r"FIRING\s+(\w+) \[\w+\] run (\S+) \(\+(\d+)m(\d+)s after up\).*\n\s+open (.+)")
-
-
-def children(pid: int) -> set[int]:
-    """PIDs whose parent is `pid` (the demo's daemons run in sessions of their own)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """The PIDs in `pids` that still run (zombies count as gone)."""
-    running = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            running.add(pid)
-    return running
 
 
 @pytest.fixture
