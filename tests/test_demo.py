@@ -138,18 +138,21 @@ def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> None:
-    """The promise on a 2-core machine: the first alert within 5 min of the command's start, the
-    data-loader alert within about 10."""
+    """The README's promise on a 2-core machine, timed from "dualtrack is up" as the alert lines
+    are: the explosion's alerts and the data-loader alert near the times the banner announces."""
+    from stack.demo import EXPLODE_AFTER, alert_times
     log = tmp_path / "demo.log"
-    started = time.monotonic()
     with log.open("wb") as out:
         spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT)
-    first = wait_for_output(log, FIRST_ALERT.pattern, 300)
-    first_at = time.monotonic() - started
-    wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0", 600)
-    loader_at = time.monotonic() - started
-    print(f"first alert after {first_at:.0f} s ({first.group(1)}), data-loader alert after {loader_at:.0f} s")
-    assert first_at < 300 and loader_at < 600
+    first = wait_for_output(log, FIRST_ALERT.pattern, 400)
+    loader = wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0 "
+                                  r"\(\+(\d+)m(\d+)s after up\)", 700)
+    first_at = int(first.group(3)) * 60 + int(first.group(4))
+    loader_at = int(loader.group(1)) * 60 + int(loader.group(2))
+    print(f"after up: first alert {first_at} s ({first.group(1)}), data-loader alert {loader_at} s")
+    expected = alert_times(EXPLODE_AFTER)
+    assert first_at < expected["TrainingLossNonFinite"] + 60, first.group(0)
+    assert loader_at < expected["TrainingDataLoaderBottleneck"] + 90, loader.group(0)
     assert re.search(r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2", log.read_text())
 
 

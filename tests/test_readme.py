@@ -1,4 +1,5 @@
-"""The README's promises, checked against what the code does: its hook snippet runs as written."""
+"""The README's promises, checked against what the code does: its hook snippet runs as written, and
+it states the demo's alert times the demo announces."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from stack.processes import REPO
 from tests.hook_support import pushed_value, run_id
 
 README = REPO / "README.md"
+DASHBOARDS_DOC = REPO / "docs" / "dashboards.md"
 
 # What the snippet leaves to the reader ("model, optimizer and train_loader are your own").
 USER_CODE = """
@@ -37,3 +39,31 @@ def test_the_hook_snippet_runs_as_written_without_a_warning(start_service, tmp_p
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert pushed_value(pgw.url, "training_steps_total", run, job="pretrain") == 5
+
+
+def announced_minutes(text: str, names: list[str]) -> dict[str, int]:
+    """For each alert name, the first "about N min" after its first mention in `text`."""
+    text = " ".join(text.split())
+    found = {}
+    for name in names:
+        match = re.search(re.escape(name) + r".*?about (\d+) min", text)
+        assert match, f"no time given for {name}"
+        found[name] = int(match.group(1))
+    return found
+
+
+def test_readme_banner_and_docs_give_the_demo_alert_times_counted_from_up(capsys) -> None:
+    """One source (stack.demo.alert_times): the banner prints it, README and docs state the same
+    minutes, all counted from the "dualtrack is up" line."""
+    from stack.demo import EXPLODE_AFTER, alert_times, parse_args, print_expectations
+    expected = {name: round(seconds / 60) for name, seconds in alert_times(EXPLODE_AFTER).items()}
+    print_expectations(parse_args([]), real_gpus=False)
+    banner = capsys.readouterr().out
+    assert 'timed from "dualtrack is up"' in banner
+    assert announced_minutes(banner, list(expected)) == expected
+    readme = README.read_text()
+    paragraph = next(p for p in readme.split("\n\n") if "TrainingDataLoaderBottleneck" in p and "about" in p)
+    assert "count from the `dualtrack is up` line" in " ".join(paragraph.split())
+    assert announced_minutes(paragraph, list(expected)) == expected
+    docs = " ".join(DASHBOARDS_DOC.read_text().split())
+    assert f"in the demo it prints about {expected['GPUMemoryLeakSuspected']} min after its leak starts" in docs
