@@ -67,7 +67,8 @@ def frameworks(records: Path) -> None:
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16))]
     args = transformers.TrainingArguments(
         output_dir=str(records / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
-        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        ddp_timeout=60)  # the process group both parts share: a stuck collective fails within a minute
     transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
                          callbacks=[DualtrackCallback(record_path=records)]).train()  # job: "hf"
 
