@@ -73,10 +73,10 @@ def test_a_daemon_dies_with_its_owner_even_when_the_owner_is_killed(spawn, tmp_p
 
 def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everything(spawn, tmp_path: Path) -> None:
     """`python -m stack | tee log`, then Ctrl-C: tee dies first, the demo's shutdown output hits a
-    broken pipe, and still every daemon stops. Shortened: the run explodes 15 s after its start."""
+    broken pipe, and still every daemon stops. Shortened: the run explodes 2 s after its start."""
     log = tmp_path / "demo.log"
     started = time.monotonic()
-    demo = spawn(demo_argv(tmp_path / "work", "--explode-after", "15"), stdout=subprocess.PIPE,
+    demo = spawn(demo_argv(tmp_path / "work", "--explode-after", "2"), stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT)
     tee = spawn(["tee", str(log)], stdin=demo.stdout, stdout=subprocess.DEVNULL)
     demo.stdout.close()  # tee is the pipe's only reader
