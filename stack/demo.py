@@ -35,6 +35,14 @@ DATA_DELAY = 0.2  # seconds the input-bound run's loader waits per batch
 # The demo scrapes and evaluates every 5 s (production: 15 s) so that alerts with a history
 # condition (the explosion's baseline needs 5 samples older than 2 min) can fire within minutes.
 DEMO_INTERVAL = "5s"
+EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
+# When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
+# on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
+# The explosion's alerts: its push, a scrape, an evaluation and Alertmanager's 10 s group wait.
+EXPLOSION_ALERTS_AFTER = 40
+# TrainingDataLoaderBottleneck: `for: 4m` after the data-wait share shows, then the 30 s group wait;
+# measured 408 s after up at load average 14 (`pytest -m slow tests/test_demo.py -k time_to_first -s`).
+LOADER_ALERT_AFTER = 7 * 60
 # GPUMemoryLeakSuspected by design: 30 min of growth before its "rose in the first half hour"
 # condition holds, then `for: 10m` and Alertmanager's 30 s group wait.
 LEAK_ALERT_AFTER = 41 * 60
@@ -135,19 +143,27 @@ def alerts_page(prometheus_url: str) -> str:
 
 class AlertPrinter:
     """Alertmanager webhook payload → one line per alert as it fires or resolves, naming the run
-    (GPU alerts: the run on that GPU) and the dashboard to open."""
+    (GPU alerts: the run on that GPU), the time since "dualtrack is up" and what to open: the
+    Grafana dashboard, or without Grafana the Prometheus alerts page and the run's report."""
 
-    def __init__(self, started: float, run_of_uuid: dict[str, str], grafana_url: str | None) -> None:
-        self.started = started
+    def __init__(self, run_of_uuid: dict[str, str], records: dict[str, Path]) -> None:
         self.run_of_uuid = run_of_uuid
-        self.grafana_url = grafana_url
+        self.records = records  # run name -> its local record
+        self.up_at = time.monotonic()  # reset when the stack is up
+        self.grafana_url: str | None = None
+        self.prometheus_url: str | None = None
+        self.alerts_url: str | None = None
 
-    def dashboard(self, run: str | None) -> str:
-        if run is None:
-            return 'dashboard "GPU fleet"' + (f" {self.grafana_url}/d/dualtrack-gpu-fleet" if self.grafana_url else "")
+    def what_to_open(self, run: str | None) -> str:
         if self.grafana_url:
-            return f"dashboard {self.grafana_url}/d/{TRAINING_DASHBOARD}?var-job={JOB}&var-run={quote(run)}"
-        return f'dashboard "Training run" with run={run}'
+            if run is None:
+                return f"the dashboard {self.grafana_url}/d/dualtrack-gpu-fleet"
+            return f"the dashboard {self.grafana_url}/d/{TRAINING_DASHBOARD}?var-job={JOB}&var-run={quote(run)}"
+        where = f"the Prometheus alerts page {self.alerts_url}"
+        if run not in self.records:
+            return where
+        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report "
+                f"{self.records[run]} --prometheus {self.prometheus_url} --out {run}.html")
 
     def __call__(self, payload: dict) -> None:
         for alert in payload.get("alerts", []):
@@ -155,8 +171,9 @@ class AlertPrinter:
             run = labels.get("run") or self.run_of_uuid.get(labels.get("uuid", ""))
             state = "FIRING  " if alert.get("status") == "firing" else "RESOLVED"
             log(f"{state} {labels.get('alertname')} [{labels.get('severity', '')}] "
-                f"run {run or '-'} ({elapsed(time.monotonic() - self.started)}): {annotations.get('summary', '')}\n"
-                f"           open the {self.dashboard(run)}")
+                f"run {run or '-'} ({elapsed(time.monotonic() - self.up_at)} after up): "
+                f"{annotations.get('summary', '')}\n"
+                f"           open {self.what_to_open(run)}")
 
 
 def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str,
@@ -192,6 +209,10 @@ def grafana(binary: str, workdir: Path, provisioning: Path, port: int, password:
     return Service("grafana", argv, port, workdir / "grafana.log", ready_path="/api/health", env=env)
 
 
+def record_path(workdir: Path, run: SweepRun) -> Path:
+    return workdir / f"record-{run.name}.jsonl"
+
+
 def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None,
                      cuda_device: int | None) -> Service:
     """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`."""
@@ -200,7 +221,7 @@ def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uui
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_device)
     argv = [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway_url, "--job", JOB,
             "--run", run.name, "--step-time", f"{STEP_TIME}", *run.args,
-            "--record-path", str(workdir / f"record-{run.name}.jsonl"),
+            "--record-path", str(record_path(workdir, run)),
             *(["--gpu-uuid", gpu_uuid] if gpu_uuid else [])]
     return Service(f"training {run.name}", argv, 0, workdir / f"training-{run.name}.log", ready_path=None,
                    env=env)
@@ -208,7 +229,7 @@ def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uui
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("--explode-after", type=float, default=150.0, metavar="SECONDS",
+    parser.add_argument("--explode-after", type=float, default=EXPLODE_AFTER, metavar="SECONDS",
                         help="when the exploding run's learning rate jumps, in seconds after it starts "
                              "(default 150: TrainingGradientExplosion compares with the run's own "
                              "history older than 2 min; earlier, only TrainingLossNonFinite fires)")
@@ -256,26 +277,38 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
     say()
 
 
-def print_expectations(started: float, args: argparse.Namespace, real_gpus: bool) -> None:
-    explode = "explode-lr3e-2"
-    if args.explode_after >= 140:
-        log(f"expect TrainingLossNonFinite and TrainingGradientExplosion (run {explode}) about "
-            f"{elapsed(args.explode_after + 40)} after start, TrainingDataLoaderBottleneck (run "
-            "inputbound-workers0) about +6m. Alerts print here as they fire and resolve.")
-    else:
-        log(f"expect TrainingLossNonFinite (run {explode}) about {elapsed(args.explode_after + 40)} after "
-            "start (too early for TrainingGradientExplosion: it needs 2 min of the run's history), "
-            "TrainingDataLoaderBottleneck (run inputbound-workers0) about +6m.")
+def alert_times(explode_after: float) -> dict[str, float]:
+    """When the sweep's alerts are expected to print, in seconds after "dualtrack is up"."""
+    times = {"TrainingLossNonFinite": explode_after + EXPLOSION_ALERTS_AFTER,
+             "TrainingDataLoaderBottleneck": LOADER_ALERT_AFTER, "GPUMemoryLeakSuspected": LEAK_ALERT_AFTER}
+    if explode_after >= 140:  # the explosion's baseline needs 5 samples older than 2 min
+        times["TrainingGradientExplosion"] = times["TrainingLossNonFinite"]
+    return times
+
+
+def about(seconds: float) -> str:
+    return f"about {round(seconds / 60)} min"
+
+
+def print_expectations(args: argparse.Namespace, real_gpus: bool) -> None:
+    times = alert_times(args.explode_after)
+    explosion = "TrainingLossNonFinite" + (" and TrainingGradientExplosion" if "TrainingGradientExplosion" in times
+                                           else " (too early for TrainingGradientExplosion: it needs 2 min "
+                                                "of the run's history)")
+    log("alerts print here as they fire and resolve, timed from \"dualtrack is up\": expect "
+        f"{explosion} (run explode-lr3e-2) {about(times['TrainingLossNonFinite'])} after up, "
+        f"TrainingDataLoaderBottleneck (run inputbound-workers0) "
+        f"{about(times['TrainingDataLoaderBottleneck'])} after up.")
     if real_gpus:
         log("run leak-bs128 keeps its batches on its GPU (a small staircase in CUDA allocated memory, capped); "
             "GPUMemoryLeakSuspected needs memory heading for the GPU's total, which only the simulated GPUs "
             "stage. Ctrl-C stops everything.")
         return
-    leak_at = time.strftime("%H:%M", time.localtime(time.time() + LEAK_ALERT_AFTER - (time.monotonic() - started)))
+    leak_at = time.strftime("%H:%M", time.localtime(time.time() + times["GPUMemoryLeakSuspected"]))
     if args.duration and args.duration < LEAK_ALERT_AFTER:
         when = f"this demo stops after {args.duration:g} s, before that"
     else:
-        when = f"about {LEAK_ALERT_AFTER // 60} min after start (around {leak_at}) if you leave it running"
+        when = f"{about(times['GPUMemoryLeakSuspected'])} after up (around {leak_at}) if you leave it running"
     log("GPUMemoryLeakSuspected (run leak-bs128) needs 30 min of rising memory by design (a staircase, "
         f"not a start-up allocation) plus 10 min of `for`: {when}. Until then the leak shows on the "
         "Training run dashboard's memory panels. Ctrl-C stops everything.")
@@ -301,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         real_gpus = gpus > 0
         runs = sweep(args.explode_after)
         uuids = [None] * len(runs) if real_gpus else [simulated_uuid(i) for i in range(len(runs))]
-        printer = AlertPrinter(started, {u: r.name for u, r in zip(uuids, runs) if u}, None)
+        printer = AlertPrinter({u: r.name for u, r in zip(uuids, runs) if u},
+                               {r.name: record_path(workdir, r) for r in runs})
         webhook = processes.WebhookReceiver(on_payload=printer).start()
         exporter_args = [] if real_gpus else [
             "--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}",
@@ -337,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             printer.grafana_url = services["grafana"].url
         for index, (run, uuid) in enumerate(zip(runs, uuids)):
             up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None))
-        print_summary(services, alerts_page(services["prometheus"].url), password, workdir, runs, real_gpus)
-        print_expectations(started, args, real_gpus)
+        printer.prometheus_url = services["prometheus"].url
+        printer.alerts_url = alerts_page(printer.prometheus_url)
+        print_summary(services, printer.alerts_url, password, workdir, runs, real_gpus)
+        printer.up_at = time.monotonic()
+        print_expectations(args, real_gpus)
         ended: set[str] = set()
         while not args.duration or time.monotonic() - started < args.duration:
             time.sleep(1.0)

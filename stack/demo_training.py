@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
+import signal
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -76,8 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def train(args: argparse.Namespace) -> None:
-    """Run the training loop described by `args` (see parse_args)."""
+def train(args: argparse.Namespace, stopped: Callable[[], bool] = lambda: False) -> None:
+    """Run the training loop described by `args` (see parse_args) until done or `stopped()`."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # a sweep runs several of these side by side on a few cores
     features = 32
@@ -131,7 +133,7 @@ def train(args: argparse.Namespace) -> None:
             elif step % 100 == 0 and not exploded:
                 checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
             step += 1
-            if args.steps and step >= args.steps:
+            if (args.steps and step >= args.steps) or stopped():
                 break
             remaining = args.step_time - (time.monotonic() - started)
             if remaining > 0:
@@ -139,10 +141,16 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        train(parse_args(argv))
-    except KeyboardInterrupt:
-        pass
+    """Train; SIGTERM or SIGINT (the stack stopping its runs) ends the run as `finished` after the
+    current step, then the process dies of that signal (no wait at exit: the janitor deletes the
+    run's group)."""
+    received: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, _frame: received.append(signum))
+    train(parse_args(argv), stopped=lambda: bool(received))
+    if received:
+        signal.signal(received[0], signal.SIG_DFL)
+        os.kill(os.getpid(), received[0])
 
 
 if __name__ == "__main__":

@@ -63,19 +63,31 @@ def port_available(port: int) -> bool:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A preexec_fn: the child gets SIGTERM when `parent` dies, however it dies (even SIGKILL).
+# Signals the daemons are stopped with. An owner started with them ignored (`nohup`, `&` in a
+# script, a CI job) would pass that on through fork and exec, and its daemons would outlive stop().
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    Linux only (elsewhere None: the caller's own shutdown path is all there is). The flag survives
-    exec; a parent that died between fork and prctl is caught by the getppid check. Linux signals
-    when the *thread* that started the child ends, so only a child of the main thread gets the flag:
-    one started from another thread (a restart in the background) lives until `stop()`.
+
+def _default_stop_signals() -> None:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _daemon_preexec(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets the default action for the stop signals and, on Linux, SIGTERM
+    when `parent` dies, however it dies (even SIGKILL).
+
+    The flag survives exec; a parent that died between fork and prctl is caught by the getppid
+    check. Linux signals when the *thread* that started the child ends, so only a child of the main
+    thread gets the flag: one started from another thread (a restart in the background) lives until
+    `stop()`. Elsewhere the caller's own shutdown path is all there is.
     """
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
+        return _default_stop_signals
     libc = ctypes.CDLL(None, use_errno=True)
 
     def preexec() -> None:
+        _default_stop_signals()
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -127,7 +139,7 @@ class Service:
         # daemons in order), yet it dies with the owner if the owner is killed outright.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+                                     start_new_session=True, preexec_fn=_daemon_preexec(os.getpid()))
         log.close()
         if self.ready_path is None:
             return self

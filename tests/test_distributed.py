@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from stack import processes
 from tests.hook_support import pushed_value, record_lines, run_id
+from tests.process_support import alive, descendants, kill_tree
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.e2e
@@ -42,10 +44,27 @@ def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None)
 
 
 def finish(proc: subprocess.Popen, records: Path, timeout: float = 240) -> None:
+    """Wait for torchrun to succeed. Whatever happens (a failure, a hang, pytest's timeout), torchrun
+    and its ranks are killed before this returns; a hang first dumps every rank's Python stacks
+    into the log (distributed_worker.py: faulthandler on SIGUSR1)."""
+    log = records / f"torchrun-{proc.args[-2]}.log"
     try:
-        assert proc.wait(timeout) == 0, (records / f"torchrun-{proc.args[-2]}.log").read_text()[-3000:]
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        ranks = alive(descendants(proc.pid))
+        for pid in ranks:
+            os.kill(pid, signal.SIGUSR1)
+        try:
+            processes.wait_until(lambda: log.read_text(errors="replace").count("Current thread") >= len(ranks),
+                                 10, what="the ranks' stack dumps")
+        except TimeoutError:
+            pass  # the log shows what there is
+        raise AssertionError(f"torchrun did not exit within {timeout:.0f} s; ranks {sorted(ranks)} were "
+                             f"still running, their stacks:\n{log.read_text(errors='replace')[-6000:]}") from None
     finally:
-        proc.kill()
+        kill_tree(proc.pid)
+        proc.wait()
+    assert code == 0, log.read_text()[-3000:]
 
 
 def ranks(result: list[dict]) -> dict[str, float]:

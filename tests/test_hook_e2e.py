@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from stack import processes
-from tests.hook_support import Trainer, median, record_lines, run_id
+from tests.hook_support import Trainer, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -91,34 +91,31 @@ def test_pushgateway_killed_and_restarted_empty_mid_run(stack, tmp_path, caplog)
     pgw, prom = stack
     run = run_id("restart")
     trainer = Trainer()
-    times: dict[str, list[float]] = {"alive": [], "down": [], "after": []}
     pacing = threading.Event()
     with caplog.at_level(logging.WARNING, logger="trainer_hook"), \
             TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=0.3,
                             push_timeout=1.0, record_path=tmp_path / "r.jsonl") as monitor:
         sel = f'{{run="{run}"}}'
         for _ in range(100):
-            times["alive"].append(trainer.train_step(monitor))
+            trainer.train_step(monitor)
             pacing.wait(0.005)
         wait_value(prom, f"training_steps_total{sel}", lambda v: v >= 50)
         pgw.kill()
         for _ in range(300):  # ~2.5 s of training with the Pushgateway gone
-            times["down"].append(trainer.train_step(monitor))
+            trainer.train_step(monitor)
             pacing.wait(0.005)
         restarter = threading.Thread(target=pgw.start)  # comes back empty (no persistence)
         restarter.start()
         while restarter.is_alive():
-            times["after"].append(trainer.train_step(monitor))
+            trainer.train_step(monitor)
             pacing.wait(0.005)
         for _ in range(100):
-            times["after"].append(trainer.train_step(monitor))
+            trainer.train_step(monitor)
             pacing.wait(0.005)
         total = trainer.step
         wait_value(prom, f"training_steps_total{sel}", lambda v: v == total)  # current values again
         assert value(prom, f"training_push_failures_total{sel}") >= 1
         assert value(prom, f'training_run_state{{run="{run}",state="running"}}') == 1
-    # Training was not slowed (generous: a behaviour check, not a benchmark; bench/ measures it).
-    assert median(times["down"]) < 2 * median(times["alive"]) + 0.002
     steps, _ = record_lines(tmp_path / "r.jsonl")
     assert [x["step"] for x in steps] == list(range(total))
     outage_warnings = [r for r in caplog.records if "training continues" in r.getMessage()]

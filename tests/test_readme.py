@@ -1,0 +1,69 @@
+"""The README's promises, checked against what the code does: its hook snippet runs as written, and
+it states the demo's alert times the demo announces."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from stack import processes
+from stack.processes import REPO
+from tests.hook_support import pushed_value, run_id
+
+README = REPO / "README.md"
+DASHBOARDS_DOC = REPO / "docs" / "dashboards.md"
+
+# What the snippet leaves to the reader ("model, optimizer and train_loader are your own").
+USER_CODE = """
+import torch
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+train_loader = [torch.randn(256, 8) for _ in range(5)]
+"""
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_the_hook_snippet_runs_as_written_without_a_warning(start_service, tmp_path) -> None:
+    """With or without CUDA: run under `-W error`, it trains and its steps reach the Pushgateway."""
+    snippet = next(block for block in python_blocks(README.read_text()) if "TrainingMonitor(job=" in block)
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = run_id("readme")
+    script = tmp_path / "snippet.py"
+    script.write_text(USER_CODE + snippet.replace("http://127.0.0.1:9091", pgw.url))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DUALTRACK_RUN": run, "DUALTRACK_DELETE_AFTER": "none"}
+    done = subprocess.run([sys.executable, "-W", "error", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert pushed_value(pgw.url, "training_steps_total", run, job="pretrain") == 5
+
+
+def announced_minutes(text: str, names: list[str]) -> dict[str, int]:
+    """For each alert name, the first "about N min" after its first mention in `text`."""
+    text = " ".join(text.split())
+    found = {}
+    for name in names:
+        match = re.search(re.escape(name) + r".*?about (\d+) min", text)
+        assert match, f"no time given for {name}"
+        found[name] = int(match.group(1))
+    return found
+
+
+def test_readme_banner_and_docs_give_the_demo_alert_times_counted_from_up(capsys) -> None:
+    """One source (stack.demo.alert_times): the banner prints it, README and docs state the same
+    minutes, all counted from the "dualtrack is up" line."""
+    from stack.demo import EXPLODE_AFTER, alert_times, parse_args, print_expectations
+    expected = {name: round(seconds / 60) for name, seconds in alert_times(EXPLODE_AFTER).items()}
+    print_expectations(parse_args([]), real_gpus=False)
+    banner = capsys.readouterr().out
+    assert 'timed from "dualtrack is up"' in banner
+    assert announced_minutes(banner, list(expected)) == expected
+    readme = README.read_text()
+    paragraph = next(p for p in readme.split("\n\n") if "TrainingDataLoaderBottleneck" in p and "about" in p)
+    assert "count from the `dualtrack is up` line" in " ".join(paragraph.split())
+    assert announced_minutes(paragraph, list(expected)) == expected
+    docs = " ".join(DASHBOARDS_DOC.read_text().split())
+    assert f"in the demo it prints about {expected['GPUMemoryLeakSuspected']} min after its leak starts" in docs
