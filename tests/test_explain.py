@@ -1,0 +1,116 @@
+"""`dualtrack explain`: backfilled runs in a real Prometheus, one per scenario (both tracks), and
+the cause explain names for each; bad input gets one line."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dualtrack.cli import main
+from stack import processes
+from tests import explain_support as support
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory) -> dict:
+    """One Prometheus holding every scenario as its own run (named after the scenario)."""
+    work = tmp_path_factory.mktemp("explain")
+    base = (time.time() // 3600 - 3) * 3600
+    support.backfill({name: name for name in support.SCENARIOS}, base, work / "prometheus-data", work)
+    config = work / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    service = processes.prometheus(work, config).start()
+    yield {"url": service.url, "base": base}
+    service.stop()
+
+
+def explain(prometheus: dict, run: str, capsys, *extra: str) -> tuple[int, str, str]:
+    window = ["--since", str(prometheus["base"]), "--until", str(prometheus["base"] + 3700)]
+    code = main(["explain", run, "--prometheus", prometheus["url"], *window, *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def timeline(prometheus: dict, run: str, capsys) -> dict:
+    code, out, err = explain(prometheus, run, capsys, "--json")
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["run"] == run
+    for event in found["events"]:
+        assert {"kind", "step", "time", "rank", "gpu_uuid", "causes"} <= set(event)
+        assert all({"kind", "evidence", "score"} <= set(c) for c in event["causes"])
+    return found
+
+
+def kinds(event: dict) -> list[str]:
+    return [cause["kind"] for cause in event["causes"]]
+
+
+def test_a_healthy_run_has_nothing_to_explain(prometheus, capsys):
+    assert timeline(prometheus, "healthy", capsys)["events"] == []
+    code, out, _ = explain(prometheus, "healthy", capsys)
+    assert code == 0 and "nothing to explain" in out
+
+
+def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
+    events = timeline(prometheus, "xid", capsys)["events"]
+    nonfinite = [e for e in events if e["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1
+    event = nonfinite[0]
+    assert event["rank"] == "1" and event["gpu_uuid"] == support.uuid_of("xid", 1)
+    assert event["time"] == prometheus["base"] + support.FAULT_AT + support.XID_LEAD
+    assert kinds(event) == ["xid"] and "XID 79 (GPU fell off the bus)" in event["causes"][0]["evidence"]
+    assert "45 s after XID 79 (GPU fell off the bus) on that GPU; no other rank affected: hardware, not the model" \
+        in event["sentence"]
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert [e["rank"] for e in failed] == ["1"] and kinds(failed[0]) == ["xid"]
+    assert {e["kind"] for e in events} == {"nonfinite", "failed"}  # the failed rank is no slowdown
+
+
+def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
+    (event,) = timeline(prometheus, "nan-all", capsys)["events"]
+    assert event["kind"] == "nonfinite" and event["rank"] == "0"
+    assert kinds(event) == ["none_found"] and event["causes"][0]["score"] == 0
+    assert "all 2 ranks affected: no GPU evidence, so the model or its input" in event["sentence"]
+
+
+def test_a_thermal_throttle_that_slows_the_steps(prometheus, capsys):
+    (event,) = timeline(prometheus, "thermal", capsys)["events"]
+    assert event["kind"] == "step_time_regression"
+    assert event["causes"][0]["kind"] == "thermal_throttle"
+    assert support.uuid_of("thermal", 1) in event["causes"][0]["evidence"]
+    assert set(kinds(event)) <= {"thermal_throttle", "clock_drop"}
+    assert event["time"] >= prometheus["base"] + support.FAULT_AT
+
+
+def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
+    events = timeline(prometheus, "co-tenant", capsys)["events"]
+    (straggler,) = [e for e in events if e["kind"] == "straggler"]
+    assert straggler["rank"] == "1" and kinds(straggler) == ["co_tenant"]
+    assert "stress-ng (pid 4242)" in straggler["causes"][0]["evidence"]
+    assert all(kinds(e) == ["co_tenant"] for e in events)
+
+
+def test_a_starving_data_loader(prometheus, capsys):
+    events = timeline(prometheus, "starving", capsys)["events"]
+    assert {e["kind"] for e in events} == {"data_starvation", "step_time_regression"}
+    for event in events:
+        assert kinds(event) == ["data_wait"], event
+        assert "the input pipeline" in event["sentence"]
+
+
+def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
+    monkeypatch.delenv("DUALTRACK_PROMETHEUS", raising=False)
+    code, out, err = explain(prometheus, "no-such-run", capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1 and "no training_step series" in err
+    assert main(["explain", "healthy"]) == 2
+    assert "no Prometheus" in capsys.readouterr().err
+    assert main(["explain", "healthy", "--prometheus", prometheus["url"], "--since", "yesterday"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
