@@ -359,8 +359,7 @@ def starvation(reader: Reader) -> list[Event]:
             while k < len(values) and values[k][1] > 0.15:
                 k += 1
             at = values[found][0]
-            share = statistics.median(v for _, v in values[found:k])
-            hits.append((at, rank, reader.step_at(rank, at), f"waited for data {share:.0%} of the time"))
+            hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))
             i = k
     return _group(hits, "data_starvation", SUSTAINED)
 
@@ -407,7 +406,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     rank_of = {uuid: rank for rank, uuid in reader.gpus.items()}
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
-    lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler") else 0.0
+    lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
     at, start = event.time + reader.res + lag, event.time - WINDOW
     rng = f"{int(WINDOW + reader.res)}s"
 
@@ -524,7 +523,7 @@ def sentence(event: Event, ranks: int) -> str:
     top = event.causes[0] if event.causes else None
     if top is not None and top.kind != "none_found":
         text += f" {top.phrase}"
-    if event.kind in ("nonfinite", "grad_spike", "loss_scale_collapse") and ranks > 1:
+    if event.kind in ("nonfinite", "grad_spike", "loss_scale_collapse", "data_starvation") and ranks > 1:
         if not event.others:
             text += "; no other rank affected"
         elif len(event.others) + 1 >= ranks:
