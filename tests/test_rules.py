@@ -20,7 +20,7 @@ CONTRACT = {
     "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
-    "TrainingLossScaleCollapse", "TrainingStragglerRank",
+    "TrainingLossScaleCollapse", "TrainingStragglerRank", "GPUSuspectedFaulty",
 }
 RUNBOOKS_LABEL = "dualtrack_runbooks_url"
 
