@@ -155,10 +155,6 @@ def parse_time(text: str, now: float, flag: str) -> float:
     return parsed.timestamp()
 
 
-def _q(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _values(series: dict[str, Any]) -> list[tuple[float, float]]:
     return [(float(t), float(v)) for t, v in series["values"]]
 
@@ -168,7 +164,7 @@ class Reader:
 
     def __init__(self, client: prometheus.Prometheus, run: str, since: float, until: float) -> None:
         self.client, self.run = client, run
-        self.selector = f"run={_q(run)}"
+        self.selector = f"run={prometheus.quote(run)}"
         span = max(60.0, until - since)
         rng = f"{int(span)}s"
         starts = client.query(f"min(min_over_time(training_start_timestamp_seconds{{{self.selector}}}[{rng}]))", until)
@@ -197,7 +193,7 @@ class Reader:
 
     def step_at(self, rank: str | None, at: float) -> int | None:
         """The run's (the rank's) training_step at `at`."""
-        sel = self.selector + (f",rank={_q(rank)}" if rank is not None else "")
+        sel = self.selector + (f",rank={prometheus.quote(rank)}" if rank is not None else "")
         found = self.client.query(f"max(last_over_time(training_step{{{sel}}}[{int(self.res * 2 + 300)}s]))", at)
         return int(float(found[0]["value"][1])) if found else None
 
@@ -243,7 +239,7 @@ def nonfinite_events(reader: Reader) -> list[Event]:
         seen = -1.0
         for at, value in values:
             if value >= 0 and value != seen:
-                at = _refine(reader, f"training_first_nonfinite_step{{{reader.selector},rank={_q(rank)}}} == {value!r}", at)
+                at = _refine(reader, f"training_first_nonfinite_step{{{reader.selector},rank={prometheus.quote(rank)}}} == {value!r}", at)
                 hits.append((at, rank, int(value), _nonfinite_keys(reader, rank, at) + " non-finite"))
             seen = value
     return _group(hits, "nonfinite", 2 * reader.res)
@@ -251,7 +247,7 @@ def nonfinite_events(reader: Reader) -> list[Event]:
 
 def _nonfinite_keys(reader: Reader, rank: str, at: float) -> str:
     """The logged keys that went non-finite at `at` ("loss", "loss, grad_norm"), else "values"."""
-    found = reader.client.query(f"increase(training_nonfinite_values_total{{{reader.selector},rank={_q(rank)}}}"
+    found = reader.client.query(f"increase(training_nonfinite_values_total{{{reader.selector},rank={prometheus.quote(rank)}}}"
                                 f"[{int(2 * reader.res)}s]) > 0", at + reader.res)
     return ", ".join(sorted({s["metric"].get("key", "?") for s in found})) or "values"
 
@@ -416,7 +412,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
         return f"on rank {rank_of.get(uuid, '?')}'s GPU ({uuid})"
 
     if uuids:
-        sel = f"uuid=~{_q('|'.join(re.escape(u) for u in uuids))}"
+        sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
         client = reader.client
         if wanted & {"xid", "ecc", "remapped_rows", "link_drop"}:
             step = max(1.0, (at - start) / 600)
@@ -469,7 +465,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                                                  f"{used / 2**30:.1f} GiB", 0.7,
                                     f"with another process ({name}, pid {labels.get('pid')}) {where(uuid)}"))
     if "data_wait" in wanted:
-        rank_sel = reader.selector + (f",rank={_q(event.rank)}" if event.rank is not None else "")
+        rank_sel = reader.selector + (f",rank={prometheus.quote(event.rank)}" if event.rank is not None else "")
         short = f"{int(max(120, 4 * reader.res))}s"
         waits = reader.client.query(f"max_over_time(rate(training_data_wait_seconds_total{{{rank_sel}}}[{short}])"
                                     f"[{rng}:{int(reader.res)}s]) > 0.2", at)

@@ -119,7 +119,16 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             at += SCRAPE
         out.write("\n".join(lines) + "\n")
         samples += len(lines)
-    return samples
+    # What rules/goodput.yml records for the run while it runs (the rules are tested by promtool).
+    lines = []
+    at = 0.0
+    while at <= minutes * 60:
+        states = [rank_state(scenario, rank, at, ranks) for rank in range(ranks)]
+        shares = [0.0 if s.failed_at is not None and at >= s.failed_at else 1 - s.wait_share for s in states]
+        lines.append(f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}} {sum(shares) / ranks} {base + at:.3f}')
+        at += SCRAPE
+    out.write("\n".join(lines) + "\n")
+    return samples + len(lines)
 
 
 def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, ranks: int = 2,

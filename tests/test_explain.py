@@ -3,6 +3,7 @@ the cause explain names for each; bad input gets one line."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -114,3 +115,25 @@ def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsys):
+    record = tmp_path / "starving.jsonl"
+    base = prometheus["base"]
+    with open(record, "w") as out:
+        out.write(json.dumps({"event": "start", "format": 2, "time": base, "job": "train", "run": "starving",
+                              "rank": 0, "instance": "starving-node0", "config": {}}) + "\n")
+        for n in range(361):
+            out.write(json.dumps({"time": base + n * 10, "step": n, "values": {"loss": 1.0}}) + "\n")
+    out_html = tmp_path / "report.html"
+    assert main(["report", str(record), "--out", str(out_html), "--prometheus", prometheus["url"]]) == 0, \
+        capsys.readouterr().err
+    page = out_html.read_text()
+    timeline = page.split('<table id="timeline">')[1].split("</table>")[0]
+    assert re.findall(r'data-kind="(\w+)"', timeline) == ["step_time_regression", "data_starvation"]
+    assert "the input pipeline, not the GPU or the model" in timeline and "data_wait" in timeline
+    goodput = page.split('<table id="goodput">')[1].split("</table>")[0]
+    # Half the run at 100 %, half at 40 % (60 % data wait).
+    share = float(re.search(r"<td>([\d.]+)%</td>", goodput).group(1))
+    assert 65 <= share <= 75, goodput
+    assert "no max_steps logged" in goodput
