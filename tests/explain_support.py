@@ -57,7 +57,7 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
 
 
 def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2, minutes: float = 60,
-              job: str = "train") -> int:
+              job: str = "train", scrape: float = SCRAPE) -> int:
     """Write the run's samples (time-ordered per series) to `out`; returns the number of samples."""
     samples = 0
     for rank in range(ranks):
@@ -76,12 +76,12 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 if now.failed_at is not None and at >= now.failed_at:
                     state = "failed"
                 else:
-                    steps += SCRAPE / now.step_seconds
-                    waited += SCRAPE * now.wait_share
+                    steps += scrape / now.step_seconds
+                    waited += scrape * now.wait_share
             if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
                 first_nonfinite = float(int(steps))
             if first_nonfinite >= 0 and state == "running":
-                nonfinite_steps += int(SCRAPE / now.step_seconds)
+                nonfinite_steps += int(scrape / now.step_seconds)
             for name, value in (("training_step", int(steps)), ("training_steps_total", int(steps)),
                                 ("training_data_wait_seconds_total", waited),
                                 ("training_first_nonfinite_step", first_nonfinite),
@@ -97,8 +97,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{uuid}"}} 1{ts}')
             lines.append(f'training_process_info{{{train},pid="{1000 + rank}",hostname="{host}"}} 1{ts}')
-            thermal += SCRAPE if now.thermal else 0.0
-            idle += SCRAPE * now.wait_share
+            thermal += scrape if now.thermal else 0.0
+            idle += scrape * now.wait_share
             for reason in THROTTLE_REASONS:
                 value = thermal if reason == "sw_thermal_slowdown" else idle if reason == "gpu_idle" else 0.0
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
@@ -116,7 +116,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                              f'container_id="",pod_uid="",slurm_job_id=""}} {used}{ts}')
             if scenario == "xid" and rank == ranks - 1 and at >= FAULT_AT:
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
-            at += SCRAPE
+            at += scrape
         out.write("\n".join(lines) + "\n")
         samples += len(lines)
     # What rules/goodput.yml records for the run while it runs (the rules are tested by promtool).
@@ -126,19 +126,19 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
         states = [rank_state(scenario, rank, at, ranks) for rank in range(ranks)]
         shares = [0.0 if s.failed_at is not None and at >= s.failed_at else 1 - s.wait_share for s in states]
         lines.append(f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}} {sum(shares) / ranks} {base + at:.3f}')
-        at += SCRAPE
+        at += scrape
     out.write("\n".join(lines) + "\n")
     return samples + len(lines)
 
 
 def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, ranks: int = 2,
-             minutes: float = 60) -> int:
+             minutes: float = 60, scrape: float = SCRAPE) -> int:
     """Write {run: scenario} into OpenMetrics and build TSDB blocks in `data`; returns samples."""
     source = workdir / "explain.om"
     samples = 0
     with open(source, "w", encoding="utf-8") as out:
         for run, scenario in scenarios.items():
-            samples += write_run(out, scenario, run, base, ranks, minutes)
+            samples += write_run(out, scenario, run, base, ranks, minutes, scrape=scrape)
         out.write("# EOF\n")
     data.mkdir(parents=True, exist_ok=True)
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(source), str(data)],
