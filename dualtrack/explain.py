@@ -7,6 +7,7 @@ the run trained on (`training_gpu_info` joins rank to GPU uuid) in a window befo
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import re
@@ -267,9 +268,11 @@ def grad_spikes(reader: Reader) -> list[Event]:
     hits = []
     for rank, values in norms.items():
         step_of = dict(steps.get(rank, []))
+        times = [t for t, _ in values]
         last_hit = -math.inf
-        for i, (at, value) in enumerate(values):
-            before = [v for t, v in values[:i] if at - 1800 <= t < at - 120 and math.isfinite(v)]
+        for at, value in values:
+            window = values[bisect.bisect_left(times, at - 1800):bisect.bisect_left(times, at - 120)]
+            before = [v for _, v in window if math.isfinite(v)]
             if len(before) < 5 or not math.isfinite(value):
                 continue
             median = statistics.median(before)
@@ -312,7 +315,7 @@ def slowdowns(reader: Reader) -> list[Event]:
     seconds = [(t, 1 / r if r > 0 else math.inf) for t, r in median]
     baseline: list[float] = []
     for i, (at, _) in enumerate(seconds):
-        prior = [s for t, s in seconds[:i] if at - 1800 <= t and math.isfinite(s)]
+        prior = [s for _, s in seconds[bisect.bisect_left(times, at - 1800):i] if math.isfinite(s)]
         baseline.append(statistics.median(prior) if len(prior) >= 5 else math.nan)
     i = 0
     while True:
