@@ -3,7 +3,10 @@ the cause explain names for each; bad input gets one line."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,3 +140,17 @@ def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsy
     share = float(re.search(r"<td>([\d.]+)%</td>", goodput).group(1))
     assert 65 <= share <= 75, goodput
     assert "no max_steps logged" in goodput
+
+
+def test_credentials_never_reach_the_output_and_torch_is_never_imported(tmp_path, capsys):
+    secret = tmp_path / "password"
+    secret.write_text("hunter2-secret\n")
+    code = main(["explain", "healthy", "--prometheus", f"https://127.0.0.1:{processes.free_port()}",
+                 "--prometheus-username", "me", "--prometheus-password-file", str(secret)])
+    out = capsys.readouterr()
+    assert code == 1 and "hunter2" not in out.out + out.err and out.err.count("\n") == 1
+    probe = ("import sys; from dualtrack.cli import build_parser; build_parser(); "
+             "import dualtrack.explain, dualtrack.goodput; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=processes.REPO, env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+    assert done.stdout.strip() == "False", done.stderr
