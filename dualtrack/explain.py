@@ -455,7 +455,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
             for series in full:
                 uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
                 causes.append(Cause("memory_pressure", f"{uuid} memory {ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
-                                    f"with the GPU memory {where(uuid)} {ratio:.0%} full"))
+                                    f"with {ratio:.0%} of the memory used {where(uuid)}"))
         if "co_tenant" in wanted:
             procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{sel}}}[{rng}]))", at)
             for series in procs:

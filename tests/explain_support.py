@@ -19,7 +19,11 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model")
+#: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
+#: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
+SCALE_AT = 2400.0
+OOM_AT = 3000.0
 
 
 @dataclass
@@ -30,6 +34,10 @@ class Rank:
     co_tenant: bool = False
     nonfinite_from: float | None = None  # time (s from start) of the first non-finite step
     failed_at: float | None = None
+    grad_norm: float = 1.0
+    loss_scale: float = 65536.0
+    ooms: int = 0
+    memory_full: bool = False
 
 
 def uuid_of(run: str, rank: int) -> str:
@@ -53,6 +61,12 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.step_seconds, state.wait_share = 1.25, 0.6
     elif scenario == "nan-all":
         state.nonfinite_from = FAULT_AT
+    elif scenario == "model" and rank == 0:
+        state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
+        state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "model" and rank == ranks - 1:
+        state.memory_full = at >= OOM_AT - 120
+        state.ooms = int(at >= OOM_AT)
     return state
 
 
@@ -87,7 +101,9 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                                 ("training_first_nonfinite_step", first_nonfinite),
                                 ("training_nonfinite_steps_total", nonfinite_steps),
                                 ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
-                                ("training_grad_norm_max", 1.0 + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_grad_norm_max", now.grad_norm + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_loss_scale", now.loss_scale),
+                                ("training_cuda_ooms_total", now.ooms),
                                 ("training_grad_norm_max_step", int(steps)),
                                 ("training_start_timestamp_seconds", base),
                                 ("training_last_update_timestamp_seconds", base + at),
@@ -104,7 +120,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)}{ts}")
+            used = 79 * 2**30 if now.memory_full else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {used}{ts}")
             lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')

@@ -107,6 +107,18 @@ def test_a_starving_data_loader(prometheus, capsys):
         assert "the input pipeline" in event["sentence"]
 
 
+def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
+    events = timeline(prometheus, "model", capsys)["events"]
+    assert [(e["kind"], e["rank"]) for e in events] == [("grad_spike", "0"), ("loss_scale_collapse", "0"),
+                                                         ("oom", "1")]
+    spike, collapse, oom = events
+    assert spike["time"] == prometheus["base"] + support.FAULT_AT and spike["step"] is not None
+    assert kinds(spike) == ["none_found"] and kinds(collapse) == ["none_found"]
+    assert "no other rank affected: no GPU evidence, so the model or its input" in spike["sentence"]
+    assert kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
+    assert oom["gpu_uuid"] == support.uuid_of("model", 1)
+
+
 def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     monkeypatch.delenv("DUALTRACK_PROMETHEUS", raising=False)
     code, out, err = explain(prometheus, "no-such-run", capsys)
