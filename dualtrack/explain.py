@@ -179,6 +179,8 @@ class Reader:
         self.start = max(since, float(starts[0]["value"][1])) if starts else since
         self.end = min(until, float(ends[0]["value"][1]) + 60) if ends else until
         self.res = max(15.0, math.ceil((self.end - self.start) / MAX_POINTS))
+        # Range queries step from start: the last point must be the end (what happened last counts).
+        self.start = self.end - math.ceil((self.end - self.start) / self.res) * self.res
         info = client.query(f"max by (rank, uuid) (last_over_time(training_gpu_info{{{self.selector}}}[{rng}]))", until)
         self.gpus = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in info if "uuid" in s["metric"]}
         processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
