@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from . import prometheus
 from .cli import fail
@@ -164,7 +164,7 @@ class Reader:
     """The queries of one explanation: the run's selector, its extent and resolution."""
 
     def __init__(self, client: prometheus.Prometheus, run: str, since: float, until: float) -> None:
-        self.client, self.run = client, run
+        self.client = client
         self.selector = f"run={prometheus.quote(run)}"
         span = max(60.0, until - since)
         rng = f"{int(span)}s"
@@ -286,7 +286,7 @@ def grad_spikes(reader: Reader) -> list[Event]:
     return _group(hits, "grad_spike", 2 * reader.res)
 
 
-def _sustained(values: list[tuple[float, float]], bad, start: int) -> int | None:
+def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int) -> int | None:
     """Index of the first point at or after `start` from which `bad` holds for SUSTAINED seconds."""
     i = start
     while i < len(values):
@@ -324,7 +324,7 @@ def slowdowns(reader: Reader) -> list[Event]:
         found = _sustained(seconds, lambda k: seconds[k][1] > 1.25 * baseline[k] and math.isfinite(seconds[k][1]), i)
         if found is None:
             break
-        at, before, after = seconds[found][0], baseline[found], seconds[found][1]
+        at, before = seconds[found][0], baseline[found]
         k = found
         while k < len(seconds) and seconds[k][1] > 1.1 * before:
             k += 1
@@ -484,7 +484,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                                           f"in the {WINDOW / 60:.0f} min before", 0.0, "")]
 
 
-def _counter_cause(series: dict[str, Any], event: Event, where, wanted: set[str], window_start: float,
+def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], str], wanted: set[str], window_start: float,
                    step: float) -> list[Cause]:
     """A counter (XID, ECC, remapped rows, PCIe replays) that rose in the window: one cause."""
     labels = series["metric"]
