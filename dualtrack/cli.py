@@ -9,6 +9,7 @@ from typing import Sequence
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.
 SUBCOMMANDS: dict[str, str] = {
+    "explain": "dualtrack.explain",
     "janitor": "dualtrack.janitor",
     "replay": "dualtrack.replay",
     "report": "dualtrack.report",

@@ -27,6 +27,11 @@ from .connection import Endpoint, opener, resolve, shown, warn_plaintext
 ENV_URL = "DUALTRACK_PROMETHEUS"
 
 
+def quote(value: str) -> str:
+    """A PromQL string literal (double-quoted, escaped) for a label value."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class QueryError(Exception):
     """Prometheus could not be asked or answered nonsense (one line, no credentials)."""
 

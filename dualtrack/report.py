@@ -57,16 +57,18 @@ def run(args: argparse.Namespace) -> int:
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
     gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
+    explained: list[tuple[str, Any, dict[str, float]]] = []
     if client is not None:
         try:
             gpu_lines, alerts = from_prometheus(client, summaries)
+            explained = explain_runs(client, summaries)
             prometheus_note = client.url
         except prometheus.QueryError as exc:
             prometheus_note = f"{client.url}: {exc}"
             warn(f"{prometheus_note}; the report has the record only")
     from .plots import build_figure, svg_text
     figure = build_figure(summaries, gpu_lines)
-    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader)
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page, encoding="utf-8")
@@ -136,7 +138,7 @@ def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tupl
         if start is None or summary.run.key[:2] in queried:
             continue  # one set of GPU lines per job/run: the query matches every rank's GPUs
         queried.add(summary.run.key[:2])
-        selector = f'job="{_escape(summary.run.job)}",run="{_escape(summary.run.run)}"'
+        selector = f"job={prometheus.quote(summary.run.job)},run={prometheus.quote(summary.run.run)}"
         for panel, metric in GPU_QUERIES.items():
             found = _range(client, f"{metric} * on(uuid) group_left() max by (uuid) "
                                 f"(training_gpu_info{{{selector}}})", start, end)
@@ -165,8 +167,26 @@ def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tupl
     return lines, alerts
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"')
+def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tuple[str, Any, dict[str, float]]]:
+    """Per job/run: its explained timeline (None when Prometheus has no training series of it) and
+    its goodput figures, as `dualtrack explain` and rules/goodput.yml give them."""
+    from .explain import ExplainError, WINDOW, timeline
+    from .goodput import run_goodput
+    found = []
+    seen: set[tuple[str, str]] = set()
+    for summary in summaries:
+        job, run = summary.run.key[:2]
+        if summary.first_time is None or (job, run) in seen:
+            continue
+        seen.add((job, run))
+        start, end = summary.first_time - WINDOW, summary.last_time + WINDOW
+        try:
+            explained = timeline(client, run, start, end)
+        except ExplainError:
+            explained = None
+        found.append((summary.run.name if len(summaries) == 1 else run, explained,
+                      run_goodput(client, job, run, summary.first_time, summary.last_time)))
+    return found
 
 
 def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -> list[dict[str, Any]]:
@@ -175,7 +195,7 @@ def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -
 
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,
-                reader: Any) -> str:
+                reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None) -> str:
     """The whole page; every text from the record is escaped."""
     e = html.escape
     names = ", ".join(s.run.name for s in summaries)
@@ -209,6 +229,8 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
             parts.append(f"<tr><td>{e(name)}</td><td>{e(text)}</td><td>{e(utc(alert['first']))}</td>"
                          f"<td>{e(utc(alert['last']))}</td></tr>")
         parts.append("</table>")
+    if explained:
+        parts.extend(render_explained(explained))
     for summary in summaries:
         parts.append(f"<h2>{e(summary.run.name)}</h2><table class=\"facts\">")
         parts.extend(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary.facts().items())
@@ -220,3 +242,31 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                  f"{e(', '.join(str(f) for f in reader.files))}."
                  + (f" Skipped: {e(skipped)}." if skipped else "") + "</p></body></html>\n")
     return "\n".join(parts)
+
+
+def render_explained(explained: list[tuple[str, Any, dict[str, float]]]) -> list[str]:
+    """The timeline of each run (dualtrack explain) and its goodput, as HTML."""
+    e = html.escape
+    parts = ["<h2>What happened, and why</h2><p class=\"note\">Model-track events with the infra evidence "
+             "found on the run's GPUs before each, ranked (as <code>dualtrack explain RUN</code>).</p>",
+             "<table id=\"timeline\"><tr><th>time</th><th>event</th><th>what</th><th>causes</th></tr>"]
+    for name, found, _ in explained:
+        if found is None:
+            parts.append(f"<tr><td colspan=\"4\" class=\"note\">{e(name)}: no training series in Prometheus</td></tr>")
+        elif not found.events:
+            parts.append(f"<tr><td colspan=\"4\">{e(name)}: no model-track event, nothing to explain</td></tr>")
+        for event in found.events if found is not None else []:
+            causes = "<br>".join(f"{c.score:.2f} {e(c.kind)}: {e(c.evidence)}" for c in event.causes)
+            parts.append(f"<tr class=\"event\" data-kind=\"{e(event.kind)}\"><td>{e(utc(event.time))}</td>"
+                         f"<td>{e(event.kind)}</td><td>{e(event.sentence)}</td><td>{causes}</td></tr>")
+    parts.append("</table><h2>Goodput</h2><table id=\"goodput\"><tr><th>run</th><th>goodput (GPU-seconds that "
+                 "counted)</th><th>tokens per joule</th><th>samples per joule</th><th>ETA at the last update</th></tr>")
+    for name, _, figures in explained:
+        cells = [f"{figures['goodput']:.1%}" if "goodput" in figures else "not recorded",
+                 f"{figures['tokens_per_joule']:.4g}" if "tokens_per_joule" in figures else "—",
+                 f"{figures['samples_per_joule']:.4g}" if "samples_per_joule" in figures else "—",
+                 f"{figures['eta_seconds'] / 60:.0f} min" if "eta_seconds" in figures else "— (no max_steps logged)"]
+        parts.append(f"<tr><td>{e(name)}</td>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+    parts.append("</table><p class=\"note\">Goodput comes from rules/goodput.yml: \"not recorded\" where "
+                 "that Prometheus did not evaluate them while the run ran.</p>")
+    return parts

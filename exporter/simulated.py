@@ -7,7 +7,9 @@ c_nvmlGpmMetricsGet_t, process infos via nvmlStructToFriendlyObject) and constan
 the installed pynvml. Functions it does not implement look missing, as on an old driver.
 
 Scenarios: healthy, input-bound (2 s busy / 2 s waiting for data), memory-leak (used memory climbing
-in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each). A list of
+in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each), and three
+faults that start FAULT_AFTER seconds in (what `dualtrack explain` names): thermal-throttle (thermal
+slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the GPU). A list of
 scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
 leaking GPUs side by side.
 
@@ -31,7 +33,12 @@ from typing import Any, Callable, Sequence
 
 import pynvml
 
-SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo")
+SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo", "thermal-throttle", "xid", "co-tenant")
+#: The fault scenarios (thermal-throttle, xid, co-tenant) run healthy this long first (seconds).
+FAULT_AFTER = 30.0
+THROTTLED_SM_MHZ = 1200
+CO_TENANT_PID = 4242
+CO_TENANT_BYTES = 12 * (1 << 30)
 GIB = 1 << 30
 MIB = 1 << 20
 TICK = 0.1  # seconds between entries of the simulated driver utilization buffer, on average
@@ -67,6 +74,7 @@ NVML_H: dict[str, int] = {
     "NVML_GPM_METRIC_SM_UTIL": 2, "NVML_GPM_METRIC_ANY_TENSOR_UTIL": 5, "NVML_GPM_METRIC_DRAM_BW_UTIL": 10,
     "NVML_GPM_SUPPORT_VERSION": 1, "NVML_GPM_METRICS_GET_VERSION": 1,
     "nvmlEventTypeXidCriticalError": 0x8, "nvmlClocksEventReasonGpuIdle": 0x1,
+    "nvmlClocksEventReasonSwThermalSlowdown": 0x20,
 }
 H = types.SimpleNamespace(**NVML_H)
 NVLINK_SCOPE_ALL = 0xFFFFFFFF  # nvml.h: a field's scope id for "summed up across all links"
@@ -194,6 +202,7 @@ class SimulatedNVML:
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
         self._xid_queue: list[tuple[int, int]] = []
+        self._xid_scenario_done: set[int] = set()  # GPUs whose "xid" scenario already sent its XID
         # Like the driver: nothing answers before nvmlInit or after nvmlShutdown, and shutdown frees
         # every event set (with its registrations) and GPM sample.
         self.initialized = False
@@ -262,8 +271,11 @@ class SimulatedNVML:
         return None
 
     def _new_xids(self, t: float) -> list[tuple[int, int]]:
-        """(gpu, xid) events that happen now (none, here)."""
-        return []
+        """(gpu, xid) events that happen now: one XID 79 per GPU of the "xid" scenario."""
+        due = [gpu for gpu in range(len(self.traits)) if gpu not in self._xid_scenario_done
+               and self._faulty(gpu, t) == "xid"]
+        self._xid_scenario_done.update(due)
+        return [(gpu, 79) for gpu in due]
 
     def fall_off_bus(self, gpu: int | None) -> None:
         """What a GPU that falls off the bus loses: its event registrations; and every event set it was
@@ -281,6 +293,11 @@ class SimulatedNVML:
             return scenario, t
         phase = int(t // self.phase_seconds)
         return ("healthy", "input-bound", "memory-leak")[phase % 3], t - phase * self.phase_seconds
+
+    def _faulty(self, gpu: int, t: float) -> str | None:
+        """The fault scenario of `gpu` once it has started (FAULT_AFTER seconds in), else None."""
+        scenario = self.scenarios[gpu % len(self.scenarios)]
+        return scenario if scenario in ("thermal-throttle", "xid", "co-tenant") and t >= FAULT_AFTER else None
 
     def utilization(self, gpu: int, t: float) -> float:
         """GPU utilization (0..1) of the simulated workload at time t."""
@@ -305,7 +322,7 @@ class SimulatedNVML:
         scenario, local = self._phase(gpu, t)
         total = self.traits[gpu].memory_total
         if scenario != "memory-leak":
-            return 61 * GIB + gpu * 256 * MIB
+            return 61 * GIB + gpu * 256 * MIB + (CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0)
         step_seconds = 30.0
         steps = max(1.0, self.leak_minutes * 60 / step_seconds)
         base = 20 * GIB
@@ -457,6 +474,8 @@ class SimulatedNVML:
         if sensor != H.NVML_TEMPERATURE_GPU:
             raise pynvml.NVMLError_InvalidArgument()
         gpu = self._gpu_of(handle)
+        if self._faulty(gpu, self._t()) == "thermal-throttle":
+            return 88 + gpu
         return round(34 + 36 * self.utilization(gpu, self._t())) + gpu
 
     @_api()
@@ -515,8 +534,10 @@ class SimulatedNVML:
 
     @_api()
     def nvmlDeviceGetClockInfo(self, handle: Any, clock: int) -> int:
-        busy = self.utilization(self._gpu_of(handle), self._t()) >= 0.05
-        return {H.NVML_CLOCK_GRAPHICS: 1980 if busy else 345, H.NVML_CLOCK_SM: 1980 if busy else 345,
+        gpu, t = self._gpu_of(handle), self._t()
+        busy = self.utilization(gpu, t) >= 0.05
+        top = THROTTLED_SM_MHZ if self._faulty(gpu, t) == "thermal-throttle" else 1980
+        return {H.NVML_CLOCK_GRAPHICS: top if busy else 345, H.NVML_CLOCK_SM: top if busy else 345,
                 H.NVML_CLOCK_MEM: 2619, H.NVML_CLOCK_VIDEO: 1755 if busy else 765}[clock]
 
     @_api()
@@ -525,8 +546,11 @@ class SimulatedNVML:
                 H.NVML_CLOCK_VIDEO: 1965}[clock]
 
     def _reasons(self, handle: Any) -> int:
-        idle = self.utilization(self._gpu_of(handle), self._t()) < 0.05
-        return H.nvmlClocksEventReasonGpuIdle if idle else 0
+        gpu, t = self._gpu_of(handle), self._t()
+        idle = self.utilization(gpu, t) < 0.05
+        thermal = self._faulty(gpu, t) == "thermal-throttle"
+        return ((H.nvmlClocksEventReasonGpuIdle if idle else 0)
+                | (H.nvmlClocksEventReasonSwThermalSlowdown if thermal else 0))
 
     @_api()
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
@@ -546,9 +570,14 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig:  # like an unprivileged container: MIG hides other instances' processes
             raise pynvml.NVMLError_NoPermission()
-        info = pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, self._t()) - 256 * MIB,
-                                          gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
-        return [pynvml.nvmlStructToFriendlyObject(info)]
+        t = self._t()
+        co_tenant = CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0
+        infos = [pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, t) - 256 * MIB - co_tenant,
+                                            gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)]
+        if co_tenant:
+            infos.append(pynvml.c_nvmlProcessInfo_t(pid=CO_TENANT_PID, usedGpuMemory=co_tenant,
+                                                    gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
+        return [pynvml.nvmlStructToFriendlyObject(info) for info in infos]
 
     @_api()
     def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list) -> Any:

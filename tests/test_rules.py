@@ -21,7 +21,7 @@ CONTRACT = {
     "TrainingDataLoaderBottleneck", "TrainingGradientExplosion", "TrainingLossNonFinite",
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
-    "TrainingLossScaleCollapse", "TrainingStragglerRank",
+    "TrainingLossScaleCollapse", "TrainingStragglerRank", "GPUSuspectedFaulty",
 }
 RUNBOOKS_LABEL = processes.RUNBOOKS_URL_LABEL
 GRAFANA_LABEL = processes.GRAFANA_URL_LABEL

@@ -1,0 +1,557 @@
+"""`dualtrack explain RUN`: the run's model-track events, each with the infra evidence found before it.
+
+Events come from the run's `training_*` series; evidence from the `nvml_gpu_*` series of the GPUs
+the run trained on (`training_gpu_info` joins rank to GPU uuid) in a window before each event.
+`timeline(client, run, since, until)` is the logic; `dualtrack report` shows the same timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from . import prometheus
+from .cli import fail
+from .summary import utc
+
+HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
+#: Evidence is looked for in this window before an event (seconds).
+WINDOW = 600.0
+#: At most this many points per series in a range query over the whole run.
+MAX_POINTS = 1500
+#: A slowdown counts when it lasts this long (seconds).
+SUSTAINED = 600.0
+DEFAULT_LOOKBACK = 7 * 86400.0
+XID_MEANING = {79: "GPU fell off the bus", 119: "GSP timeout", 120: "GSP error",
+               48: "double-bit ECC error", 63: "ECC page retirement or row remapping recorded",
+               64: "ECC page retirement or row remapping failed", 94: "contained ECC error",
+               95: "uncontained ECC error", 13: "graphics engine exception, usually the application",
+               31: "GPU memory page fault, usually the application",
+               43: "GPU stopped processing, usually the application"}
+APPLICATION_XIDS = {13, 31, 43}
+THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
+                  "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
+                  "hw_slowdown": ("hw_slowdown",)}
+HARDWARE = {"xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
+            "clock_drop", "link_drop"}
+#: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
+RELEVANT = {
+    "nonfinite": {"xid", "ecc", "remapped_rows"},
+    "grad_spike": {"xid", "ecc", "remapped_rows"},
+    "loss_scale_collapse": {"xid", "ecc", "remapped_rows"},
+    "step_time_regression": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
+    "straggler": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
+    "data_starvation": {"data_wait"},
+    "oom": {"memory_pressure", "co_tenant", "xid"},
+    "failed": {"xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
+}
+VERDICT = {"co_tenant": "another process on the GPU, not the model",
+           "memory_pressure": "GPU memory, not the model's numerics",
+           "data_wait": "the input pipeline, not the GPU or the model"}
+
+
+class ExplainError(Exception):
+    """The run cannot be explained (not found); one line."""
+
+
+@dataclass
+class Cause:
+    kind: str
+    evidence: str
+    score: float
+    phrase: str = field(default="", repr=False)  # short form for the event's sentence
+
+
+@dataclass
+class Event:
+    kind: str
+    step: int | None
+    time: float
+    rank: str | None
+    gpu_uuid: str | None
+    detail: str
+    others: list[str] = field(default_factory=list)  # other ranks affected
+    causes: list[Cause] = field(default_factory=list)
+    sentence: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "step": self.step, "time": self.time, "rank": self.rank,
+                "gpu_uuid": self.gpu_uuid, "other_ranks": self.others, "sentence": self.sentence,
+                "causes": [{k: v for k, v in asdict(c).items() if k != "phrase"} for c in self.causes]}
+
+
+@dataclass
+class Timeline:
+    run: str
+    job: str
+    start: float
+    end: float
+    gpus: dict[str, str]  # rank -> uuid
+    events: list[Event]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "job": self.job, "start": self.start, "end": self.end,
+                "gpus": self.gpus, "events": [e.to_json() for e in self.events]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_id", metavar="RUN", help="the run id (the `run` label of its training_* series)")
+    prometheus.add_arguments(parser, "where the run's training and GPU series are")
+    parser.add_argument("--since", metavar="TIME", default=None,
+                        help="look for the run from TIME: unix seconds, ISO 8601 (2026-12-03T10:00:00Z) "
+                             "or a duration ago (90m, 6h, 2d); default 7 days before --until")
+    parser.add_argument("--until", metavar="TIME", default=None, help="... up to TIME (default: now)")
+    parser.add_argument("--json", action="store_true", help="print the timeline as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        now = time.time()
+        until = parse_time(args.until, now, "--until") if args.until else now
+        since = parse_time(args.since, now, "--since") if args.since else until - DEFAULT_LOOKBACK
+        if since >= until:
+            raise ValueError("--since must be before --until")
+        client = prometheus.from_args(args, warn)
+    except ValueError as exc:
+        return fail("explain", str(exc), 2)
+    if client is None:
+        return fail("explain", f"no Prometheus: pass --prometheus URL or set ${prometheus.ENV_URL}", 2)
+    try:
+        found = timeline(client, args.run_id, since, until)
+    except ExplainError as exc:
+        return fail("explain", str(exc))
+    except prometheus.QueryError as exc:
+        return fail("explain", f"{client.url}: {exc}")
+    print(json.dumps(found.to_json(), indent=1) if args.json else render_text(found))
+    return 0
+
+
+def warn(message: str) -> None:
+    print(f"dualtrack explain: warning: {message}", file=sys.stderr)
+
+
+def parse_time(text: str, now: float, flag: str) -> float:
+    """Unix seconds, ISO 8601, or a duration ago (30s, 90m, 6h, 2d). Raises ValueError."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if match:
+        return now - float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: not unix seconds, ISO 8601 or a duration like 6h") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=timezone.utc)
+    return parsed.timestamp()
+
+
+def _values(series: dict[str, Any]) -> list[tuple[float, float]]:
+    return [(float(t), float(v)) for t, v in series["values"]]
+
+
+class Reader:
+    """The queries of one explanation: the run's selector, its extent and resolution."""
+
+    def __init__(self, client: prometheus.Prometheus, run: str, since: float, until: float) -> None:
+        self.client = client
+        self.selector = f"run={prometheus.quote(run)}"
+        span = max(60.0, until - since)
+        rng = f"{int(span)}s"
+        starts = client.query(f"min(min_over_time(training_start_timestamp_seconds{{{self.selector}}}[{rng}]))", until)
+        ends = client.query(f"max(max_over_time(training_last_update_timestamp_seconds{{{self.selector}}}[{rng}]))", until)
+        jobs = client.query(f"count by (job, rank) (last_over_time(training_step{{{self.selector}}}[{rng}]))", until)
+        if not jobs:
+            raise ExplainError(f"run {run!r}: no training_step series between {utc(since)} and {utc(until)} "
+                               "(check the run id, --since and --until)")
+        self.job = jobs[0]["metric"].get("job", "")
+        self.ranks = sorted({s["metric"].get("rank", "") for s in jobs}, key=_rank_key)
+        self.start = max(since, float(starts[0]["value"][1])) if starts else since
+        self.end = min(until, float(ends[0]["value"][1]) + 60) if ends else until
+        self.res = max(15.0, math.ceil((self.end - self.start) / MAX_POINTS))
+        # Range queries step from start: the last point must be the end (what happened last counts).
+        self.start = self.end - math.ceil((self.end - self.start) / self.res) * self.res
+        info = client.query(f"max by (rank, uuid) (last_over_time(training_gpu_info{{{self.selector}}}[{rng}]))", until)
+        self.gpus = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in info if "uuid" in s["metric"]}
+        processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
+        self.pids = {s["metric"].get("pid") for s in processes}
+
+    def by_rank(self, expr: str) -> dict[str, list[tuple[float, float]]]:
+        """`expr` (with SEL for the run's label matchers) over the run, one value list per rank."""
+        found = self.client.query_range(expr.replace("SEL", self.selector), self.start, self.end, self.res)
+        out: dict[str, list[tuple[float, float]]] = {}
+        for series in found:
+            out.setdefault(series["metric"].get("rank", ""), []).extend(_values(series))
+        return out
+
+    def step_at(self, rank: str | None, at: float) -> int | None:
+        """The run's (the rank's) training_step at `at`."""
+        sel = self.selector + (f",rank={prometheus.quote(rank)}" if rank is not None else "")
+        found = self.client.query(f"max(last_over_time(training_step{{{sel}}}[{int(self.res * 2 + 300)}s]))", at)
+        return int(float(found[0]["value"][1])) if found else None
+
+
+def timeline(client: prometheus.Prometheus, run: str, since: float, until: float) -> Timeline:
+    """Every event of the run with its ranked causes. Raises ExplainError, prometheus.QueryError."""
+    reader = Reader(client, run, since, until)
+    events = (nonfinite_events(reader) + grad_spikes(reader) + slowdowns(reader) + starvation(reader)
+              + loss_scale_collapses(reader) + ends(reader))
+    events.sort(key=lambda e: (e.time, e.kind))
+    for event in events:
+        event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
+        event.causes = find_causes(reader, event)
+        event.sentence = sentence(event, len(reader.ranks))
+    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events)
+
+
+def _rank_key(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 30, rank)
+
+
+def _group(hits: list[tuple[float, str, int | None, str]], kind: str, tolerance: float) -> list[Event]:
+    """Per-rank hits (time, rank, step, detail) -> events: hits at the same step (or close in time)
+    are one event whose rank is the first affected (lowest step, then earliest)."""
+    hits.sort(key=lambda h: (h[0], h[2] if h[2] is not None else 0))
+    events: list[Event] = []
+    for at, rank, step, detail in hits:
+        for event in events:
+            same = step is not None and event.step is not None and abs(step - event.step) <= 1
+            if same or abs(at - event.time) <= tolerance:
+                if rank != event.rank and rank not in event.others:
+                    event.others.append(rank)
+                break
+        else:
+            events.append(Event(kind, step, at, rank, None, detail))
+    return events
+
+
+def nonfinite_events(reader: Reader) -> list[Event]:
+    """The first step of each non-finite streak (training_first_nonfinite_step takes a new value)."""
+    hits = []
+    for rank, values in reader.by_rank("training_first_nonfinite_step{SEL}").items():
+        seen = -1.0
+        for at, value in values:
+            if value >= 0 and value != seen:
+                at = _refine(reader, f"training_first_nonfinite_step{{{reader.selector},rank={prometheus.quote(rank)}}} == {value!r}", at)
+                hits.append((at, rank, int(value), _nonfinite_keys(reader, rank, at) + " non-finite"))
+            seen = value
+    return _group(hits, "nonfinite", 2 * reader.res)
+
+
+def _nonfinite_keys(reader: Reader, rank: str, at: float) -> str:
+    """The logged keys that went non-finite at `at` ("loss", "loss, grad_norm"), else "values"."""
+    found = reader.client.query(f"increase(training_nonfinite_values_total{{{reader.selector},rank={prometheus.quote(rank)}}}"
+                                f"[{int(2 * reader.res)}s]) > 0", at + reader.res)
+    return ", ".join(sorted({s["metric"].get("key", "?") for s in found})) or "values"
+
+
+def _refine(reader: Reader, expr: str, at: float) -> float:
+    """The first time in (at - res, at] where `expr` has a value (1 s steps): the sample's own time."""
+    step = max(1.0, reader.res / 200)
+    found = reader.client.query_range(expr, at - reader.res + step, at, step)
+    times = [float(t) for s in found for t, _ in s["values"]]
+    return min(times) if times else at
+
+
+def grad_spikes(reader: Reader) -> list[Event]:
+    """The window maximum of the gradient norm above 10x its median over the previous 30 min."""
+    norms = reader.by_rank("training_grad_norm_max{SEL}")
+    steps = reader.by_rank("training_grad_norm_max_step{SEL}")
+    hits = []
+    for rank, values in norms.items():
+        step_of = dict(steps.get(rank, []))
+        times = [t for t, _ in values]
+        last_hit = -math.inf
+        for at, value in values:
+            window = values[bisect.bisect_left(times, at - 1800):bisect.bisect_left(times, at - 120)]
+            before = [v for _, v in window if math.isfinite(v)]
+            if len(before) < 5 or not math.isfinite(value):
+                continue
+            median = statistics.median(before)
+            if median > 1e-4 and value > 10 * median and at - last_hit > 300:
+                step = step_of.get(at)
+                hits.append((at, rank, int(step) if step is not None else None,
+                             f"gradient norm {value:.3g}, {value / median:.0f}x its 30-min median"))
+                last_hit = at
+    return _group(hits, "grad_spike", 2 * reader.res)
+
+
+def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int) -> int | None:
+    """Index of the first point at or after `start` from which `bad` holds for SUSTAINED seconds."""
+    i = start
+    while i < len(values):
+        if bad(i):
+            j = i
+            while j < len(values) and bad(j):
+                if values[j][0] - values[i][0] >= SUSTAINED:
+                    return i
+                j += 1
+            i = j
+        i += 1
+    return None
+
+
+def slowdowns(reader: Reader) -> list[Event]:
+    """step_time_regression (the run's median step time up 25 % on the previous 30 min, for 10 min)
+    and straggler (a rank below 75 % of the run's median step rate for 10 min)."""
+    window = f"{int(max(120, 4 * reader.res))}s"
+    rates = reader.by_rank(f"rate(training_steps_total{{SEL}}[{window}])")
+    by_time: dict[float, dict[str, float]] = {}
+    for rank, values in rates.items():
+        for at, value in values:
+            by_time.setdefault(at, {})[rank] = value
+    # Ranks that stopped stepping (failed, finished) are not slow ranks: the median is of the others.
+    times = sorted(t for t, ranks in by_time.items() if any(v > 0 for v in ranks.values()))
+    median = [(t, statistics.median(v for v in by_time[t].values() if v > 0)) for t in times]
+    events: list[Event] = []
+    seconds = [(t, 1 / r if r > 0 else math.inf) for t, r in median]
+    baseline: list[float] = []
+    for i, (at, _) in enumerate(seconds):
+        prior = [s for _, s in seconds[bisect.bisect_left(times, at - 1800):i] if math.isfinite(s)]
+        baseline.append(statistics.median(prior) if len(prior) >= 5 else math.nan)
+    i = 0
+    while True:
+        found = _sustained(seconds, lambda k: seconds[k][1] > 1.25 * baseline[k] and math.isfinite(seconds[k][1]), i)
+        if found is None:
+            break
+        at, before = seconds[found][0], baseline[found]
+        k = found
+        while k < len(seconds) and seconds[k][1] > 1.1 * before:
+            k += 1
+        settled = statistics.median(s for _, s in seconds[found:k])
+        events.append(Event("step_time_regression", reader.step_at(None, at), at, None, None,
+                            f"step time rose from {before:.3g} s to {settled:.3g} s (x{settled / before:.2f})"))
+        i = k
+    if len(rates) >= 2:
+        medians = dict(median)
+        for rank, values in rates.items():
+            share = [(t, v / medians[t] if medians.get(t) else 1.0) for t, v in values]
+            i = 0
+            while (found := _sustained(share, lambda k: share[k][1] < 0.75 and values[k][1] > 0, i)) is not None:
+                k = found
+                while k < len(share) and share[k][1] < 0.9:
+                    k += 1
+                at = share[found][0]
+                low = statistics.median(s for _, s in share[found:k])
+                events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
+                                    f"stepped at {low:.0%} of the run's median rate"))
+                i = k
+    return events
+
+
+def starvation(reader: Reader) -> list[Event]:
+    """A rank that waited for batches more than 30 % of the time for 10 min."""
+    window = f"{int(max(120, 4 * reader.res))}s"
+    hits = []
+    for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
+        i = 0
+        while (found := _sustained(values, lambda k: values[k][1] > 0.3, i)) is not None:
+            k = found
+            while k < len(values) and values[k][1] > 0.15:
+                k += 1
+            at = values[found][0]
+            hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))
+            i = k
+    return _group(hits, "data_starvation", SUSTAINED)
+
+
+def loss_scale_collapses(reader: Reader) -> list[Event]:
+    """The loss scale below 1/1024 of its maximum so far."""
+    hits = []
+    for rank, values in reader.by_rank("training_loss_scale{SEL}").items():
+        top, collapsed = -math.inf, False
+        for at, value in values:
+            if value < top / 1024 and not collapsed:
+                hits.append((at, rank, reader.step_at(rank, at), f"loss scale fell from {top:g} to {value:g}"))
+                collapsed = True
+            elif value >= top / 1024:
+                collapsed = False
+            top = max(top, value)
+    return _group(hits, "loss_scale_collapse", 2 * reader.res)
+
+
+def ends(reader: Reader) -> list[Event]:
+    """oom (the allocator counted an out-of-memory error) and failed (the run state became failed)."""
+    hits: dict[str, list] = {"oom": [], "failed": []}
+    for rank, values in reader.by_rank("training_cuda_ooms_total{SEL}").items():
+        for (_, before), (at, value) in zip(values, values[1:]):
+            if value > before:
+                hits["oom"].append((at, rank, reader.step_at(rank, at), "CUDA out of memory"))
+                break
+    for rank, values in reader.by_rank('training_run_state{SEL,state="failed"}').items():
+        at = next((t for t, v in values if v == 1), None)
+        if at is not None:
+            hits["failed"].append((at, rank, reader.step_at(rank, at), "failed"))
+    return [e for kind, found in hits.items() for e in _group(found, kind, 300)]
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def find_causes(reader: Reader, event: Event) -> list[Cause]:
+    """The infra evidence on the event's GPU (all the run's GPUs for a run-wide event), ranked."""
+    wanted = RELEVANT[event.kind]
+    uuids = [event.gpu_uuid] if event.gpu_uuid else sorted(set(reader.gpus.values()))
+    rank_of = {uuid: rank for rank, uuid in reader.gpus.items()}
+    causes: list[Cause] = []
+    # A slowdown is seen through a rate window: what started in that window before it was seen counts.
+    lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
+    at, start = event.time + reader.res + lag, event.time - WINDOW
+    rng = f"{int(WINDOW + reader.res)}s"
+
+    def where(uuid: str) -> str:
+        if uuid == event.gpu_uuid:
+            return "on that GPU"
+        return f"on rank {rank_of.get(uuid, '?')}'s GPU ({uuid})"
+
+    if uuids:
+        sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
+        client = reader.client
+        if wanted & {"xid", "ecc", "remapped_rows", "link_drop"}:
+            step = max(1.0, (at - start) / 600)
+            counters = client.query_range(
+                '{__name__=~"nvml_gpu_xid_errors_total|nvml_gpu_ecc_errors_total|nvml_gpu_remapped_rows_total|'
+                f'nvml_gpu_pcie_replay_errors_total",{sel}}}', start, at, step)
+            for series in counters:
+                causes.extend(_counter_cause(series, event, where, wanted, start, step))
+        if wanted & set(THROTTLE_KINDS):
+            shares = client.query(f"increase(nvml_gpu_throttle_seconds_total{{{sel}}}[{rng}]) / {WINDOW + reader.res}", at)
+            for kind, reasons in THROTTLE_KINDS.items():
+                for series in shares:
+                    share = float(series["value"][1])
+                    if kind in wanted and series["metric"].get("reason") in reasons and share >= 0.05:
+                        uuid = series["metric"].get("uuid", "")
+                        reason = series["metric"]["reason"]
+                        causes.append(Cause(kind, f"{reason} on {uuid} {share:.0%} of the {WINDOW / 60:.0f} min before",
+                                            round(min(0.9, 0.5 + share / 2), 2),
+                                            f"with {reason.replace('_', ' ')} {where(uuid)} {share:.0%} of the time before"))
+        if "clock_drop" in wanted:
+            drops = client.query(f"min_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}]) / on (uuid, clock) "
+                                 f"max_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}] offset {rng}) < 0.8 "
+                                 f"unless on (uuid) increase(nvml_gpu_throttle_seconds_total{{reason=\"gpu_idle\",{sel}}}[{rng}]) > 60", at)
+            for series in drops:
+                uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
+                causes.append(Cause("clock_drop", f"SM clock of {uuid} fell to {ratio:.0%} of the 10 min before", 0.45,
+                                    f"with the SM clock {where(uuid)} at {ratio:.0%}"))
+        if "link_drop" in wanted:
+            links = client.query(f"sum by (uuid) (rate(nvml_gpu_nvlink_data_bytes_total{{{sel}}}[{rng}])) < 0.5 * "
+                                 f"sum by (uuid) (rate(nvml_gpu_nvlink_data_bytes_total{{{sel}}}[{rng}] offset {rng}))", at)
+            for series in links:
+                uuid = series["metric"].get("uuid", "")
+                causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before", 0.5,
+                                    f"with NVLink traffic {where(uuid)} halved"))
+        if "memory_pressure" in wanted:
+            full = client.query(f"max_over_time((nvml_gpu_memory_used_bytes{{{sel}}} / nvml_gpu_memory_total_bytes{{{sel}}})[{rng}:]) > 0.95", at)
+            for series in full:
+                uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
+                causes.append(Cause("memory_pressure", f"{uuid} memory {ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
+                                    f"with {ratio:.0%} of the memory used {where(uuid)}"))
+        if "co_tenant" in wanted:
+            procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{sel}}}[{rng}]))", at)
+            for series in procs:
+                labels = series["metric"]
+                if labels.get("pid") in reader.pids:
+                    continue
+                uuid, used = labels.get("uuid", ""), float(series["value"][1])
+                name = labels.get("process") or "?"
+                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) not of this run on {uuid}, "
+                                                 f"{used / 2**30:.1f} GiB", 0.7,
+                                    f"with another process ({name}, pid {labels.get('pid')}) {where(uuid)}"))
+    if "data_wait" in wanted:
+        rank_sel = reader.selector + (f",rank={prometheus.quote(event.rank)}" if event.rank is not None else "")
+        short = f"{int(max(120, 4 * reader.res))}s"
+        waits = reader.client.query(f"max_over_time(rate(training_data_wait_seconds_total{{{rank_sel}}}[{short}])"
+                                    f"[{rng}:{int(reader.res)}s]) > 0.2", at)
+        for series in sorted(waits, key=lambda s: -float(s["value"][1]))[:1]:
+            rank, share = series["metric"].get("rank", "?"), float(series["value"][1])
+            causes.append(Cause("data_wait", f"rank {rank} waited for data up to {share:.0%} of the time in the "
+                                             f"{WINDOW / 60:.0f} min before",
+                                round(min(0.9, share + 0.2), 2), f"with rank {rank} waiting for data {share:.0%} of the time"))
+    causes.sort(key=lambda c: -c.score)
+    return causes or [Cause("none_found", f"no infra evidence on {', '.join(uuids) or 'the run (no training_gpu_info)'} "
+                                          f"in the {WINDOW / 60:.0f} min before", 0.0, "")]
+
+
+def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], str], wanted: set[str], window_start: float,
+                   step: float) -> list[Cause]:
+    """A counter (XID, ECC, remapped rows, PCIe replays) that rose in the window: one cause."""
+    labels = series["metric"]
+    values = _values(series)
+    if not values:
+        return []
+    # A series that appears inside the window rose from 0 (an XID series appears with its first XID).
+    before = values[0][1] if values[0][0] <= window_start + step / 2 else 0.0
+    rose_at = next((at for at, value in values if value > before), None)
+    if rose_at is None:
+        return []
+    uuid, name, count = labels.get("uuid", ""), labels.get("__name__", ""), values[-1][1] - before
+    delta = _ago(event.time - rose_at)
+    if name == "nvml_gpu_xid_errors_total" and "xid" in wanted:
+        code = int(labels.get("xid", "0") or 0)
+        meaning = XID_MEANING.get(code, "see NVIDIA's XID catalog")
+        return [Cause("xid", f"XID {code} ({meaning}) on {uuid} at {utc(rose_at)}, {delta} before",
+                      0.3 if code in APPLICATION_XIDS else 0.95, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
+    if name == "nvml_gpu_ecc_errors_total" and "ecc" in wanted:
+        error = labels.get("error", "")
+        return [Cause("ecc", f"{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",
+                      0.9 if error == "uncorrected" else 0.3, f"{delta} after {error} ECC errors {where(uuid)}")]
+    if name == "nvml_gpu_remapped_rows_total" and "remapped_rows" in wanted:
+        severity = labels.get("severity", "")
+        return [Cause("remapped_rows", f"{count:.0f} {severity} row(s) remapped on {uuid}, {delta} before",
+                      0.85 if severity == "uncorrectable" else 0.4, f"{delta} after {severity} row remapping {where(uuid)}")]
+    if name == "nvml_gpu_pcie_replay_errors_total" and "link_drop" in wanted:
+        return [Cause("link_drop", f"{count:.0f} PCIe replay(s) on {uuid}, {delta} before", 0.4,
+                      f"{delta} after PCIe replays {where(uuid)}")]
+    return []
+
+
+def sentence(event: Event, ranks: int) -> str:
+    """One plain sentence: what, where, the top cause, the other ranks, the verdict."""
+    who = f" on rank {event.rank}" + (f" ({event.gpu_uuid})" if event.gpu_uuid else "") if event.rank is not None else ""
+    text = f"step {event.step if event.step is not None else '?'}: {event.detail}{who}"
+    top = event.causes[0] if event.causes else None
+    if top is not None and top.kind != "none_found":
+        text += f" {top.phrase}"
+    if event.kind in ("nonfinite", "grad_spike", "loss_scale_collapse", "data_starvation") and ranks > 1:
+        if not event.others:
+            text += "; no other rank affected"
+        elif len(event.others) + 1 >= ranks:
+            text += f"; all {ranks} ranks affected"
+        else:
+            text += f"; also rank(s) {', '.join(sorted(event.others, key=_rank_key))}"
+    if top is None or top.kind == "none_found":
+        if event.kind in ("nonfinite", "grad_spike", "loss_scale_collapse"):
+            text += ": no GPU evidence, so the model or its input"
+        else:
+            text += ": no GPU or input evidence found"
+    elif top.kind in HARDWARE:
+        text += ": hardware, not the model"
+    else:
+        text += f": {VERDICT[top.kind]}"
+    return text
+
+
+def render_text(found: Timeline) -> str:
+    """The timeline as plain text: a header line, then each event and its ranked causes."""
+    gpus = ", ".join(f"rank {r} {u}" for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
+    lines = [f"run {found.run} (job {found.job}): {utc(found.start)} to {utc(found.end)}; GPUs: {gpus or 'unknown (no training_gpu_info)'}"]
+    if not found.events:
+        lines.append("no model-track event (non-finite values, spikes, slowdowns, stragglers, data starvation, "
+                     "loss-scale collapse, OOM, failure): nothing to explain")
+    for event in found.events:
+        lines.append(f"{utc(event.time)}  {event.kind}: {event.sentence}")
+        for cause in event.causes:
+            lines.append(f"    {cause.score:.2f} {cause.kind}: {cause.evidence}")
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""A run's goodput, energy efficiency and ETA over its life, from the rules in rules/goodput.yml."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import prometheus
+
+#: figure -> PromQL over the run's life (SEL: its label matchers, RANGE: its length).
+QUERIES = {
+    "goodput": "avg_over_time(job_run:training_goodput:ratio_rate5m{SEL}[RANGE])",
+    "tokens_per_joule": "avg_over_time(job_run:training_tokens_per_joule:rate5m{SEL}[RANGE])",
+    "samples_per_joule": "avg_over_time(job_run:training_samples_per_joule:rate5m{SEL}[RANGE])",
+    "eta_seconds": "last_over_time(job_run:training_eta_seconds:rate5m{SEL}[RANGE])",
+}
+
+
+def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float, end: float) -> dict[str, float]:
+    """The figures Prometheus recorded for the run between `start` and `end` (absent ones left out)."""
+    matchers = f"job={prometheus.quote(job)},run={prometheus.quote(run)}"
+    span = f"{max(60, int(end - start) + 60)}s"
+    found: dict[str, float] = {}
+    for name, expr in QUERIES.items():
+        result: list[dict[str, Any]] = client.query(expr.replace("SEL", matchers).replace("RANGE", span), end)
+        if result:
+            found[name] = float(result[0]["value"][1])
+    return found

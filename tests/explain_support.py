@@ -1,0 +1,164 @@
+"""Backfilled runs for `dualtrack explain`: both tracks (the hook's training_* series and the
+exporter's nvml_gpu_* series) of a run, with one fault injected, as OpenMetrics for promtool.
+
+Each run has `ranks` ranks, one GPU each, sampled every SCRAPE seconds for `minutes`; the fault
+starts at FAULT_AT seconds. Series names and labels are the live ones (docs/metrics.md, docs/hook.md).
+"""
+from __future__ import annotations
+
+import subprocess
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+SCRAPE = 15.0
+FAULT_AT = 1800.0
+#: XID 79 comes this long before the first non-finite step in the "xid" scenario.
+XID_LEAD = 45.0
+NORMAL_STEP = 0.5
+SM_CLOCK = 1.98e9
+THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model")
+#: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
+#: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
+SCALE_AT = 2400.0
+OOM_AT = 3000.0
+
+
+@dataclass
+class Rank:
+    step_seconds: float = NORMAL_STEP
+    wait_share: float = 0.0
+    thermal: bool = False
+    co_tenant: bool = False
+    nonfinite_from: float | None = None  # time (s from start) of the first non-finite step
+    failed_at: float | None = None
+    grad_norm: float = 1.0
+    loss_scale: float = 65536.0
+    ooms: int = 0
+    memory_full: bool = False
+
+
+def uuid_of(run: str, rank: int) -> str:
+    return f"GPU-{zlib.crc32(run.encode()):08x}-{rank:04d}-4000-8000-{rank:012d}"
+
+
+def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
+    """What rank `rank` of a run of `scenario` does `at` seconds after its start."""
+    state = Rank()
+    faulty = rank == ranks - 1  # the last rank's GPU is the one that misbehaves
+    after = at >= FAULT_AT
+    if scenario == "thermal" and after:
+        state.step_seconds = 0.8  # synchronous training: every rank waits for the throttled GPU
+        state.thermal = faulty
+    elif scenario == "xid" and faulty:
+        state.nonfinite_from = FAULT_AT + XID_LEAD
+        state.failed_at = FAULT_AT + XID_LEAD + 60
+    elif scenario == "co-tenant" and after and faulty:
+        state.step_seconds, state.co_tenant = 1.0, True
+    elif scenario == "starving" and after:
+        state.step_seconds, state.wait_share = 1.25, 0.6
+    elif scenario == "nan-all":
+        state.nonfinite_from = FAULT_AT
+    elif scenario == "model" and rank == 0:
+        state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
+        state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "model" and rank == ranks - 1:
+        state.memory_full = at >= OOM_AT - 120
+        state.ooms = int(at >= OOM_AT)
+    return state
+
+
+def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2, minutes: float = 60,
+              job: str = "train", scrape: float = SCRAPE) -> int:
+    """Write the run's samples (time-ordered per series) to `out`; returns the number of samples."""
+    samples = 0
+    for rank in range(ranks):
+        uuid = uuid_of(run, rank)
+        host = f"{run}-node{rank // 8}"
+        train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
+        gpu = f'job="dualtrack-exporter",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
+        steps = waited = thermal = idle = 0.0
+        first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
+        at = 0.0
+        lines: list[str] = []
+        while at <= minutes * 60:
+            now = rank_state(scenario, rank, at, ranks)
+            ts = f" {base + at:.3f}"
+            if state == "running":
+                if now.failed_at is not None and at >= now.failed_at:
+                    state = "failed"
+                else:
+                    steps += scrape / now.step_seconds
+                    waited += scrape * now.wait_share
+            if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
+                first_nonfinite = float(int(steps))
+            if first_nonfinite >= 0 and state == "running":
+                nonfinite_steps += int(scrape / now.step_seconds)
+            for name, value in (("training_step", int(steps)), ("training_steps_total", int(steps)),
+                                ("training_data_wait_seconds_total", waited),
+                                ("training_first_nonfinite_step", first_nonfinite),
+                                ("training_nonfinite_steps_total", nonfinite_steps),
+                                ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
+                                ("training_grad_norm_max", now.grad_norm + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_loss_scale", now.loss_scale),
+                                ("training_cuda_ooms_total", now.ooms),
+                                ("training_grad_norm_max_step", int(steps)),
+                                ("training_start_timestamp_seconds", base),
+                                ("training_last_update_timestamp_seconds", base + at),
+                                ("training_world_size", ranks)):
+                lines.append(f"{name}{{{train}}} {value}{ts}" if "{" not in name else f"{name} {value}{ts}")
+            for option in ("running", "finished", "failed"):
+                lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
+            lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{uuid}"}} 1{ts}')
+            lines.append(f'training_process_info{{{train},pid="{1000 + rank}",hostname="{host}"}} 1{ts}')
+            thermal += scrape if now.thermal else 0.0
+            idle += scrape * now.wait_share
+            for reason in THROTTLE_REASONS:
+                value = thermal if reason == "sw_thermal_slowdown" else idle if reason == "gpu_idle" else 0.0
+                lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
+            clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
+            lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
+            used = 79 * 2**30 if now.memory_full else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {used}{ts}")
+            lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
+            lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
+            lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
+            processes = [(str(1000 + rank), "python3", 61 * 2**30)]
+            if now.co_tenant:
+                processes.append(("4242", "stress-ng", 12 * 2**30))
+            for pid, name, used in processes:
+                lines.append(f'nvml_gpu_process_memory_used_bytes{{{gpu},pid="{pid}",process="{name}",'
+                             f'container_id="",pod_uid="",slurm_job_id=""}} {used}{ts}')
+            if scenario == "xid" and rank == ranks - 1 and at >= FAULT_AT:
+                lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
+            at += scrape
+        out.write("\n".join(lines) + "\n")
+        samples += len(lines)
+    # What rules/goodput.yml records for the run while it runs (the rules are tested by promtool).
+    lines = []
+    at = 0.0
+    while at <= minutes * 60:
+        states = [rank_state(scenario, rank, at, ranks) for rank in range(ranks)]
+        shares = [0.0 if s.failed_at is not None and at >= s.failed_at else 1 - s.wait_share for s in states]
+        lines.append(f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}} {sum(shares) / ranks} {base + at:.3f}')
+        at += scrape
+    out.write("\n".join(lines) + "\n")
+    return samples + len(lines)
+
+
+def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, ranks: int = 2,
+             minutes: float = 60, scrape: float = SCRAPE) -> int:
+    """Write {run: scenario} into OpenMetrics and build TSDB blocks in `data`; returns samples."""
+    source = workdir / "explain.om"
+    samples = 0
+    with open(source, "w", encoding="utf-8") as out:
+        for run, scenario in scenarios.items():
+            samples += write_run(out, scenario, run, base, ranks, minutes, scrape=scrape)
+        out.write("# EOF\n")
+    data.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(source), str(data)],
+                   check=True, capture_output=True, timeout=600)
+    source.unlink()
+    return samples

@@ -1,0 +1,167 @@
+"""`dualtrack explain`: backfilled runs in a real Prometheus, one per scenario (both tracks), and
+the cause explain names for each; bad input gets one line."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dualtrack.cli import main
+from stack import processes
+from tests import explain_support as support
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory) -> dict:
+    """One Prometheus holding every scenario as its own run (named after the scenario)."""
+    work = tmp_path_factory.mktemp("explain")
+    base = (time.time() // 3600 - 3) * 3600
+    support.backfill({name: name for name in support.SCENARIOS}, base, work / "prometheus-data", work)
+    config = work / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    service = processes.prometheus(work, config).start()
+    yield {"url": service.url, "base": base}
+    service.stop()
+
+
+def explain(prometheus: dict, run: str, capsys, *extra: str) -> tuple[int, str, str]:
+    window = ["--since", str(prometheus["base"]), "--until", str(prometheus["base"] + 3700)]
+    code = main(["explain", run, "--prometheus", prometheus["url"], *window, *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def timeline(prometheus: dict, run: str, capsys) -> dict:
+    code, out, err = explain(prometheus, run, capsys, "--json")
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["run"] == run
+    for event in found["events"]:
+        assert {"kind", "step", "time", "rank", "gpu_uuid", "causes"} <= set(event)
+        assert all({"kind", "evidence", "score"} <= set(c) for c in event["causes"])
+    return found
+
+
+def kinds(event: dict) -> list[str]:
+    return [cause["kind"] for cause in event["causes"]]
+
+
+def test_a_healthy_run_has_nothing_to_explain(prometheus, capsys):
+    assert timeline(prometheus, "healthy", capsys)["events"] == []
+    code, out, _ = explain(prometheus, "healthy", capsys)
+    assert code == 0 and "nothing to explain" in out
+
+
+def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
+    events = timeline(prometheus, "xid", capsys)["events"]
+    nonfinite = [e for e in events if e["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1
+    event = nonfinite[0]
+    assert event["rank"] == "1" and event["gpu_uuid"] == support.uuid_of("xid", 1)
+    assert event["time"] == prometheus["base"] + support.FAULT_AT + support.XID_LEAD
+    assert kinds(event) == ["xid"] and "XID 79 (GPU fell off the bus)" in event["causes"][0]["evidence"]
+    assert "45 s after XID 79 (GPU fell off the bus) on that GPU; no other rank affected: hardware, not the model" \
+        in event["sentence"]
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert [e["rank"] for e in failed] == ["1"] and kinds(failed[0]) == ["xid"]
+    assert {e["kind"] for e in events} == {"nonfinite", "failed"}  # the failed rank is no slowdown
+
+
+def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
+    (event,) = timeline(prometheus, "nan-all", capsys)["events"]
+    assert event["kind"] == "nonfinite" and event["rank"] == "0"
+    assert kinds(event) == ["none_found"] and event["causes"][0]["score"] == 0
+    assert "all 2 ranks affected: no GPU evidence, so the model or its input" in event["sentence"]
+
+
+def test_a_thermal_throttle_that_slows_the_steps(prometheus, capsys):
+    (event,) = timeline(prometheus, "thermal", capsys)["events"]
+    assert event["kind"] == "step_time_regression"
+    assert event["causes"][0]["kind"] == "thermal_throttle"
+    assert support.uuid_of("thermal", 1) in event["causes"][0]["evidence"]
+    assert set(kinds(event)) <= {"thermal_throttle", "clock_drop"}
+    assert event["time"] >= prometheus["base"] + support.FAULT_AT
+
+
+def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
+    events = timeline(prometheus, "co-tenant", capsys)["events"]
+    (straggler,) = [e for e in events if e["kind"] == "straggler"]
+    assert straggler["rank"] == "1" and kinds(straggler) == ["co_tenant"]
+    assert "stress-ng (pid 4242)" in straggler["causes"][0]["evidence"]
+    assert all(kinds(e) == ["co_tenant"] for e in events)
+
+
+def test_a_starving_data_loader(prometheus, capsys):
+    events = timeline(prometheus, "starving", capsys)["events"]
+    assert {e["kind"] for e in events} == {"data_starvation", "step_time_regression"}
+    for event in events:
+        assert kinds(event) == ["data_wait"], event
+        assert "the input pipeline" in event["sentence"]
+
+
+def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
+    events = timeline(prometheus, "model", capsys)["events"]
+    assert [(e["kind"], e["rank"]) for e in events] == [("grad_spike", "0"), ("loss_scale_collapse", "0"),
+                                                         ("oom", "1")]
+    spike, collapse, oom = events
+    assert spike["time"] == prometheus["base"] + support.FAULT_AT and spike["step"] is not None
+    assert kinds(spike) == ["none_found"] and kinds(collapse) == ["none_found"]
+    assert "no other rank affected: no GPU evidence, so the model or its input" in spike["sentence"]
+    assert kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
+    assert oom["gpu_uuid"] == support.uuid_of("model", 1)
+
+
+def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
+    monkeypatch.delenv("DUALTRACK_PROMETHEUS", raising=False)
+    code, out, err = explain(prometheus, "no-such-run", capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1 and "no training_step series" in err
+    assert main(["explain", "healthy"]) == 2
+    assert "no Prometheus" in capsys.readouterr().err
+    assert main(["explain", "healthy", "--prometheus", prometheus["url"], "--since", "yesterday"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsys):
+    record = tmp_path / "starving.jsonl"
+    base = prometheus["base"]
+    with open(record, "w") as out:
+        out.write(json.dumps({"event": "start", "format": 2, "time": base, "job": "train", "run": "starving",
+                              "rank": 0, "instance": "starving-node0", "config": {}}) + "\n")
+        for n in range(361):
+            out.write(json.dumps({"time": base + n * 10, "step": n, "values": {"loss": 1.0}}) + "\n")
+    out_html = tmp_path / "report.html"
+    assert main(["report", str(record), "--out", str(out_html), "--prometheus", prometheus["url"]]) == 0, \
+        capsys.readouterr().err
+    page = out_html.read_text()
+    timeline = page.split('<table id="timeline">')[1].split("</table>")[0]
+    assert re.findall(r'data-kind="(\w+)"', timeline) == ["step_time_regression", "data_starvation"]
+    assert "the input pipeline, not the GPU or the model" in timeline and "data_wait" in timeline
+    goodput = page.split('<table id="goodput">')[1].split("</table>")[0]
+    # Half the run at 100 %, half at 40 % (60 % data wait).
+    share = float(re.search(r"<td>([\d.]+)%</td>", goodput).group(1))
+    assert 65 <= share <= 75, goodput
+    assert "no max_steps logged" in goodput
+
+
+def test_credentials_never_reach_the_output_and_torch_is_never_imported(tmp_path, capsys):
+    secret = tmp_path / "password"
+    secret.write_text("hunter2-secret\n")
+    code = main(["explain", "healthy", "--prometheus", f"https://127.0.0.1:{processes.free_port()}",
+                 "--prometheus-username", "me", "--prometheus-password-file", str(secret)])
+    out = capsys.readouterr()
+    assert code == 1 and "hunter2" not in out.out + out.err and out.err.count("\n") == 1
+    probe = ("import sys; from dualtrack.cli import build_parser; build_parser(); "
+             "import dualtrack.explain, dualtrack.goodput; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=processes.REPO, env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+    assert done.stdout.strip() == "False", done.stderr

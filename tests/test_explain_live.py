@@ -1,0 +1,57 @@
+"""`dualtrack explain` on a live run: the simulated exporter's "xid" scenario (XID 79, 30 s in) on
+rank 1's GPU, two real hooks pushing to a real Pushgateway, a real Prometheus scraping both; rank 1's
+loss goes NaN after the XID and explain blames the GPU."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dualtrack.cli import main
+from stack import processes
+from tests.hook_support import run_id
+from trainer_hook import TrainingMonitor
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_live_nan_after_a_simulated_xid_79_blames_that_gpu(tmp_path, start_service, capsys):
+    pgw = start_service(processes.pushgateway(tmp_path))
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy,xid", "--simulate.gpus=2",
+                                                           "--sample-interval=0.2"]))
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
+        scrape_interval="1s", evaluation_interval="1s")
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    uuids = {s["metric"]["gpu"]: s["metric"]["uuid"]
+             for s in processes.wait_for_series(prometheus.url, "nvml_gpu_info", 30)}
+    run = run_id("live-xid")
+    monitors = [TrainingMonitor(job="explain-live", run=run, pushgateway=pgw.url, push_interval=0.2, rank=rank,
+                                world_size=2, gpu_uuid=uuids[str(rank)], record_path=False)
+                for rank in range(2)]
+    step = 0
+
+    def train(nan_on: int | None = None) -> None:
+        nonlocal step
+        step += 1
+        for rank, monitor in enumerate(monitors):
+            monitor.log({"loss": math.nan if rank == nan_on else 1.0 / step}, step=step)
+
+    xid = f'nvml_gpu_xid_errors_total{{uuid="{uuids["1"]}",xid="79"}}'
+    processes.wait_until(lambda: train() or processes.query(prometheus.url, xid), 60, interval=0.2,
+                         what="the simulated XID 79 in Prometheus")
+    first_nan = step + 1
+    processes.wait_until(lambda: train(nan_on=1) or processes.query(
+        prometheus.url, f'training_first_nonfinite_step{{run="{run}",rank="1"}} >= 0'), 30, interval=0.2,
+        what="rank 1's non-finite step in Prometheus")
+    for monitor in monitors:
+        monitor.close()
+    assert main(["explain", run, "--prometheus", prometheus.url, "--since", "10m", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    nonfinite = [e for e in found["events"] if e["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1, found
+    event = nonfinite[0]
+    assert (event["rank"], event["step"], event["gpu_uuid"]) == ("1", first_nan, uuids["1"])
+    assert [c["kind"] for c in event["causes"]] == ["xid"]
+    assert "XID 79 (GPU fell off the bus)" in event["sentence"] and "no other rank affected" in event["sentence"]

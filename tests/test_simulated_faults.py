@@ -1,0 +1,58 @@
+"""The simulator's fault scenarios (thermal-throttle, xid, co-tenant): what `dualtrack explain`
+names, served through the exporter's real sampler and collectors."""
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, SimulatedNVML
+from tests.exporter_support import FakeClock, Rig
+
+
+def test_thermal_throttle_slows_the_clock_and_counts_thermal_seconds():
+    rig = Rig(["healthy", "thermal-throttle"], 2)
+    rig.step(FAULT_AFTER - 5)
+    assert rig.value("nvml_gpu_throttle_active", gpu="1", uuid=rig.lib._uuids[1], reason="sw_thermal_slowdown") == 0
+    for _ in range(10):
+        rig.step()
+    labels = {"gpu": "1", "uuid": rig.lib._uuids[1]}
+    assert rig.value("nvml_gpu_throttle_active", **labels, reason="sw_thermal_slowdown") == 1
+    assert rig.value("nvml_gpu_throttle_seconds_total", **labels, reason="sw_thermal_slowdown") >= 5
+    clocks = [s for s in rig.series("nvml_gpu_clock_hertz") if s["clock"] == "sm"]
+    assert clocks, "no SM clock served"
+    assert rig.value("nvml_gpu_clock_hertz", **labels, clock="sm") == 1200e6
+    assert rig.value("nvml_gpu_clock_hertz", gpu="0", uuid=rig.lib._uuids[0], clock="sm") == 1980e6
+    assert rig.value("nvml_gpu_throttle_active", gpu="0", uuid=rig.lib._uuids[0], reason="sw_thermal_slowdown") == 0
+
+
+def test_co_tenant_adds_a_foreign_process_and_its_memory():
+    rig = Rig(["co-tenant"], 1, pid=1000)
+    rig.step()
+    before = rig.value("nvml_gpu_memory_used_bytes", gpu="0", uuid=rig.lib._uuids[0])
+    assert {s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")} == {"1000"}
+    for _ in range(int(FAULT_AFTER) + 5):
+        rig.step()
+    assert {s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")} == {"1000", str(CO_TENANT_PID)}
+    assert rig.value("nvml_gpu_memory_used_bytes", gpu="0", uuid=rig.lib._uuids[0]) == before + CO_TENANT_BYTES
+
+
+def test_xid_scenario_sends_one_xid_79_after_the_healthy_start():
+    clock = FakeClock()
+    lib = SimulatedNVML(["xid", "healthy"], 2, clock=clock)
+    lib.nvmlInit()
+    events = lib.nvmlEventSetCreate()
+    for gpu in range(2):
+        lib.nvmlDeviceRegisterEvents(lib.nvmlDeviceGetHandleByIndex(gpu), lib.nvmlEventTypeXidCriticalError, events)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        lib.nvmlEventSetWait(events, 0)
+    clock.advance(FAULT_AFTER)
+    event = lib.nvmlEventSetWait(events, 0)
+    assert event.eventData == 79 and lib._gpu_of(event.device) == 0
+    with pytest.raises(pynvml.NVMLError_Timeout):  # once, not a storm
+        lib.nvmlEventSetWait(events, 0)
+    lib.nvmlShutdown()
+
+
+def test_unknown_scenario_names_the_new_ones():
+    with pytest.raises(ValueError, match="thermal-throttle, xid, co-tenant"):
+        SimulatedNVML("overheat", 1)
