@@ -5,8 +5,9 @@ real rules, naming the spike's step.
 The run trains for real and pushes to a real Pushgateway; what the Pushgateway serves after each
 push is what a scrape would see. The rules need 2 min of history before the spike, so the scrapes
 are replayed to promtool 15 s apart (the default scrape interval): time is compressed, nothing else.
-The spike and the Inf are ~5 ms apart and pushes 250 ms: they share a push (the case that used to
-stay silent) but for the rare run where a push falls between them.
+The spike and the Inf are ~10 ms apart and pushes 250 ms: they share a push (the case that used to
+stay silent) but for the rare run where a push falls between them. Steps last at least 8 ms (the
+demo sleeps out the rest), so 600 of them span at least 19 pushes on any machine, however idle.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_the_demo_explosion_fires_and_names_the_spike_step(tmp_path: Path, start
     record = tmp_path / "explode.jsonl"
     demo_training.train(demo_training.parse_args([
         "--pushgateway", pushgateway.url, "--run", "explode", "--learning-rate", "3e-2",
-        "--explode-at", str(EXPLODE_AT), "--steps", str(EXPLODE_AT + 150), "--step-time", "0.004",
+        "--explode-at", str(EXPLODE_AT), "--steps", str(EXPLODE_AT + 150), "--step-time", "0.008",
         "--push-interval", "0.25", "--record-path", str(record)]))
 
     steps = [json.loads(line) for line in record.read_text().splitlines()[1:-1]]
