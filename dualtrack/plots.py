@@ -25,9 +25,18 @@ class GpuLine:
 
 
 def build_figure(summaries: list[RunSummary], gpu_lines: list[GpuLine]) -> Any:
-    """A matplotlib Figure: one panel per series that has data, shared step axis."""
+    """A matplotlib Figure: one panel per series that has data, shared step axis.
+
+    Every text is drawn as written: "$" in a run name or a batch id from a record is not mathtext.
+    """
     import matplotlib
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _figure(summaries, gpu_lines)
+
+
+def _figure(summaries: list[RunSummary], gpu_lines: list[GpuLine]) -> Any:
+    import matplotlib
     from matplotlib.figure import Figure
     panels = [name for name in RECORD_PANELS if any(len(s.series[name]) for s in summaries)]
     panels += [name for name in ("gpu_utilization", "gpu_memory", "gpu_power")

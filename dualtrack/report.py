@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
     """Paths as given; other arguments are run ids, matched on the start line of records in `records_dir`."""
-    import json
-    from .records import InputError
+    from .records import InputError, first_line
     paths: list[Path] = []
     for item in inputs:
         path = Path(item)
@@ -95,12 +94,8 @@ def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
             continue
         matches = []
         for candidate in sorted(records_dir.glob("*.jsonl")) if records_dir.is_dir() else []:
-            try:
-                with open(candidate, "rb") as handle:
-                    first = json.loads(handle.readline() or b"{}")
-            except (OSError, ValueError):
-                continue
-            if isinstance(first, dict) and str(first.get("run")) == item:
+            first = first_line(candidate)
+            if first is not None and str(first.get("run")) == item:
                 matches.append(candidate)
         if not matches:
             raise InputError(f"{item}: neither a record file nor a run id with a record in {records_dir}")
