@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
+from .cli import one_line
+
 #: The newest record format this reader knows (trainer_hook.record.FORMAT_VERSION).
 KNOWN_FORMAT = 2
 _ROTATED = re.compile(r"^(?P<stem>.+)\.(?P<n>\d+)\.jsonl$")
@@ -93,7 +95,7 @@ class Problems:
 
     def add(self, kind: str, where: str) -> None:
         self.counts[kind] += 1
-        self.first.setdefault(kind, where)
+        self.first.setdefault(kind, one_line(where))
 
     def summary(self) -> str:
         """'2 corrupt lines (first at a.jsonl:17), 1 truncated last line (...)' or ''."""

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             prometheus_note = f"{args.prometheus}: {exc}"
             print(f"dualtrack report: warning: {prometheus_note}; the report has the record only",
                   file=sys.stderr)
-    from .plots import build_figure, svg_text
+    from .plots import build_figure, save_png, svg_text
     figure = build_figure(summaries, gpu_lines)
     page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader)
     try:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         written = [str(args.out)]
         if args.png:
             png = args.out.with_suffix(".png")
-            figure.savefig(png, dpi=110)
+            save_png(figure, png)
             written.append(str(png))
     except OSError as exc:
         return fail("report", f"{exc.filename}: {exc.strerror}")

@@ -85,9 +85,10 @@ def _stale(path: Path) -> bool:
         return False
     if recorded.get("boot") and here["boot"] and recorded["boot"] != here["boot"]:
         return True
-    if here["started"] is None:
+    started = recorded.get("started")
+    if here["started"] is None or type(started) is not int:
         return not _running(recorded["pid"])
-    return recorded.get("started") != here["started"]
+    return started != here["started"]
 
 
 def _running(pid: int) -> bool:
