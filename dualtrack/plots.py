@@ -108,14 +108,24 @@ def _time_axis(axis: Any, summary: RunSummary) -> None:
     span = times[-1] - summary.first_time
     unit, seconds = ("seconds", 1.0) if span < 120 else ("minutes", 60.0) if span < 3 * 3600 else ("hours", 3600.0)
     elapsed = (times_array - summary.first_time) / seconds
-    # Extended linearly far past both ends: the mapping stays strictly increasing over any x range
-    # (clamping would give a zero-width top axis where the panels' steps lie outside the clock).
-    far, rate = 1e18, (elapsed[-1] - elapsed[0]) / (steps_array[-1] - steps_array[0])
-    steps_array = numpy.concatenate(([steps_array[0] - far], steps_array, [steps_array[-1] + far]))
-    elapsed = numpy.concatenate(([elapsed[0] - far * rate], elapsed, [elapsed[-1] + far * rate]))
-    top = axis.secondary_xaxis("top", functions=(lambda s: numpy.interp(s, steps_array, elapsed),
-                                                 lambda t: numpy.interp(t, elapsed, steps_array)))
+    top = axis.secondary_xaxis("top", functions=(_extrapolating(steps_array, elapsed),
+                                                 _extrapolating(elapsed, steps_array)))
     top.set_xlabel(f"{unit} since the first step of {_text(summary.run.name)}", fontsize=8)
+
+
+def _extrapolating(xs: Any, ys: Any) -> Any:
+    """Piecewise-linear x -> y through the points (xs, ys strictly increasing), continued linearly
+    past both ends: strictly increasing over any x range (clamping would give a zero-width top axis
+    where the panels' steps lie outside the clock)."""
+    import numpy
+    low = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    high = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+
+    def mapped(x: Any) -> Any:
+        x = numpy.asarray(x, dtype=float)
+        return numpy.where(x < xs[0], ys[0] + (x - xs[0]) * low,
+                           numpy.where(x > xs[-1], ys[-1] + (x - xs[-1]) * high, numpy.interp(x, xs, ys)))
+    return mapped
 
 
 def svg_text(figure: Any) -> str:
