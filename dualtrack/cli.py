@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from typing import Sequence
 
@@ -23,9 +24,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters (newlines from a file or run name) written as escapes."""
+    return _CONTROL.sub(lambda found: repr(found[0])[1:-1], text)
+
+
 def fail(command: str, message: str, code: int = 1) -> int:
     """Print one error line for `dualtrack COMMAND` on stderr; return the exit code."""
-    print(f"dualtrack {command}: error: {message}", file=sys.stderr)
+    print(f"dualtrack {command}: error: {one_line(message)}", file=sys.stderr)
     return code
 
 

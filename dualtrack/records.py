@@ -4,18 +4,30 @@ Shared by `dualtrack replay` and `dualtrack report`. Accepts format 1 (lines wit
 and format 2, rotated files (<stem>.<n>.jsonl before <stem>.jsonl), and counts what it skips:
 a truncated last line, corrupt lines, lines before any start line, runs mixed in one file, empty
 files. Nothing here keeps more than one line and the per-run identity in memory.
+
+Records come from anyone, so nothing in one is trusted: only regular files are read (a FIFO or a
+device named *.jsonl is skipped, never opened for blocking reads), a line is read at most
+MAX_LINE_BYTES at a time, JSON nested deeper than MAX_DEPTH is corrupt, lone surrogates become
+U+FFFD, and a line's time must be finite, not before its run's start and not in the future (each
+with CLOCK_SLACK_SECONDS of slack): a far-future time would make a TSDB block that expires every
+older one.
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
 import re
+import stat
 import sys
+import time as clock
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
+
+from .cli import one_line
 
 from trainer_hook.contract import FORMAT_VERSION, Dropped, metric_suffix
 
@@ -25,8 +37,21 @@ _ROTATED = re.compile(r"^(?P<stem>.+)\.(?P<n>\d+)\.jsonl$")
 #: Problem kinds whose plural is not the kind plus "s".
 _PLURALS = {"run mixed into another run's file": "runs mixed into another run's file",
             "step line before any start line": "step lines before any start line",
-            "end line before any start line": "end lines before any start line"}
+            "end line before any start line": "end lines before any start line",
+            "file that is not a regular file": "files that are not regular files",
+            "line timed before its run's start": "lines timed before their run's start"}
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "+inf": math.inf}
+#: A longer line is skipped (read and dropped a piece at a time, never held whole).
+MAX_LINE_BYTES = 4 << 20
+#: JSON nested deeper than this is a corrupt line (the hook writes depth 3).
+MAX_DEPTH = 64
+#: Step numbers beyond this are not exact in a float64 sample: a corrupt line.
+MAX_STEP = 2 ** 53
+#: How far a line's time may be before its run's start, or after the present (clock steps, skew).
+CLOCK_SLACK_SECONDS = 3600.0
+#: A lone surrogate can come escaped or as raw bytes (json.loads decodes with "surrogatepass").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InputError(Exception):
@@ -72,11 +97,11 @@ class Problems:
 
     def add(self, kind: str, where: str) -> None:
         self.counts[kind] += 1
-        self.first.setdefault(kind, where)
+        self.first.setdefault(kind, one_line(where))
 
     def summary(self) -> str:
         """'2 corrupt lines (first at a.jsonl:17), 1 truncated last line (...)' or ''."""
-        parts = [f"{count} {kind if count == 1 else _PLURALS.get(kind, kind + 's')} (first at {self.first[kind]})"
+        parts = [f"{count} {kind if count == 1 else _plural(kind)} (first at {self.first[kind]})"
                  for kind, count in sorted(self.counts.items())]
         if self.newer_format:
             parts.append(f"{self.newer_format} start line(s) of a format newer than {KNOWN_FORMAT} "
@@ -84,10 +109,19 @@ class Problems:
         return ", ".join(parts)
 
 
-def expand(paths: Iterable[str | Path]) -> list[Path]:
+def _plural(kind: str) -> str:
+    """'corrupt line' -> 'corrupt lines', 'line timed in the future' -> 'lines timed in the future'."""
+    if kind in _PLURALS:
+        return _PLURALS[kind]
+    return "lines" + kind[4:] if kind.startswith("line ") else kind + "s"
+
+
+def expand(paths: Iterable[str | Path], problems: Problems | None = None) -> list[Path]:
     """Files to read, in order: a directory gives its *.jsonl; rotated parts come oldest first.
 
-    Raises InputError for a path that does not exist or a directory without records.
+    A directory's entries that are not regular files (FIFOs, devices, folders) are counted in
+    `problems` and left out. Raises InputError for a path that does not exist, is neither a
+    directory nor a regular file, or a directory without records.
     """
     files: list[Path] = []
     for raw in paths:
@@ -96,9 +130,15 @@ def expand(paths: Iterable[str | Path]) -> list[Path]:
             found = sorted(path.glob("*.jsonl"))
             if not found:
                 raise InputError(f"{path}: directory holds no *.jsonl record")
-            files.extend(found)
+            for entry in found:
+                if entry.is_file():
+                    files.append(entry)
+                elif problems is not None:
+                    problems.add("file that is not a regular file", entry.name)
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise InputError(f"{path}: not a regular file")
         else:
             raise InputError(f"{path}: no such record file or directory")
     unique = list(dict.fromkeys(p.resolve() for p in files))
@@ -122,10 +162,53 @@ def exported_name(key: str) -> str | None:
 def number(value: Any) -> float | None:
     """A record number: int/float, or the strings "nan", "inf", "-inf"; None otherwise."""
     if type(value) in (float, int):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64
+            return None
     if isinstance(value, str):
         return _NONFINITE.get(value.lower())
     return None
+
+
+def open_record(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file (symlinks followed); never blocks on a FIFO.
+
+    Raises InputError for anything else (FIFO, device, directory, socket), OSError when unreadable.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of `handle`, each read at most MAX_LINE_BYTES at a time; None for a longer line."""
+    while True:
+        raw = handle.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = handle.readline(MAX_LINE_BYTES)
+        yield None
+
+
+def first_line(path: Path) -> dict[str, Any] | None:
+    """The parsed first line of a record, or None (not a regular file, unreadable, not an object)."""
+    try:
+        with open_record(path) as handle:
+            raw = next(lines(handle), None)
+    except (OSError, InputError):
+        return None
+    return _parse(raw) if raw else None
 
 
 class Reader:
@@ -137,8 +220,9 @@ class Reader:
     """
 
     def __init__(self, paths: Iterable[str | Path]) -> None:
-        self.files = expand(paths)
-        self.problems = Problems(files=len(self.files))
+        self.problems = Problems()
+        self.files = expand(paths, self.problems)
+        self.problems.files = len(self.files)
         self.runs: dict[tuple[str, str, str], Run] = {}
 
     def no_steps(self) -> str:
@@ -161,14 +245,20 @@ class Reader:
         current: Run | None = None
         seen_in_file: set[tuple[str, str, str]] = set()
         try:
-            handle = open(path, "rb")
+            handle = open_record(path)
+        except InputError:
+            self.problems.add("file that is not a regular file", path.name)
+            return
         except OSError as exc:
             self.problems.add("unreadable file", f"{path.name}: {exc.strerror}")
             return
         with handle:
             number_ = 0
-            for number_, raw in enumerate(handle, 1):
+            for number_, raw in enumerate(lines(handle), 1):
                 where = f"{path.name}:{number_}"
+                if raw is None:
+                    self.problems.add(f"line longer than {MAX_LINE_BYTES} bytes", where)
+                    continue
                 line = _parse(raw)
                 if line is None:
                     if raw.strip():
@@ -177,7 +267,7 @@ class Reader:
                     continue
                 event = line.get("event")
                 if event == "start":
-                    run = self._start(line, where)
+                    run = current = self._start(line, where)
                     if run is None:
                         continue
                     if seen_in_file and run.key not in seen_in_file:
@@ -190,17 +280,23 @@ class Reader:
                         self.problems.add("corrupt line", where)
                     elif current is None:
                         self.problems.add("step line before any start line", where)
+                    elif (bad := _bad_time(step["time"], current)) is not None:
+                        self.problems.add(bad, where)
                     else:
+                        step["time"] = float(step["time"])
                         current.steps += 1
                         yield current, step
                 elif event == "end":
                     if current is None:
                         self.problems.add("end line before any start line", where)
-                    elif isinstance(line.get("time"), (int, float)):
+                    elif type(line.get("time")) not in (int, float):
+                        self.problems.add("corrupt line", where)
+                    elif (bad := _bad_time(line["time"], current)) is not None:
+                        self.problems.add(bad, where)
+                    else:
+                        line["time"] = float(line["time"])
                         current.end = line
                         yield current, line
-                    else:
-                        self.problems.add("corrupt line", where)
             if number_ == 0:
                 self.problems.add("empty file", path.name)
 
@@ -217,28 +313,74 @@ class Reader:
         if known is not None:
             return known
         start_time = line.get("time")
+        usable = type(start_time) in (int, float) and _bad_time(start_time, None) is None
         made = Run(job=job, run=run, rank=rank, instance=str(line.get("instance", "")),
-                   start_time=float(start_time) if isinstance(start_time, (int, float)) else None,
+                   start_time=float(start_time) if usable else None,
                    format=version if isinstance(version, int) else 1, start=line)
         self.runs[made.key] = made
         return made
 
 
 def _parse(raw: bytes) -> dict[str, Any] | None:
+    """A JSON object line, or None (not JSON, too deep, not an object); lone surrogates -> U+FFFD."""
+    if (raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(raw) > MAX_DEPTH):
+        return None
     try:
         line = json.loads(raw)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, too many digits
         return None
-    return line if isinstance(line, dict) else None
+    if not isinstance(line, dict):
+        return None
+    return _mend(line) if _SURROGATE_ESCAPE.search(raw) else line
+
+
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of brackets in a JSON text, strings skipped."""
+    depth = deepest = 0
+    for token in re.finditer(rb'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', raw):
+        char = token[0][:1]
+        if char in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in b"]}":
+            depth -= 1
+    return deepest
+
+
+def _mend(value: Any) -> Any:
+    """`value` with every lone surrogate in its strings (keys included) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_mend(item) for item in value]
+    if isinstance(value, dict):
+        return {_mend(key): _mend(item) for key, item in value.items()}
+    return value
+
+
+def _bad_time(time: int | float, run: Run | None) -> str | None:
+    """Why a line's time cannot be used (a problem kind), or None when it is plausible.
+
+    Not before the run's start (when the start line gave one) nor after the present, each with
+    CLOCK_SLACK_SECONDS of slack, and never before 1970.
+    """
+    if isinstance(time, float) and not math.isfinite(time):
+        return "line with a non-finite time"
+    if time > clock.time() + CLOCK_SLACK_SECONDS:
+        return "line timed in the future"
+    start = run.start_time if run is not None and run.start_time is not None else CLOCK_SLACK_SECONDS
+    if time < start - CLOCK_SLACK_SECONDS:
+        return "line timed before its run's start"
+    return None
 
 
 def _step_line(line: dict[str, Any]) -> dict[str, Any] | None:
     """The line with its numbers checked, or None when step/time/values are unusable."""
     step, time = line.get("step"), line.get("time")
     values = line.get("values", {})
-    if type(step) is not int or type(time) not in (int, float) or not isinstance(values, dict):
+    if (type(step) is not int or not -MAX_STEP <= step <= MAX_STEP or type(time) not in (int, float)
+            or not isinstance(values, dict)):
         return None
-    line["time"] = float(time)
     line["values"] = values = {str(k): v for k, v in ((k, number(v)) for k, v in values.items()) if v is not None}
     # The step's non-finite keys as the live hook counts them: every NaN/Inf value, except on a step
     # the GradScaler skipped, where only the keys the hook listed count (an overflow is not a divergence).

@@ -4,23 +4,27 @@ The records are read one line at a time and written as OpenMetrics chunks of at 
 CHUNK_SAMPLES samples; `promtool tsdb create-blocks-from openmetrics` turns each chunk into blocks
 (the next chunk is written while promtool works on the previous one). Memory stays flat whatever
 the record's length, promtool's included (it loads its whole input file).
+
+Records are untrusted (dualtrack.records checks every line); the blocks are installed by
+dualtrack.manifest, which deletes nothing the replay did not make; the temporary folder is
+dualtrack.workspace's, removed on exit, on SIGINT/SIGTERM/SIGHUP, or by a later replay once stale.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import signal
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from .cli import fail
+from .manifest import Coverage, ManifestError, install
+from .records import InputError, Reader
+from .workspace import Interrupted, remove_stale, workspace
 
 HELP = "rebuild a run's Prometheus series (step resolution) from its local record, as TSDB blocks"
-#: In DIR: which replayed runs each block holds, so that a second replay replaces the first.
-MANIFEST = "dualtrack-replay.json"
 CHUNK_SAMPLES = 1_000_000
 PROMTOOL_MISSING = ("promtool not found: install it (Debian/Ubuntu: apt-get install prometheus; "
                     "elsewhere the prometheus-*.tar.gz from https://prometheus.io/download/ has it) "
@@ -43,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .records import InputError, Reader
     promtool = args.promtool or shutil.which("promtool")
     if promtool is None or not os.access(promtool, os.X_OK):
         return fail("replay", PROMTOOL_MISSING if args.promtool is None else f"--promtool {args.promtool}: not an executable")
@@ -51,48 +54,64 @@ def run(args: argparse.Namespace) -> int:
         reader = Reader(args.records)
     except InputError as exc:
         return fail("replay", str(exc), 2)
+    out: Path = args.out
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".dualtrack-replay-", dir=args.out) as work:
-            builder = BlockBuilder(Path(work), promtool)
-            samples = write_openmetrics(reader, builder)
+        out.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale(out)
+        with workspace(out) as work, BlockBuilder(work, promtool) as builder:
+            runs = write_openmetrics(reader, builder)
             builder.finish()
+            samples = sum(samples for _, samples in runs)
             if samples == 0:
                 return fail("replay", "nothing to replay: " + reader.no_steps())
-            blocks = install_blocks(builder.blocks_dir, args.out, [run.name for run in reader.runs.values()])
-    except ReplayError as exc:
+            blocks, replaced = install(builder.blocks_dir, out, [coverage for coverage, _ in runs])
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        return fail("replay", f"interrupted by {signal.Signals(signum).name}", 128 + signum)
+    except (ReplayError, ManifestError) as exc:
         return fail("replay", str(exc))
     except OSError as exc:
-        return fail("replay", f"{exc.filename or args.out}: {exc.strerror}")
-    steps = sum(run.steps for run in reader.runs.values())
-    print(f"replayed {len(reader.runs)} run(s) ({steps} steps, {samples} samples) from "
-          f"{len(reader.files)} file(s) into {args.out}: {blocks} block(s); series carry replayed=\"true\"")
+        return fail("replay", f"{exc.filename or out}: {exc.strerror}")
+    steps = sum(coverage.steps for coverage, _ in runs)
+    notes = [f"replaced {replaced} block(s) of an earlier replay"] if replaced else []
+    notes += [f"removed {stale} temporary folder(s) of killed replays"] if stale else []
+    print(f"replayed {len(runs)} run(s) ({steps} steps, {samples} samples) from "
+          f"{len(reader.files)} file(s) into {out}: {blocks} block(s)"
+          + "".join(f", {note}" for note in notes) + "; series carry replayed=\"true\"")
     reader.print_skipped("replay")
     return 0
 
 
-def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> int:
-    """Stream the reader's lines into the builder; returns the number of samples written."""
+def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> list[tuple[Coverage, int]]:
+    """Stream the reader's lines into the builder; (what was written, samples) for each run."""
     from .openmetrics import RunSeries
     series: dict[tuple[str, str, str], RunSeries] = {}
+    spans: dict[tuple[str, str, str], list] = {}  # key -> [steps, first time, last time]
     problems = getattr(reader, "problems", None)
     for run, line in reader:
         state = series.get(run.key)
         if state is None:
             state = series[run.key] = RunSeries(run)
+            spans[run.key] = [0, line["time"], line["time"]]
         if "event" in line:
             builder.write(state.end(line), 0)
         elif state.in_order(line):
             before = state.samples
             text = state.step(line)
             builder.write(text, state.samples - before)
+            span = spans[run.key]
+            span[1] = line["time"] if span[0] == 0 else min(span[1], line["time"])
+            span[0], span[2] = span[0] + 1, max(span[2], line["time"])
         elif problems is not None:
             problems.add("repeated or out-of-order step line", f"{run.name} step {line['step']}")
-    return sum(state.samples for state in series.values())
+    return [(Coverage(*key, *spans[key]), state.samples) for key, state in series.items()]
 
 
 class BlockBuilder:
-    """OpenMetrics text in chunks; promtool builds each chunk's blocks into `blocks_dir`."""
+    """OpenMetrics text in chunks; promtool builds each chunk's blocks into `blocks_dir`.
+
+    As a context manager it stops a promtool still running when the block is left early.
+    """
 
     def __init__(self, work: Path, promtool: str) -> None:
         self.work = work
@@ -132,8 +151,8 @@ class BlockBuilder:
         if self._running is None:
             return
         process, path = self._running
-        self._running = None
         _, stderr = process.communicate()
+        self._running = None  # only now: an interrupted wait leaves it for __exit__ to stop
         path.unlink(missing_ok=True)
         if process.returncode != 0:
             last = (stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -144,29 +163,16 @@ class BlockBuilder:
         self._close_chunk()
         self._wait()
 
+    def __enter__(self) -> "BlockBuilder":
+        return self
 
-def install_blocks(blocks_dir: Path, out: Path, runs: list[str]) -> int:
-    """Move the new blocks into `out`; delete earlier replays' blocks that held only these runs.
+    def __exit__(self, *exc_info: object) -> None:
+        if self._chunk is not None:
+            self._chunk.close()
+            self._chunk = None
+        if self._running is not None:
+            process, _ = self._running
+            self._running = None
+            process.kill()
+            process.communicate()
 
-    Returns the number of new blocks. The manifest in `out` maps block id -> replayed runs.
-    """
-    manifest_path = out / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        if not isinstance(manifest, dict):
-            manifest = {}
-    except (OSError, ValueError):
-        manifest = {}
-    replaced = set(runs)
-    for block, held in list(manifest.items()):
-        if isinstance(held, list) and set(held) <= replaced:
-            shutil.rmtree(out / block, ignore_errors=True)
-            del manifest[block]
-    new = sorted(p.name for p in blocks_dir.iterdir() if (p / "meta.json").is_file())
-    for block in new:
-        os.replace(blocks_dir / block, out / block)
-        manifest[block] = sorted(replaced)
-    temporary = manifest_path.with_name(MANIFEST + ".tmp")
-    temporary.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(temporary, manifest_path)
-    return len(new)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         except prometheus.QueryError as exc:
             prometheus_note = f"{client.url}: {exc}"
             warn(f"{prometheus_note}; the report has the record only")
-    from .plots import build_figure, svg_text
+    from .plots import build_figure, save_png, svg_text
     figure = build_figure(summaries, gpu_lines)
     page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained)
     try:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         written = [str(args.out)]
         if args.png:
             png = args.out.with_suffix(".png")
-            figure.savefig(png, dpi=110)
+            save_png(figure, png)
             written.append(str(png))
     except OSError as exc:
         return fail("report", f"{exc.filename}: {exc.strerror}")
@@ -91,8 +91,7 @@ def warn(message: str) -> None:
 
 def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
     """Paths as given; other arguments are run ids, matched on the start line of records in `records_dir`."""
-    import json
-    from .records import InputError
+    from .records import InputError, first_line
     paths: list[Path] = []
     for item in inputs:
         path = Path(item)
@@ -101,12 +100,8 @@ def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
             continue
         matches = []
         for candidate in sorted(records_dir.glob("*.jsonl")) if records_dir.is_dir() else []:
-            try:
-                with open(candidate, "rb") as handle:
-                    first = json.loads(handle.readline() or b"{}")
-            except (OSError, ValueError):
-                continue
-            if isinstance(first, dict) and str(first.get("run")) == item:
+            first = first_line(candidate)
+            if first is not None and str(first.get("run")) == item:
                 matches.append(candidate)
         if not matches:
             raise InputError(f"{item}: neither a record file nor a run id with a record in {records_dir}")

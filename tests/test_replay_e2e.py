@@ -49,8 +49,9 @@ def test_a_crashed_run_replays_at_step_resolution_and_reports(tmp_path: Path, st
     # Replayed twice: the second replay replaces the first one's blocks.
     for _ in range(2):
         assert main(["replay", str(record), "--out", str(data)]) == 0
-    manifest = json.loads((data / "dualtrack-replay.json").read_text())
-    assert len(manifest) == 1 and list(manifest.values()) == [[f"postmortem/{run}/rank0"]]
+    blocks = json.loads((data / "dualtrack-replay.json").read_text())["blocks"]
+    assert [[(r["job"], r["run"], r["rank"], r["steps"]) for r in entry["runs"]] for entry in blocks.values()] == [
+        [("postmortem", run, "0", CRASH_AFTER + 1)]]
     assert "replayed 1 run(s) (41 steps" in capsys.readouterr().out
 
     config = tmp_path / "prometheus.yml"
@@ -141,7 +142,7 @@ def test_a_record_split_into_many_chunks_loses_and_doubles_nothing(tmp_path: Pat
                                   "values": {"loss": float(n)}}) + "\n")
     data = tmp_path / "prometheus-data"
     assert main(["replay", str(record), "--out", str(data)]) == 0
-    assert len(json.loads((data / "dualtrack-replay.json").read_text())) >= 8
+    assert len(json.loads((data / "dualtrack-replay.json").read_text())["blocks"]) >= 8
     config = tmp_path / "prometheus.yml"
     config.write_text("global: {scrape_interval: 1h}\n")
     prometheus = start_service(processes.prometheus(tmp_path, config))

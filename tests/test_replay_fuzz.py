@@ -1,0 +1,184 @@
+"""Property-based: any record lines, any records folder, any leftovers in --out. `dualtrack replay`
+and `dualtrack report` (in-process, real promtool and matplotlib) exit with a code and at most one
+line on stderr, within a time bound, and touch nothing outside --out."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from dualtrack.cli import main
+from dualtrack.records import CLOCK_SLACK_SECONDS
+
+NOW = time.time()
+#: No example may take longer (a hang fails the test instead of stalling the suite).
+BOUND_SECONDS = 90
+#: Examples per run: few in the default suite; DUALTRACK_FUZZ_EXAMPLES=500 for a deep search.
+EXAMPLES = int(os.environ.get("DUALTRACK_FUZZ_EXAMPLES", "20"))
+
+hostile_text = st.one_of(st.text(max_size=12), st.sampled_from(
+    ["$x$", "$\\frac{", "a\ud800b", "\udfff", "team/a", "../..", "/etc", "", "\n\"\\", "\x00", "%s{}"]))
+numbers = st.one_of(
+    st.integers(), st.floats(), st.sampled_from([4102444800, 1e15, 1e300, -1e300, 10 ** 30, 10 ** 4000, -1, 0]),
+    st.sampled_from(["nan", "inf", "-inf", "1", None, True, [], {}]))
+times = st.one_of(st.floats(NOW - 900, NOW), st.floats(NOW - 900, NOW), numbers)
+scalars = st.one_of(numbers, hostile_text)
+start_lines = st.fixed_dictionaries(
+    {"event": st.just("start"), "job": hostile_text, "run": hostile_text, "rank": st.one_of(st.integers(0, 3), scalars),
+     "time": st.one_of(st.floats(NOW - 1000, NOW - 900), numbers)},
+    optional={"format": st.one_of(st.integers(), scalars), "instance": scalars, "continued": st.booleans(),
+              "config": st.one_of(st.dictionaries(hostile_text, scalars, max_size=3), scalars),
+              "world_size": scalars, "local_rank": scalars, "pid": scalars})
+step_lines = st.fixed_dictionaries(
+    {"time": times, "step": st.one_of(st.integers(0, 100), st.integers(), numbers)},
+    optional={"values": st.one_of(st.dictionaries(st.one_of(st.sampled_from(["loss", "grad_norm", "learning_rate"]),
+                                                           hostile_text), scalars, max_size=4), scalars),
+              "batch_id": scalars, "samples": scalars, "tokens": scalars, "duration_seconds": scalars,
+              "data_wait_seconds": scalars, "nonfinite": st.one_of(st.lists(hostile_text, max_size=2), scalars),
+              "skipped": st.one_of(st.just("overflow"), scalars), "loss_scale": scalars,
+              "cuda": st.one_of(st.dictionaries(st.sampled_from(["allocated", "reserved"]), scalars), scalars)})
+end_lines = st.fixed_dictionaries(
+    {"event": st.just("end"), "time": times},
+    optional={"state": st.one_of(st.sampled_from(["finished", "failed"]), scalars), "reason": scalars,
+              "message": scalars, "steps": scalars})
+raw_lines = st.one_of(
+    st.binary(max_size=40).map(lambda b: b.replace(b"\n", b" ")),
+    st.sampled_from([b"[" * 100_000, b"{" * 5000, b'{"a": "\\ud800"}', b"NaN", b"null", b"[]",
+                     b'{"time": NaN, "step": 1}', b'{"time": 1e999, "step": 1}', b"\xed\xa0\x80"]))
+lines = st.one_of(start_lines.map(json.dumps), step_lines.map(json.dumps), end_lines.map(json.dumps),
+                  raw_lines.map(lambda b: b.decode("latin-1")))
+#: Well-formed steps with hostile content, so that most examples get as far as promtool and matplotlib.
+good_steps = st.fixed_dictionaries(
+    {"time": st.floats(NOW - 900, NOW), "step": st.integers(0, 10 ** 6),
+     "values": st.dictionaries(st.one_of(st.sampled_from(["loss", "grad_norm", "learning_rate"]), hostile_text),
+                               scalars, max_size=4)},
+    optional={"batch_id": scalars, "duration_seconds": scalars, "data_wait_seconds": scalars,
+              "nonfinite": st.lists(hostile_text, max_size=2), "skipped": st.just("overflow")})
+record = st.tuples(start_lines, st.lists(st.one_of(good_steps, step_lines).map(json.dumps) | lines,
+                                         min_size=1, max_size=12)).map(
+    lambda parts: [json.dumps(parts[0])] + parts[1])
+folder_extras = st.sets(st.sampled_from(["fifo", "dev-zero", "directory", "dangling", "empty"]))
+out_extras = st.sets(st.sampled_from(["escaping-manifest", "legacy-manifest", "foreign-block", "garbage-manifest",
+                                      "temp-of-pid-1", "temp-garbage-owner", "temp-dead-owner"]))
+
+
+class Hang(BaseException):
+    """An example ran past BOUND_SECONDS."""
+
+
+@contextlib.contextmanager
+def bounded(seconds: float) -> Iterator[None]:
+    def hang(_signum: int, _frame: object) -> None:
+        raise Hang(f"ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def snapshot(root: Path, skip: Path) -> dict[str, tuple]:
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == skip.parent:
+            dirnames[:] = [d for d in dirnames if d != skip.name]
+        for name in [*dirnames, *filenames]:
+            info = os.lstat(os.path.join(dirpath, name))
+            found[os.path.join(dirpath, name)] = (info.st_mode, info.st_size, info.st_mtime_ns, info.st_ino)
+    return found
+
+
+def make_folder(root: Path, records: list[list[str]], extras: set[str]) -> Path:
+    folder = root / "records"
+    folder.mkdir()
+    for number, lines_ in enumerate(records):
+        (folder / f"r{number}.jsonl").write_text("\n".join(lines_) + "\n", encoding="utf-8", errors="surrogatepass")
+    if "fifo" in extras:
+        os.mkfifo(folder / "pipe.jsonl")
+    if "dev-zero" in extras:
+        (folder / "zero.jsonl").symlink_to("/dev/zero")
+    if "directory" in extras:
+        (folder / "dir.jsonl").mkdir()
+    if "dangling" in extras:
+        (folder / "gone.jsonl").symlink_to(root / "nowhere")
+    if "empty" in extras:
+        (folder / "empty.jsonl").write_text("")
+    return folder
+
+
+def make_out(root: Path, extras: set[str]) -> Path:
+    out = root / "out"
+    out.mkdir()
+    victim = root / "victim"
+    (victim / "01ARZ3NDEKTSV4RRFFQ69G5FAV").mkdir(parents=True)
+    (victim / "01ARZ3NDEKTSV4RRFFQ69G5FAV" / "meta.json").write_text("{}")
+    foreign = out / "01BX5ZZKBKACTAV9WEVGEMMVRZ"
+    if "foreign-block" in extras:
+        foreign.mkdir()
+        (foreign / "meta.json").write_text("{}")
+    names = ["../victim", str(victim), "..", foreign.name, "../victim/01ARZ3NDEKTSV4RRFFQ69G5FAV"]
+    if "escaping-manifest" in extras:
+        entry = {"meta_sha256": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a", "runs": []}
+        (out / "dualtrack-replay.json").write_text(json.dumps({"format": 2, "blocks": {n: entry for n in names}}))
+    elif "legacy-manifest" in extras:
+        (out / "dualtrack-replay.json").write_text(json.dumps({n: [] for n in names}))
+    elif "garbage-manifest" in extras:
+        (out / "dualtrack-replay.json").write_text("[" * 100_000)
+    for kind, owner in (("temp-of-pid-1", {"pid": 1, "host": os.uname().nodename}),
+                        ("temp-garbage-owner", "[[[["), ("temp-dead-owner", {"pid": -5})):
+        if kind in extras:
+            (out / f".dualtrack-replay-{kind}").mkdir()
+            (out / f".dualtrack-replay-{kind}" / "dualtrack-replay-owner.json").write_text(json.dumps(owner))
+    return out
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(records=st.lists(record, min_size=1, max_size=3), folder=folder_extras, leftovers=out_extras)
+# Found by this test: steps without values, so the top time axis spanned none of the clock.
+@example(records=[[json.dumps({"event": "start", "job": "", "run": "", "rank": 0, "time": NOW - 200}),
+                   json.dumps({"time": NOW - 100, "step": 1}), json.dumps({"time": NOW - 99, "step": 2})]],
+         folder=set(), leftovers=set())
+def test_replay_and_report_never_crash_hang_or_touch_anything_outside_out(records, folder, leftovers) -> None:
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as temporary:
+        root = Path(temporary)
+        source = make_folder(root, records, folder)
+        out = make_out(root, leftovers)
+        before = snapshot(root, out)
+        with bounded(BOUND_SECONDS), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning printed on stderr is a second line
+            code, err = run_cli(["replay", str(source), "--out", str(out)])
+            assert code in (0, 1, 2) and err.count("\n") <= 1, err
+            assert err == "" or err.startswith("dualtrack replay: "), err
+            if code == 0:
+                for meta in out.glob("*/meta.json"):
+                    if meta.parent.name != "01BX5ZZKBKACTAV9WEVGEMMVRZ":
+                        assert json.loads(meta.read_text())["maxTime"] <= (time.time() + CLOCK_SLACK_SECONDS) * 1000
+            code, err = run_cli(["report", str(source), "--out", str(out / "report.html"), "--png"])
+            assert code in (0, 1, 2) and err.count("\n") <= 1, err
+            assert err == "" or err.startswith("dualtrack report: "), err
+        assert snapshot(root, out) == before
+        if "foreign-block" in leftovers:
+            assert (out / "01BX5ZZKBKACTAV9WEVGEMMVRZ" / "meta.json").read_text() == "{}"
+        for kind in ("temp-of-pid-1", "temp-garbage-owner", "temp-dead-owner"):
+            assert (out / f".dualtrack-replay-{kind}").is_dir() == (kind in leftovers)
