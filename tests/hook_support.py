@@ -107,21 +107,26 @@ def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[
 
 
 @contextlib.contextmanager
-def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes = b"") -> Iterator[str]:
+def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes = b"", *,
+                 date: bool = True) -> Iterator[str]:
     """A local HTTP server standing in for a misbehaving Pushgateway; yields its URL.
 
     `respond(request)` runs for every push (it may block, e.g. to answer slowly) and returns the
-    status code to answer with; GET requests are answered with `body`.
+    status code to answer with; GET requests are answered with `body`. `date=False` leaves out the
+    `Date` header (as a proxy that drops it).
     """
     class Handler(BaseHTTPRequestHandler):
+        def status(self, code: int) -> None:
+            (self.send_response if date else self.send_response_only)(code)
+
         def do_PUT(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(respond(self))
+            self.status(respond(self))
             self.send_header("Content-Length", "0")
             self.end_headers()
 
         def do_GET(self) -> None:  # noqa: N802
-            self.send_response(respond(self))
+            self.status(respond(self))
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

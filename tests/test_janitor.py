@@ -6,9 +6,7 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -104,24 +102,9 @@ def test_without_a_date_header_the_newest_push_is_the_pushgateways_now(caplog):
                 "push_time_seconds": {"metrics": [{"value": str(pushed)}]}}
     listing = json.dumps({"status": "success", "data": [group("old", 1000.0), group("new", 1000.0 + 700)]}).encode()
 
-    class NoDate(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response_only(200)
-            self.send_header("Content-Length", str(len(listing)))
-            self.end_headers()
-            self.wfile.write(listing)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), NoDate)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        caplog.set_level(logging.INFO, logger="dualtrack.janitor")
-        assert janitor(f"http://127.0.0.1:{server.server_port}", "--finished-retention=10m", "--dry-run") == 0
-    finally:
-        server.shutdown()
-        server.server_close()
+    caplog.set_level(logging.INFO, logger="dualtrack.janitor")
+    with http_gateway(lambda request: 200, listing, date=False) as url:
+        assert janitor(url, "--finished-retention=10m", "--dry-run") == 0
     assert "would delete job=j rank=0 run=old (finished, last push 700s ago)" in caplog.text
     assert "run=new" not in caplog.text
 
