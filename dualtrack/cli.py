@@ -5,7 +5,7 @@ import argparse
 import importlib
 import re
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.
@@ -36,6 +36,13 @@ def fail(command: str, message: str, code: int = 1) -> int:
     """Print one error line for `dualtrack COMMAND` on stderr; return the exit code."""
     print(f"dualtrack {command}: error: {one_line(message)}", file=sys.stderr)
     return code
+
+
+def warner(command: str) -> Callable[[str], None]:
+    """A function that prints one warning line for `dualtrack COMMAND` on stderr."""
+    def warn(message: str) -> None:
+        print(f"dualtrack {command}: warning: {one_line(message)}", file=sys.stderr)
+    return warn
 
 
 def build_parser() -> OneLineParser:

@@ -12,17 +12,17 @@ import json
 import math
 import re
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from . import prometheus
-from .cli import fail
+from .cli import fail, warner
 from .summary import utc
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
+warn = warner("explain")
 #: Evidence is looked for in this window before an event (seconds).
 WINDOW = 600.0
 #: At most this many points per series in a range query over the whole run.
@@ -132,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
         return fail("explain", f"{client.url}: {exc}")
     print(json.dumps(found.to_json(), indent=1) if args.json else render_text(found))
     return 0
-
-
-def warn(message: str) -> None:
-    print(f"dualtrack explain: warning: {message}", file=sys.stderr)
 
 
 def parse_time(text: str, now: float, flag: str) -> float:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import argparse
 import html
 import importlib.util
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import prometheus
-from .cli import fail
+from .cli import fail, warner
 from .summary import utc
 
 HELP = "write a self-contained HTML post-mortem (record + optional Prometheus) of one run or several"
+warn = warner("report")
 GPU_QUERIES = {"gpu_utilization": "nvml_gpu_utilization_ratio", "gpu_memory": "nvml_gpu_memory_used_bytes",
                "gpu_power": "nvml_gpu_power_usage_watts"}
 MAX_QUERY_POINTS = 1000
@@ -82,11 +82,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {' and '.join(written)} ({len(page) // 1024} KiB): {len(summaries)} run(s)")
     reader.print_skipped("report")
     return 0
-
-
-def warn(message: str) -> None:
-    """One warning line on stderr."""
-    print(f"dualtrack report: warning: {message}", file=sys.stderr)
 
 
 def resolve_inputs(inputs: list[str], records_dir: Path) -> list[Path]:
