@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 
 from .cli import one_line
 
-from trainer_hook.contract import FORMAT_VERSION, Dropped, metric_suffix
+from trainer_hook.contract import FORMAT_VERSION, Dropped, is_overflow, metric_suffix
 
 #: The newest record format this reader knows: the one the hook of this version writes.
 KNOWN_FORMAT = FORMAT_VERSION
@@ -382,10 +382,8 @@ def _step_line(line: dict[str, Any]) -> dict[str, Any] | None:
             or not isinstance(values, dict)):
         return None
     line["values"] = values = {str(k): v for k, v in ((k, number(v)) for k, v in values.items()) if v is not None}
-    # The step's non-finite keys as the live hook counts them: every NaN/Inf value, except on a step
-    # the GradScaler skipped, where only the keys the hook listed count (an overflow is not a divergence).
-    listed = line.get("nonfinite")
-    listed = {str(k) for k in listed} if isinstance(listed, list) else set()
-    skipped = bool(line.get("skipped"))
-    line["nonfinite"] = [k for k, v in values.items() if not math.isfinite(v) and (not skipped or k in listed)]
+    # The step's non-finite keys, by the live hook's own rule (trainer_hook.contract).
+    skipped = line.get("skipped")
+    line["nonfinite"] = [k for k, v in values.items() if not math.isfinite(v)
+                         and (suffix := exported_name(k)) is not None and not is_overflow(suffix, skipped)]
     return line

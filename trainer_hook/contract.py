@@ -33,6 +33,14 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 WINDOW_MAX_KEYS = ("loss", "grad_norm")
 #: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.
 OVERFLOW_KEYS = ("grad_norm",)
+
+
+def is_overflow(suffix: str, skipped: object) -> bool:
+    """A non-finite `suffix` on a step the GradScaler skipped is the overflow itself, not a fault:
+    it neither counts as non-finite nor makes the step non-finite."""
+    return bool(skipped) and suffix in OVERFLOW_KEYS
+
+
 #: training_skipped_steps_total{reason}, and the record's "skipped" field.
 SKIP_REASON = "overflow"
 #: training_dropped_values_total{reason}: why a logged value was not kept.
@@ -240,7 +248,7 @@ class Accumulator:
                 state.value_counts[suffix] = state.value_counts.get(suffix, 0) + 1
                 if suffix in WINDOW_MAX_KEYS:
                     raise_max(self.window, suffix, value, step)
-            elif skipped and suffix in OVERFLOW_KEYS:
+            elif is_overflow(suffix, skipped):
                 continue  # the GradScaler skipped this step: an overflow, not a divergence
             else:
                 nonfinite.append(key)
