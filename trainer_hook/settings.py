@@ -1,6 +1,7 @@
 """Constructor arguments and environment resolved into validated settings."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -8,7 +9,7 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -56,8 +57,8 @@ class Settings:
     listen_address: str
     record_path: Path | None
     gpu_uuids: tuple[str, ...]
-    basic_auth: tuple[str, str] | None = field(repr=False)  # secrets never in repr()
-    bearer_token: str | None = field(repr=False)
+    basic_auth: tuple[str, str] | None = dataclasses.field(repr=False)  # secrets never in repr()
+    bearer_token: str | None = dataclasses.field(repr=False)
     ca_file: str | None
     tls_verify: bool
     client_cert: tuple[str, str] | None
