@@ -3,9 +3,14 @@
 Each step line is folded into the exported state by the live hook's own aggregation
 (trainer_hook.contract.Accumulator) and becomes the samples a scrape of the Pushgateway would have
 shown right after that step, stamped with the step's own time: per-step series (training_step, the
-logged values, the counters) at every step; slowly changing ones (state, info, start time, histogram, non-finite
+counters) at every step; a logged key's series (training_<key>, its sum, count and non-finite count)
+at the steps that log it; slowly changing ones (state, info, start time, histogram, non-finite
 markers) when they change and at least every REFRESH_SECONDS of record time, so that PromQL's
 5-minute lookback always finds them. Every series carries REPLAY_LABEL.
+
+So a step's samples are a fixed number plus a few per key the step line holds: the output grows
+linearly with the record (the labels are at most MAX_LABEL_LENGTH characters each, the config labels
+at most MAX_CONFIG_LABELS: trainer_hook.contract), never with steps times keys.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import math
 from typing import Any
 
 from trainer_hook.contract import (PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS, Accumulator, label_name,
-                                   label_value, per_key)
+                                   label_value)
 
 from .records import Run, exported_name, number
 
@@ -113,9 +118,13 @@ class RunSeries:
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
             out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
-        for name, total, count, _ in per_key(state):
-            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} {fmt(total)}{ts}')
-            out.append(f'training_logged_value_count{{{labels},key="{name}"}} {count}{ts}')
+        for name in folded.gauges:  # the keys this step logged: the others did not change
+            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} '
+                       f'{fmt(state.value_sums.get(name, 0.0))}{ts}')
+            out.append(f'training_logged_value_count{{{labels},key="{name}"}} '
+                       f'{state.value_counts.get(name, 0)}{ts}')
+            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} '
+                       f'{state.nonfinite_values.get(name, 0)}{ts}')
         out.append(f"training_nonfinite_steps_total{{{labels}}} {state.nonfinite_steps_total}{ts}")
         if state.skipped_steps_total:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '
@@ -160,8 +169,6 @@ class RunSeries:
         for name in ("first_nonfinite_step", "first_nonfinite_batch_id", "last_nonfinite_step",
                      "last_nonfinite_batch_id"):
             out.append(f"training_{name}{{{labels}}} {fmt(getattr(state, name))}{ts}")
-        for name, _, _, bad in per_key(state):
-            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
         if not state.skipped_steps_total:  # once it counts, it is written at every step
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} 0{ts}')
         buckets = self._run.cumulative_buckets()
