@@ -27,6 +27,10 @@ REPLAY_LABEL = "replayed"
 REPLAY_VALUE = "true"
 #: Slow series are repeated at least this often (record time): a default scrape interval.
 REFRESH_SECONDS = 15.0
+#: ... as long as the run's record bytes read since pay for them: at most this many bytes of slow
+#: series per record byte (a hook-written step line pays for a refresh many times over; a crafted
+#: record of tiny lines 15 s apart gets its slow series less often, never more output).
+SLOW_BYTES_PER_RECORD_BYTE = 64
 _BOUNDS = [repr(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 
@@ -67,6 +71,13 @@ class RunSeries:
         self._run = Accumulator()
         self._data_wait: float | None = None
         self._refreshed = -math.inf
+        self._credit = 0  # record bytes of this run not yet spent on slow series
+        self._slow_bytes = 0  # size of the latest refresh: the price of the next one
+        self._ended = False  # an end line was written (the first one's refresh is free)
+
+    def read(self, size: int) -> None:
+        """`size` more bytes of this run's record were read (they pay for its slow series)."""
+        self._credit += size
 
     def _stamp(self, time: float) -> str:
         """' <seconds>\\n' for a sample at `time`, at least 1 ms after the previous one.
@@ -138,8 +149,10 @@ class RunSeries:
                 if value is not None:
                     out.append(f"training_cuda_memory_{name}_bytes{{{labels}}} {fmt(value)}{ts}")
         if folded.nonfinite or line["time"] - self._refreshed >= REFRESH_SECONDS:
-            self._refreshed = line["time"]
-            out.extend(self._slow("running", ts))
+            slow = self._refresh("running", ts)
+            if slow:
+                self._refreshed = line["time"]
+                out.extend(slow)
         self.samples += len(out)
         return "".join(out)
 
@@ -147,17 +160,31 @@ class RunSeries:
         """The samples of the end line: the final state, and everything slow once more."""
         state = line.get("state") if line.get("state") in RUN_STATES else "failed"
         ts = self._stamp(float(line["time"]))
-        out = self._slow(state, ts)
+        out = self._refresh(state, ts, paid=not self._ended) or self._states(state, ts)
+        self._ended = True
         if state == "failed" and isinstance(line.get("reason"), str) and line["reason"]:
             # What the live hook pushes: the class of the exception that ended the run.
             out.append(f'training_run_failure_info{{{self.labels},reason="{escape(line["reason"])}"}} 1{ts}')
         self.samples += len(out)
         return "".join(out)
 
+    def _refresh(self, run_state: str, ts: str, paid: bool = False) -> list[str]:
+        """The slow series, if the bytes read pay for them (SLOW_BYTES_PER_RECORD_BYTE) or they are
+        `paid` for already (the run's first end line); else []."""
+        if not paid and self._credit * SLOW_BYTES_PER_RECORD_BYTE < self._slow_bytes:
+            return []
+        out = self._slow(run_state, ts)
+        self._slow_bytes = sum(map(len, out))
+        self._credit = max(0, self._credit - self._slow_bytes // SLOW_BYTES_PER_RECORD_BYTE)
+        return out
+
+    def _states(self, run_state: str, ts: str) -> list[str]:
+        return [f"training_run_state{{{self.labels},state=\"{name}\"}} {int(name == run_state)}{ts}"
+                for name in RUN_STATES]
+
     def _slow(self, run_state: str, ts: str) -> list[str]:
         labels, start, state = self.labels, self.run.start, self._run.state
-        out = [f"training_run_state{{{labels},state=\"{name}\"}} {int(name == run_state)}{ts}"
-               for name in RUN_STATES]
+        out = self._states(run_state, ts)
         out.append(f"training_run_info{{{self.info_labels}}} 1{ts}")
         if self.run.start_time is not None:
             out.append(f"training_start_timestamp_seconds{{{labels}}} {fmt(self.run.start_time)}{ts}")

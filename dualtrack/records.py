@@ -229,6 +229,7 @@ class Reader:
         self.files = expand(paths, self.problems)
         self.problems.files = len(self.files)
         self.runs: dict[tuple[str, str, str], Run] = {}
+        self.consumed = 0  # bytes of the records read so far, skipped lines included
 
     def no_steps(self) -> str:
         """Why there is nothing to show: '<files> hold no step line (<what was skipped>)'."""
@@ -260,6 +261,7 @@ class Reader:
         with handle:
             number_ = 0
             for number_, raw in enumerate(lines(handle), 1):
+                self.consumed += MAX_LINE_BYTES if raw is None else len(raw)
                 where = f"{path.name}:{number_}"
                 if raw is None:
                     self.problems.add(f"line longer than {MAX_LINE_BYTES} bytes", where)
