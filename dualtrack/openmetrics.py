@@ -74,6 +74,7 @@ class RunSeries:
         self._credit = 0  # record bytes of this run not yet spent on slow series
         self._slow_bytes = 0  # size of the latest refresh: the price of the next one
         self._ended = False  # an end line was written (the first one's refresh is free)
+        self._keys: set[str] = set()  # keys whose training_nonfinite_values_total was written
 
     def read(self, size: int) -> None:
         """`size` more bytes of this run's record were read (they pay for its slow series)."""
@@ -129,13 +130,15 @@ class RunSeries:
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
             out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
-        for name in folded.gauges:  # the keys this step logged: the others did not change
+        for name, value in folded.gauges.items():  # the keys this step logged: the others did not change
             out.append(f'training_logged_value_sum{{{labels},key="{name}"}} '
                        f'{fmt(state.value_sums.get(name, 0.0))}{ts}')
             out.append(f'training_logged_value_count{{{labels},key="{name}"}} '
                        f'{state.value_counts.get(name, 0)}{ts}')
-            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} '
-                       f'{state.nonfinite_values.get(name, 0)}{ts}')
+            if name not in self._keys or not math.isfinite(value):  # its first value, or one more
+                self._keys.add(name)
+                out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} '
+                           f'{state.nonfinite_values.get(name, 0)}{ts}')
         out.append(f"training_nonfinite_steps_total{{{labels}}} {state.nonfinite_steps_total}{ts}")
         if state.skipped_steps_total:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '

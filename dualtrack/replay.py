@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="promtool binary (default: promtool on PATH)")
     parser.add_argument("--max-output-bytes", type=_byte_count, default=MAX_OUTPUT_BYTES, metavar="N",
                         help=f"stop with an error once the OpenMetrics text for promtool would pass N bytes "
-                             f"(default {MAX_OUTPUT_BYTES}, 16 GiB: about 50 M steps of 20 keys)")
+                             f"(default {MAX_OUTPUT_BYTES}, 16 GiB: about 6 M steps logging 3 keys)")
 
 
 def _byte_count(text: str) -> int:
