@@ -76,6 +76,18 @@ def test_a_crafted_record_replays_to_output_linear_in_its_size_with_capped_label
     assert len(keys) == MAX_KEYS  # the keys past the cap are not exported
 
 
+def test_the_live_hook_applies_the_same_caps(tmp_path: Path) -> None:
+    """One rule: the hook cuts job and instance like run, drops over-long keys, exports MAX_KEYS keys."""
+    from tests.hook_support import pull_monitor, pulled, wait_pulled
+
+    with pull_monitor(tmp_path, "j" * 4000, instance="i" * 4000) as monitor:
+        assert len(monitor.settings.job) == len(monitor.settings.instance) == MAX_LABEL_LENGTH
+        monitor.log({f"k{n}": 1.0 for n in range(MAX_KEYS + 5)} | {"x" * 300: 1.0}, step=0)
+        wait_pulled(monitor, "training_dropped_values_total", lambda v: v == 5, reason="too_many_keys")
+        assert pulled(monitor, "training_dropped_values_total", reason="invalid_key") == 1
+        assert pulled(monitor, f"training_k{MAX_KEYS - 1}") == 1.0 and pulled(monitor, f"training_k{MAX_KEYS}") is None
+
+
 def test_the_output_bound_stops_a_replay_with_one_line_naming_it(tmp_path: Path, capsys) -> None:
     record = crafted(tmp_path / "crafted.jsonl", steps=200, keys=10)
     out = tmp_path / "out"
