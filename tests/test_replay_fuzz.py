@@ -182,3 +182,40 @@ def test_replay_and_report_never_crash_hang_or_touch_anything_outside_out(record
             assert (out / "01BX5ZZKBKACTAV9WEVGEMMVRZ" / "meta.json").read_text() == "{}"
         for kind in ("temp-of-pid-1", "temp-garbage-owner", "temp-dead-owner"):
             assert (out / f".dualtrack-replay-{kind}").is_dir() == (kind in leftovers)
+
+
+#: Output bytes per record byte no record passes (a step line dense with one-character keys, 256-character
+#: identity labels: ~500), plus the slow series of each run's first refresh and end, which are free.
+WORST_RATIO = 600
+long_text = st.one_of(hostile_text, st.text(min_size=200, max_size=600), st.just("x" * 5000))
+dense_steps = st.fixed_dictionaries(
+    {"time": st.floats(NOW - 900, NOW), "step": st.integers(0, 10 ** 6),
+     "values": st.dictionaries(st.one_of(st.text(max_size=3), st.text(min_size=250, max_size=300)),
+                               st.sampled_from([1.0, "nan", 0.5]), max_size=40)})
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(head=st.fixed_dictionaries({"event": st.just("start"), "job": long_text, "run": long_text,
+                                   "rank": long_text, "instance": long_text, "time": st.just(NOW - 1000),
+                                   "config": st.dictionaries(long_text, long_text, max_size=20)}),
+       steps=st.lists(dense_steps, min_size=1, max_size=60))
+def test_replay_output_is_linear_in_the_record_and_its_labels_capped(head, steps) -> None:
+    """In-process (no promtool): the OpenMetrics text of any record stays within WORST_RATIO bytes per
+    record byte (plus a run's free slow series), and no label value passes the hook's cap."""
+    from dualtrack.records import Reader
+    from dualtrack.replay import write_openmetrics
+    from tests.test_replay_amplification import _LABEL, Counter, unescaped
+    from trainer_hook.contract import MAX_LABEL_LENGTH
+
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as temporary:
+        path = Path(temporary) / "r.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in [head, *steps]), encoding="utf-8",
+                        errors="surrogatepass")
+        counter = Counter(keep=10 ** 6)
+        runs = write_openmetrics(Reader([path]), counter)
+        free = 2 * 40 * 8 * (MAX_LABEL_LENGTH + 16) + 2 * 256 * 2 * (MAX_LABEL_LENGTH + 8)  # slow series twice
+        assert counter.bytes <= WORST_RATIO * path.stat().st_size + len(runs) * free
+        for text in counter.kept:
+            for _, value in _LABEL.findall(text):
+                assert len(unescaped(value)) <= MAX_LABEL_LENGTH, value
