@@ -28,8 +28,8 @@ REPLAY_VALUE = "true"
 #: Slow series are repeated at least this often (record time): a default scrape interval.
 REFRESH_SECONDS = 15.0
 #: ... as long as the run's record bytes read since pay for them: at most this many bytes of slow
-#: series per record byte (a hook-written step line pays for a refresh many times over; a crafted
-#: record of tiny lines 15 s apart gets its slow series less often, never more output).
+#: series per record byte (a hook-written step line pays for a refresh by itself unless the config is
+#: huge; a crafted record of tiny lines 15 s apart gets its slow series less often, never more output).
 SLOW_BYTES_PER_RECORD_BYTE = 64
 _BOUNDS = [repr(b) for b in STEP_BUCKETS] + ["+Inf"]
 
