@@ -94,6 +94,127 @@ def test_watching_a_scaler_adds_no_device_sync_to_the_training_thread(tmp_path):
     assert syncs(True) == syncs(False) > 0  # only the scaler's own read of its inf check
 
 
+#: Optimizers as users pick them: unfused ones, which GradScaler does not call on an overflow, and
+#: fused ones (`_step_supports_amp_scaling`), which it always calls and which skip inside.
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
+    "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+    "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.01, fused=True),
+    "adagrad-fused": lambda params: torch.optim.Adagrad(params, lr=0.01, fused=True),
+}
+
+
+class ScaledRun:
+    """fp16 autocast on CPU with a GradScaler that starts far too high (it overflows, backs off,
+    grows every 3 steps and overflows again), stepping `optimizer`; `unscale` calls unscale_()
+    before the step, as loops that clip do."""
+
+    def __init__(self, optimizer: str, unscale: bool = False) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.optimizer = OPTIMIZERS[optimizer](self.model.parameters())
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=3)
+        self.unscale = unscale
+        self.x, self.y = torch.randn(32, 16), torch.randn(32, 1)
+
+    def step(self, inf_grad: bool = False) -> tuple[torch.Tensor, bool, float]:
+        """One step: (the loss, whether the scaler skipped it, the true unscaled grad norm);
+        `inf_grad` puts an inf into one gradient (an overflow at any scale)."""
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y)
+        self.optimizer.zero_grad()
+        self.scaler.scale(loss).backward()
+        if inf_grad:
+            self.model[0].weight.grad[0, 0] = float("inf")
+        scale = self.scaler.get_scale()
+        if self.unscale:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.model.parameters()]
+        norm = torch.nn.utils.get_total_norm(grads).item() / (1.0 if self.unscale else scale)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach(), self.scaler.get_scale() < scale, norm
+
+
+@pytest.mark.parametrize("optimizer, unscale", [(name, False) for name in OPTIMIZERS]
+                         + [("adamw-fused", True)],
+                         ids=[*OPTIMIZERS, "adamw-fused-unscale_"])
+def test_every_overflow_is_a_skipped_step_with_an_unscaled_grad_norm(tmp_path, optimizer, unscale):
+    """Fused optimizers are stepped even on an overflow and skip inside: still a skipped step, never
+    a non-finite one, and their grad norm is divided by the loss scale the step used."""
+    run, skipped, norms = ScaledRun(optimizer, unscale), [], []
+    with monitor(tmp_path) as m:
+        m.watch(run.model, run.optimizer, scaler=run.scaler)
+        for step in range(12):
+            loss, was_skipped, norm = run.step(inf_grad=step == 10)
+            skipped.append(was_skipped)
+            norms.append(norm)
+            m.log({"loss": loss}, step=step)
+        wait_pulled(m, "training_steps_total", lambda v: v == 12)
+        assert pulled(m, "training_skipped_steps_total", reason="overflow") == sum(skipped)
+        assert pulled(m, "training_nonfinite_steps_total") == 0
+        assert pulled(m, "training_nonfinite_values_total", key="grad_norm") == 0
+    assert 3 <= sum(skipped) < 12 and skipped[10]  # overflows at a high scale and from an inf
+    steps, _ = record_lines(tmp_path / "record.jsonl")
+    assert [x.get("skipped") == "overflow" for x in steps] == skipped
+    assert not [x for x in steps if "nonfinite" in x]
+    assert ([x["values"]["grad_norm"] for x, s in zip(steps, skipped) if not s]
+            == pytest.approx([n for n, s in zip(norms, skipped) if not s], rel=1e-5))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw-fused"])
+def test_watching_a_scaler_adds_no_device_sync_with_any_optimizer(tmp_path, optimizer):
+    def syncs(with_monitor: bool) -> int:
+        run, counter = ScaledRun(optimizer), SyncCounter()
+        with monitor(tmp_path, listen_port=None) as m:
+            if with_monitor:
+                m.watch(run.model, run.optimizer, scaler=run.scaler)
+            for step in range(6):
+                with counter:  # the scaler's own read of its inf check (unfused) only
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = torch.nn.functional.mse_loss(run.model(run.x).float(), run.y)
+                    run.optimizer.zero_grad()
+                    run.scaler.scale(loss).backward()
+                    run.scaler.step(run.optimizer)
+                    run.scaler.update()
+                    if with_monitor:
+                        m.log({"loss": loss.detach()}, step=step)
+        return counter.syncs
+
+    assert syncs(True) == syncs(False)
+
+
+class ScalerKwargSGD(torch.optim.SGD):
+    """An optimizer of the older contract: `_step_supports_amp_scaling` and a `grad_scaler` argument
+    (GradScaler hands it itself instead of `found_inf`; it decides alone whether to skip)."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        grad_scaler.unscale_(self)
+        return super().step(closure)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_an_optimizer_that_skips_without_telling_is_named_once(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = ScalerKwargSGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with monitor(tmp_path, listen_port=None) as m:
+        m.watch(model, optimizer, scaler=scaler)
+        for step in range(3):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            m.log({"loss": 1.0}, step=step)
+    assert caplog.text.count("ScalerKwargSGD skips overflowing steps inside its step without telling") == 1
+    assert len(record_lines(tmp_path / "record.jsonl")[0]) == 3
+
+
 class PlainSGD:
     """An optimizer that is not a torch.optim.Optimizer (like DeepSpeed's): param_groups and step()."""
 
