@@ -255,6 +255,7 @@ import logging, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.tensor import Shard, distribute_tensor
 from trainer_hook import TrainingMonitor
 logging.basicConfig()
@@ -270,11 +271,26 @@ with TrainingMonitor(job="sharded", run="r", pushgateway=False, record_path=reco
         optimizer.step()
         monitor.log({"loss": 1.0}, step=step)
     monitor.log({"loss": 1.0, "grad_norm": 7.0}, step=2)  # the framework's global norm, by hand
+for strategy in ("NO_SHARD", "FULL_SHARD"):  # FSDP1: each rank holds all of the first's gradients
+    for orig in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)),
+                     sharding_strategy=ShardingStrategy[strategy], use_orig_params=orig,
+                     device_id=torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with TrainingMonitor(job="fsdp", run=f"{strategy}-{orig}", pushgateway=False,
+                             record_path=record_dir) as monitor:
+            monitor.watch(model, optimizer)
+            model(torch.full((2, 4), rank + 1.0)).sum().backward()
+            local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            optimizer.step()
+            monitor.log({"loss": 1.0, "local_grad_norm": local}, step=0)
 dist.destroy_process_group()
 """
 
 
 def test_sharded_parameters_warn_once_instead_of_exporting_a_shards_norm(tmp_path):
+    """DTensor shards and FSDP1 shards warn and export no norm; FSDP1 NO_SHARD exports it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", SHARDED_SCRIPT, str(rank), port, str(tmp_path)],
@@ -282,7 +298,12 @@ def test_sharded_parameters_warn_once_instead_of_exporting_a_shards_norm(tmp_pat
     outputs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     for rank, stderr in enumerate(outputs):
-        assert stderr.count("not the total") == 1, stderr
+        assert stderr.count("not the total") == 3, stderr  # the DTensors, FULL_SHARD twice
         steps, _ = record_lines(tmp_path / f"sharded-r-rank{rank}.jsonl")
         assert [x["values"].get("grad_norm") for x in steps] == [None, None, 7.0]
         assert steps[0]["values"]["learning_rate"] == pytest.approx(0.1)
+        for orig in (False, True):  # NO_SHARD: whole gradients, so their norm is the total
+            (step,), _ = record_lines(tmp_path / f"fsdp-NO_SHARD-{orig}-rank{rank}.jsonl")
+            assert step["values"]["grad_norm"] == pytest.approx(step["values"]["local_grad_norm"], rel=1e-6)
+            (step,), _ = record_lines(tmp_path / f"fsdp-FULL_SHARD-{orig}-rank{rank}.jsonl")
+            assert "grad_norm" not in step["values"]
