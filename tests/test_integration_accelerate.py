@@ -104,8 +104,19 @@ def test_under_deepspeed_the_grad_norm_is_the_engines_global_one(tmp_path):
     assert [line["values"].get("grad_norm") for line in steps] == pytest.approx(engine.norms, rel=1e-6)
 
 
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one AcceleratorState per process, and an fp16 one cannot follow an fp32 one:
+    reset it around the test (as the Trainer does when it starts)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adamw-fused"])
-def test_fp16_overflows_are_skipped_steps_not_nonfinite_ones(tmp_path, fused):
+def test_fp16_overflows_are_skipped_steps_not_nonfinite_ones(tmp_path, fused, fresh_accelerator_state):
     """Accelerate's GradScaler skips the overflowing steps; a fused optimizer is stepped anyway and
     skips inside (where accelerate's own optimizer_step_was_skipped says False): the tracker counts
     every skip from the scaler's found_inf, and the inf grad norm of a skipped step is no fault."""
