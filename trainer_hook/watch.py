@@ -87,7 +87,8 @@ def _fsdp1_unsharded(model: Any) -> set[int]:
         handle = getattr(state, "_handle", None)
         if handle is not None and getattr(state, "sharding_strategy", None) is ShardingStrategy.NO_SHARD:
             flat = handle.flat_param
-            unsharded.update(map(id, (flat, *(flat._params or ()), *(flat._shared_params or ()))))
+            views = (*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ()))
+            unsharded.update(map(id, (flat, *views)))
     return unsharded
 
 
@@ -169,7 +170,7 @@ class ScalerWatch:
             result = original(optimizer, *args, **kwargs)
             if not self._stepped:
                 self.skipped += 1
-            elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            elif getattr(optimizer, "_step_supports_amp_scaling", False) and self._enabled():
                 self._count_inside(optimizer)
             return result
         return step
@@ -181,7 +182,7 @@ class ScalerWatch:
     def _count_inside(self, optimizer: Any) -> None:
         """Add the step the optimizer skipped inside if `found_inf` (as a 0/1 tensor, no read)."""
         if self._found_inf is None:  # an optimizer taking `grad_scaler=`: it decides alone
-            self._warn("scaler", f"watch(): {type(optimizer).__name__} skips overflowing steps "
+            self._warn("scaler-kwarg", f"watch(): {type(optimizer).__name__} skips overflowing steps "
                                  "inside its step without telling: skipped steps are not counted")
             return
         try:
@@ -189,12 +190,15 @@ class ScalerWatch:
             self._skipped_inside = (skipped if self._skipped_inside is None else
                                     self._skipped_inside + skipped.to(self._skipped_inside.device))
         except Exception as exc:  # noqa: BLE001 - never break the training step
-            self._warn("scaler", f"watch() could not count the step's overflow: {exc!r}")
+            self._warn("scaler-error", f"watch() could not count the step's overflow: {exc!r}")
 
     def remove(self) -> None:
         """Undo what watch() attached (the scaler's step wrapper, the step flags)."""
         for handle in self._handles:
             handle.remove()
+
+    def _enabled(self) -> bool:
+        return getattr(self.scaler, "is_enabled", lambda: True)()
 
     def take(self) -> tuple[Any, Any]:
         """(steps skipped since the previous call: an int, or a tensor where a fused optimizer
@@ -202,5 +206,4 @@ class ScalerWatch:
         skipped, self.skipped = self.skipped, 0
         if self._skipped_inside is not None:
             skipped, self._skipped_inside = self._skipped_inside + skipped, None
-        enabled = getattr(self.scaler, "is_enabled", lambda: True)()
-        return skipped, getattr(self.scaler, "_scale", None) if enabled else None
+        return skipped, getattr(self.scaler, "_scale", None) if self._enabled() else None
