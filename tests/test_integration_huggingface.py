@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
 from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import DeepSpeedEngine, SyncCounter, final_pushed, gpu_fp16_on_cpu  # noqa: E402
+from tests.integration_support import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+                                      gpu_fp16_on_cpu)
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1

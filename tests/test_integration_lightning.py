@@ -141,7 +141,8 @@ def test_fp16_overflows_are_skipped_steps_with_an_unscaled_grad_norm(tmp_path, f
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    callback = DualtrackCallback(job="pl-test", run="fp16", pushgateway=False, record_path=tmp_path / "r.jsonl")
+    callback = DualtrackCallback(job="pl-test", run="fp16", pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=2)
     model = ScaledRegression(fused)
     trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,

@@ -87,12 +87,13 @@ def _fsdp1_unsharded(model: Any) -> set[int]:
         handle = getattr(state, "_handle", None)
         if handle is not None and getattr(state, "sharding_strategy", None) is ShardingStrategy.NO_SHARD:
             flat = handle.flat_param
-            views = (*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ()))
-            unsharded.update(map(id, (flat, *views)))
+            views = [*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]
+            unsharded.update(map(id, [flat, *views]))
     return unsharded
 
 
-def whole_grad_norm(params: list[Any], optimizer: Any = None, model: Any = None) -> tuple[Any, str | None]:
+def whole_grad_norm(params: list[Any], optimizer: Any = None,
+                    model: Any = None) -> tuple[Any, str | None]:
     """(the total norm of `params`' gradients, None) when this process holds them whole; else
     (None, why): they are shards (see sharding()) or none is there (DeepSpeed ZeRO keeps them in its
     own partitions), where a norm would be a shard's or 0. Nothing is read from the device."""
@@ -127,11 +128,16 @@ def carried_scale(optimizer: Any, scaler: Any = None) -> Any:
     """
     if hasattr(optimizer, "grad_scale"):
         return optimizer.grad_scale
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+    if scaler is None or not enabled(scaler):
         return None
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     ready = state is None or getattr(state.get("stage"), "name", "READY") == "READY"
     return getattr(scaler, "_scale", None) if ready else None
+
+
+def enabled(scaler: Any) -> bool:
+    """The GradScaler scales (a disabled one, `enabled=False`, passes the step through)."""
+    return getattr(scaler, "is_enabled", lambda: True)()
 
 
 def unscaled(norm: Any, scale: Any) -> Any:
@@ -170,7 +176,7 @@ class ScalerWatch:
             result = original(optimizer, *args, **kwargs)
             if not self._stepped:
                 self.skipped += 1
-            elif getattr(optimizer, "_step_supports_amp_scaling", False) and self._enabled():
+            elif getattr(optimizer, "_step_supports_amp_scaling", False) and enabled(self.scaler):
                 self._count_inside(optimizer)
             return result
         return step
@@ -182,8 +188,8 @@ class ScalerWatch:
     def _count_inside(self, optimizer: Any) -> None:
         """Add the step the optimizer skipped inside if `found_inf` (as a 0/1 tensor, no read)."""
         if self._found_inf is None:  # an optimizer taking `grad_scaler=`: it decides alone
-            self._warn("scaler-kwarg", f"watch(): {type(optimizer).__name__} skips overflowing steps "
-                                 "inside its step without telling: skipped steps are not counted")
+            self._warn("scaler-kwarg", f"watch(): {type(optimizer).__name__} skips overflowing "
+                       "steps inside its step without telling: skipped steps are not counted")
             return
         try:
             skipped = self._found_inf.clamp(max=1.0)  # found_inf: 1 per device with inf/NaN
@@ -197,13 +203,10 @@ class ScalerWatch:
         for handle in self._handles:
             handle.remove()
 
-    def _enabled(self) -> bool:
-        return getattr(self.scaler, "is_enabled", lambda: True)()
-
     def take(self) -> tuple[Any, Any]:
         """(steps skipped since the previous call: an int, or a tensor where a fused optimizer
         decided; the scale tensor or None); no device read."""
         skipped, self.skipped = self.skipped, 0
         if self._skipped_inside is not None:
             skipped, self._skipped_inside = self._skipped_inside + skipped, None
-        return skipped, getattr(self.scaler, "_scale", None) if self._enabled() else None
+        return skipped, getattr(self.scaler, "_scale", None) if enabled(self.scaler) else None
