@@ -111,18 +111,19 @@ class ScaledRun:
     grows every 3 steps and overflows again), stepping `optimizer`; `unscale` calls unscale_()
     before the step, as loops that clip do."""
 
-    def __init__(self, optimizer: str, unscale: bool = False) -> None:
+    def __init__(self, optimizer: str, unscale: bool = False, device: str = "cpu") -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                         torch.nn.Linear(32, 1)).to(device)
         self.optimizer = OPTIMIZERS[optimizer](self.model.parameters())
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=3)
-        self.unscale = unscale
-        self.x, self.y = torch.randn(32, 16), torch.randn(32, 1)
+        self.scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 22, growth_interval=3)
+        self.unscale, self.device = unscale, device
+        self.x, self.y = torch.randn(32, 16, device=device), torch.randn(32, 1, device=device)
 
     def step(self, inf_grad: bool = False) -> tuple[torch.Tensor, bool, float]:
         """One step: (the loss, whether the scaler skipped it, the true unscaled grad norm);
         `inf_grad` puts an inf into one gradient (an overflow at any scale)."""
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(self.device, dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y)
         self.optimizer.zero_grad()
         self.scaler.scale(loss).backward()
@@ -138,13 +139,14 @@ class ScaledRun:
         return loss.detach(), self.scaler.get_scale() < scale, norm
 
 
-@pytest.mark.parametrize("optimizer, unscale", [(name, False) for name in OPTIMIZERS]
-                         + [("adamw-fused", True)],
-                         ids=[*OPTIMIZERS, "adamw-fused-unscale_"])
-def test_every_overflow_is_a_skipped_step_with_an_unscaled_grad_norm(tmp_path, optimizer, unscale):
+@pytest.mark.parametrize("optimizer, unscale, device", [
+    *((name, False, "cpu") for name in OPTIMIZERS), ("adamw-fused", True, "cpu"),
+    *(pytest.param(name, False, "cuda", marks=pytest.mark.gpu) for name in ("sgd", "adamw-fused"))],
+    ids=[*OPTIMIZERS, "adamw-fused-unscale_", "sgd-cuda", "adamw-fused-cuda"])
+def test_every_overflow_is_a_skipped_step_with_an_unscaled_grad_norm(tmp_path, optimizer, unscale, device):
     """Fused optimizers are stepped even on an overflow and skip inside: still a skipped step, never
     a non-finite one, and their grad norm is divided by the loss scale the step used."""
-    run, skipped, norms = ScaledRun(optimizer, unscale), [], []
+    run, skipped, norms = ScaledRun(optimizer, unscale, device), [], []
     with monitor(tmp_path) as m:
         m.watch(run.model, run.optimizer, scaler=run.scaler)
         for step in range(12):
@@ -164,15 +166,16 @@ def test_every_overflow_is_a_skipped_step_with_an_unscaled_grad_norm(tmp_path, o
             == pytest.approx([n for n, s in zip(norms, skipped) if not s], rel=1e-5))
 
 
-def test_watching_a_scaler_adds_no_device_sync_with_a_fused_optimizer(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_watching_a_scaler_adds_no_device_sync_with_a_fused_optimizer(tmp_path, device):
     def syncs(with_monitor: bool) -> int:
-        run, counter = ScaledRun("adamw-fused"), SyncCounter()
+        run, counter = ScaledRun("adamw-fused", device=device), SyncCounter()
         with monitor(tmp_path, listen_port=None) as m:
             if with_monitor:
                 m.watch(run.model, run.optimizer, scaler=run.scaler)
             for step in range(6):
                 with counter:  # the scaler reads nothing for a fused optimizer
-                    with torch.autocast("cpu", dtype=torch.float16):
+                    with torch.autocast(device, dtype=torch.float16):
                         loss = torch.nn.functional.mse_loss(run.model(run.x).float(), run.y)
                     run.optimizer.zero_grad()
                     run.scaler.scale(loss).backward()
@@ -182,7 +185,7 @@ def test_watching_a_scaler_adds_no_device_sync_with_a_fused_optimizer(tmp_path):
                         m.log({"loss": loss.detach()}, step=step)
         return counter.syncs
 
-    assert syncs(True) == syncs(False) == 0
+    assert syncs(True) == syncs(False)
 
 
 class ScalerKwargSGD(torch.optim.SGD):
