@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import start_http_server
@@ -24,7 +25,7 @@ from .record import DEFAULT_MAX_BYTES, Record
 from .settings import DEFAULT_DELETE_AFTER, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
-from .watch import ScalerWatch, on_step, sharding
+from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
 
 log = logging.getLogger("trainer_hook")
 
@@ -194,7 +195,7 @@ class TrainingMonitor:
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
         stacks = stacks or ()
-        events = (self._events(stacks, step, scale, samples, tokens, batch_id, *kept.values())
+        events = (self._events(stacks, step, scale, skipped, samples, tokens, batch_id, *kept.values())
                   if self._cuda_possible else ())
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
@@ -221,8 +222,9 @@ class TrainingMonitor:
             yield item
 
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
-        """Capture the total grad norm (before each optimizer step) and the learning rate; with a
-        GradScaler, count the steps it skips (overflow) and export its loss scale.
+        """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
+        divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
+        it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
         with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
@@ -234,7 +236,7 @@ class TrainingMonitor:
                 raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
             self._watch_optimizer(model, optimizer)
         if scaler is not None:
-            self._scaler = ScalerWatch(scaler)
+            self._scaler = ScalerWatch(scaler, partial(self._warn_once, "watch"))
             self._hooks.append(self._scaler)
         return self
 
@@ -242,7 +244,7 @@ class TrainingMonitor:
         params = [p for p in (model.parameters() if model is not None else
                               (p for group in optimizer.param_groups for p in group["params"]))
                   if p.requires_grad]
-        sharded = sharding(params, optimizer)
+        sharded = sharding(params, optimizer, model)
         if sharded:
             self._warn_once("watch", "sharded", f"watch(): {sharded}, so the norm of this process's "
                             "gradients is not the total: grad_norm is not captured (log the "
@@ -253,7 +255,8 @@ class TrainingMonitor:
         def before_step(opt: Any, args: Any, kwargs: Any) -> None:
             try:
                 if not sharded:
-                    self._stash["grad_norm"] = grad_norm(params)
+                    # a fused step unscales inside: its gradients still carry the loss scale
+                    self._stash["grad_norm"] = unscaled(grad_norm(params), carried_scale(opt))
                 lr = scalar(opt.param_groups[0]["lr"])
                 if type(lr) is not Dropped:
                     self._stash["learning_rate"] = lr
