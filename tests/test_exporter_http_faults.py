@@ -21,7 +21,8 @@ import prometheus_client
 import pytest
 import requests
 
-from exporter.web import HEADER_TIMEOUT, WebServer
+from exporter.web import WebServer
+from exporter.webtransport import HEADER_TIMEOUT
 from stack import processes
 from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
