@@ -14,6 +14,10 @@ The NVML library is an injected module object: the real `pynvml` by default, the
   traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
 
+Text (driver version, names, UUIDs, serials...) is never trusted to be UTF-8: pynvml decodes it
+strictly and raises UnicodeDecodeError, so `invoke` answers it decoded with U+FFFD replacements, as
+`as_text` does for the bytes older bindings and structs hand back.
+
 Constants newer than the oldest supported binding are read through `constant()`, which falls back
 to their nvml.h value (NEWER_CONSTANTS): an old nvidia-ml-py then still starts.
 """
@@ -148,6 +152,8 @@ class Nvml:
             return function(*args, **kwargs)
         except self.lib.NVMLError as exc:
             raise self.classify(exc) from exc
+        except UnicodeDecodeError as exc:  # the binding decodes text strictly; drivers do not promise UTF-8
+            return exc.object.decode("utf-8", errors="replace")
         except AttributeError as exc:  # raised inside the binding: a bug, not an absent reading
             if name not in self._binding_bugs:
                 self._binding_bugs.add(name)

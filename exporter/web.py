@@ -22,7 +22,8 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from exporter.webauth import Authenticator, san_allowed
 from exporter.webconfig import WebConfig
 from exporter.webflags import check_telemetry_path, landing_page, parse_listen_address
-from exporter.webtransport import HEADER_TIMEOUT, MAX_CONNECTIONS, BoundedHandler, Server, bind
+from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, BoundedHandler, Server,
+                                   bind)
 
 RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 
@@ -167,10 +168,11 @@ class _Server(Server):
 
     def __init__(self, address: tuple[str, int], family: int, *, registry, render: Render | None,
                  telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
-                 max_connections: int, auth_cache: bool) -> None:
+                 max_connections: int, max_connections_per_client: int, auth_cache: bool) -> None:
         config = web_config or WebConfig()
         super().__init__(address, family, _Handler, ssl_context=config.ssl_context, extra_headers=config.headers,
-                         header_timeout=header_timeout, max_connections=max_connections)
+                         header_timeout=header_timeout, max_connections=max_connections,
+                         max_connections_per_client=max_connections_per_client)
         self.registry = registry
         self.render_all = render or functools.partial(render_registry, registry)
         self.telemetry_path = telemetry_path
@@ -210,7 +212,8 @@ class WebServer:
 
     def __init__(self, registry, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
                  ready: Callable[[], bool], render: Render | None = None, header_timeout: float = HEADER_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS, auth_cache: bool = True) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+                 auth_cache: bool = True) -> None:
         try:
             self._host, self._port = parse_listen_address(listen_address)
             check_telemetry_path(telemetry_path)
@@ -218,7 +221,7 @@ class WebServer:
             raise ValueError(str(exc)) from None
         self._options = dict(registry=registry, render=render, telemetry_path=telemetry_path, web_config=web_config,
                              ready=ready, header_timeout=header_timeout, max_connections=max_connections,
-                             auth_cache=auth_cache)
+                             max_connections_per_client=max_connections_per_client, auth_cache=auth_cache)
         self._server: _Server | None = None
 
     def start(self) -> None:

@@ -4,6 +4,8 @@ Basic auth follows exporter-toolkit v0.17.1 (web/handler.go): bcrypt runs one ch
 unknown user is checked against a dummy hash so timing does not tell which users exist, and checks
 are cached by (user, hash, password). Differences: only successes are cached (failures always pay
 bcrypt), the cache key is a SHA-256 of that triple and the cache keeps the 64 most recently used.
+A password over 72 bytes (bcrypt's limit) is refused before bcrypt: Go's bcrypt compares only its
+first 72 bytes, and Python's bcrypt 5 raises on it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from collections import OrderedDict
 import bcrypt
 
 AUTH_CACHE_SIZE = 64
+MAX_PASSWORD_BYTES = 72  # bcrypt reads no more
 
 
 class Authenticator:
@@ -38,7 +41,7 @@ class Authenticator:
     def check(self, header: str | None) -> bool:
         """True when the Authorization header carries a configured user and its password."""
         user, password = _basic_credentials(header)
-        if user is None:
+        if user is None or len(password) > MAX_PASSWORD_BYTES:
             return False
         hashed = self._users.get(user)
         key = hashlib.sha256(repr((user, hashed, password)).encode()).digest()
