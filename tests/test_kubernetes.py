@@ -178,6 +178,9 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     monitor = find("ServiceMonitor", "pushgateway")["spec"]["endpoints"][0]
     assert monitor["honorLabels"] is True and monitor["scheme"] == "https" and "basicAuth" in monitor
 
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert deployment["containers"][0]["image"] == compose["pushgateway"]["image"]  # the same digest
+
     janitor = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
     pod = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     password_mount = next(m for m in janitor["volumeMounts"] if m["name"] == "hook")["mountPath"]
