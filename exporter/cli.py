@@ -24,8 +24,9 @@ from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
 from exporter.sampler import Sampler
 from exporter.simulated import SCENARIOS, SimulatedNVML
-from exporter.web import WebServer, add_web_arguments
+from exporter.web import WebServer
 from exporter.webconfig import WebConfigError, load_web_config
+from exporter.webflags import add_web_arguments
 
 PROG = "dualtrack-exporter"
 ENV_PREFIX = "DUALTRACK_EXPORTER_"

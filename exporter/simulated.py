@@ -14,7 +14,7 @@ scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy
 leaking GPUs side by side.
 
 Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
-subclass in tests/nvml_faults.py hooks into `_enter`, `_field_error` and `_new_xids`. Here a GPU
+subclass in tests/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
 that falls off the bus is `fall_off_bus(gpu)`.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _api(device: bool = True) -> Callable:
             self._enter(method.__name__, gpu)
             started = time.thread_time()
             try:
-                return method(self, *args, **kwargs)
+                return self._leave(method.__name__, gpu, method(self, *args, **kwargs))
             finally:
                 self.cpu_seconds += time.thread_time() - started
         wrapper.simulated_api = True
@@ -265,6 +265,10 @@ class SimulatedNVML:
             raise pynvml.NVMLError_Uninitialized()
         if self.call_cost:
             time.sleep(self.call_cost)
+
+    def _leave(self, function: str, gpu: int | None, result: Any) -> Any:
+        """What an NVML function answers, given what it computed (the same, here)."""
+        return result
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
         """The NVML return code of one field of a batch, if it fails (never, here)."""

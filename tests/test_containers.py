@@ -57,7 +57,6 @@ class Stack:
         self.secrets = tree / "deploy" / "compose" / "secrets"
         self.ca = str(self.secrets / "ca.crt")
         self.env = {**podman.env, "DUALTRACK_BIND": BIND, "COMPOSE_PROJECT_NAME": PROJECT,
-                    "GRAFANA_ADMIN_PASSWORD": os.urandom(8).hex(),  # compose evaluates it even for a left-out service
                     "DUALTRACK_SECRETS_GID": str(SECRETS_GID)}
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -240,6 +239,19 @@ def test_janitor_runs_and_authenticates(stack):
     once = stack.podman("exec", stack.container("janitor")["Id"], *entrypoint, "--once", check=False, timeout=120)
     assert once.returncode == 0, once.stdout + once.stderr  # 1 when the groups could not be read (401, TLS)
     assert stack.password("hook") not in once.stdout + once.stderr + logs
+
+
+def test_the_janitor_and_the_exporter_run_as_different_users_without_passwords_in_their_environment(stack):
+    """The exporter has the host's PID namespace: it must not share the janitor's uid, and no
+    container's environment may hold a password (both read theirs from files)."""
+    uids = {}
+    for service in ("exporter", "janitor"):
+        container = stack.container(service)
+        uids[service] = stack.podman("exec", container["Id"], "id", "-u").stdout.strip()
+        environment = "\n".join(container["Config"]["Env"])
+        assert stack.password("hook") not in environment and stack.password("healthcheck") not in environment
+        assert "PASSWORD=" not in environment, (service, environment)
+    assert uids == {"exporter": "10001", "janitor": "10002"}
 
 
 def test_no_container_restarted(stack):
