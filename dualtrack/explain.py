@@ -1,7 +1,8 @@
 """`dualtrack explain RUN`: the run's model-track events, each with the infra evidence found before it.
 
 Events come from the run's `training_*` series; evidence from the `nvml_gpu_*` series of the GPUs
-the run trained on (`training_gpu_info` joins rank to GPU uuid) in a window before each event.
+the run trained on (`training_gpu_info` joins rank to GPU uuid; a rank on a MIG instance is joined to
+its parent GPU by the recorded `job_run_rank_gpu:training_gpu_info:nvml`) in a window before each event.
 `timeline(client, run, since, until)` is the logic; `dualtrack report` shows the same timeline.
 """
 from __future__ import annotations
@@ -40,18 +41,20 @@ APPLICATION_XIDS = {13, 31, 43}
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
                   "hw_slowdown": ("hw_slowdown",)}
-HARDWARE = {"xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
+HARDWARE = {"gpu_lost", "xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
             "clock_drop", "link_drop"}
+#: A lost GPU (it stopped answering NVML) outranks every other cause, XID 79 included.
+GPU_LOST_SCORE = 0.99
 #: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
 RELEVANT = {
-    "nonfinite": {"xid", "ecc", "remapped_rows"},
-    "grad_spike": {"xid", "ecc", "remapped_rows"},
-    "loss_scale_collapse": {"xid", "ecc", "remapped_rows"},
+    "nonfinite": {"gpu_lost", "xid", "ecc", "remapped_rows"},
+    "grad_spike": {"gpu_lost", "xid", "ecc", "remapped_rows"},
+    "loss_scale_collapse": {"gpu_lost", "xid", "ecc", "remapped_rows"},
     "step_time_regression": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "straggler": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "data_starvation": {"data_wait"},
-    "oom": {"memory_pressure", "co_tenant", "xid"},
-    "failed": {"xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
+    "oom": {"memory_pressure", "co_tenant", "gpu_lost", "xid"},
+    "failed": {"gpu_lost", "xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
 }
 VERDICT = {"co_tenant": "another process on the GPU, not the model",
            "memory_pressure": "GPU memory, not the model's numerics",
@@ -96,10 +99,11 @@ class Timeline:
     end: float
     gpus: dict[str, str]  # rank -> uuid
     events: list[Event]
+    parent_gpus: dict[str, str] = field(default_factory=dict)  # rank on a MIG instance -> its parent GPU's uuid
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "job": self.job, "start": self.start, "end": self.end,
-                "gpus": self.gpus, "events": [e.to_json() for e in self.events]}
+                "gpus": self.gpus, "parent_gpus": self.parent_gpus, "events": [e.to_json() for e in self.events]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +183,11 @@ class Reader:
         self.start = self.end - math.ceil((self.end - self.start) / self.res) * self.res
         info = client.query(f"max by (rank, uuid) (last_over_time(training_gpu_info{{{self.selector}}}[{rng}]))", until)
         self.gpus = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in info if "uuid" in s["metric"]}
+        # The uuid of each rank's GPU in the exporter's series: a MIG instance's parent GPU.
+        joined = client.query("max by (rank, uuid) (last_over_time("
+                              f"job_run_rank_gpu:training_gpu_info:nvml{{{self.selector},mig_uuid!=\"\"}}[{rng}]))", until)
+        self.parents = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in joined if "uuid" in s["metric"]}
+        self.exporter_gpus = {rank: self.parents.get(rank, uuid) for rank, uuid in self.gpus.items()}
         processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
         self.pids = {s["metric"].get("pid") for s in processes}
 
@@ -207,7 +216,7 @@ def timeline(client: prometheus.Prometheus, run: str, since: float, until: float
         event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
         event.causes = find_causes(reader, event)
         event.sentence = sentence(event, len(reader.ranks))
-    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events)
+    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events, reader.parents)
 
 
 def _rank_key(rank: str) -> tuple[int, str]:
@@ -399,8 +408,9 @@ def _ago(seconds: float) -> str:
 def find_causes(reader: Reader, event: Event) -> list[Cause]:
     """The infra evidence on the event's GPU (all the run's GPUs for a run-wide event), ranked."""
     wanted = RELEVANT[event.kind]
-    uuids = [event.gpu_uuid] if event.gpu_uuid else sorted(set(reader.gpus.values()))
-    rank_of = {uuid: rank for rank, uuid in reader.gpus.items()}
+    own = reader.exporter_gpus.get(event.rank) if event.rank is not None else None
+    uuids = [own] if own else sorted(set(reader.exporter_gpus.values()))
+    rank_of = {uuid: rank for rank, uuid in reader.exporter_gpus.items()}
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
     lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
@@ -408,18 +418,18 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     rng = f"{int(WINDOW + reader.res)}s"
 
     def where(uuid: str) -> str:
-        if uuid == event.gpu_uuid:
-            return "on that GPU"
+        if uuid == own:
+            return "on that GPU" if own == event.gpu_uuid else f"on its MIG instance's parent GPU ({uuid})"
         return f"on rank {rank_of.get(uuid, '?')}'s GPU ({uuid})"
 
     if uuids:
         sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
         client = reader.client
-        if wanted & {"xid", "ecc", "remapped_rows", "link_drop"}:
+        if wanted & {"gpu_lost", "xid", "ecc", "remapped_rows", "link_drop"}:
             step = max(1.0, (at - start) / 600)
             counters = client.query_range(
                 '{__name__=~"nvml_gpu_xid_errors_total|nvml_gpu_ecc_errors_total|nvml_gpu_remapped_rows_total|'
-                f'nvml_gpu_pcie_replay_errors_total",{sel}}}', start, at, step)
+                f'nvml_gpu_pcie_replay_errors_total|nvml_exporter_gpu_lost_total",{sel}}}', start, at, step)
             for series in counters:
                 causes.extend(_counter_cause(series, event, where, wanted, start, step))
         if wanted & set(THROTTLE_KINDS):
@@ -494,6 +504,9 @@ def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], 
         return []
     uuid, name, count = labels.get("uuid", ""), labels.get("__name__", ""), values[-1][1] - before
     delta = _ago(event.time - rose_at)
+    if name == "nvml_exporter_gpu_lost_total" and "gpu_lost" in wanted:
+        return [Cause("gpu_lost", f"{uuid} lost (stopped answering NVML) at {utc(rose_at)}, {delta} before",
+                      GPU_LOST_SCORE, f"{delta} after a GPU loss {where(uuid)} (it stopped answering NVML)")]
     if name == "nvml_gpu_xid_errors_total" and "xid" in wanted:
         code = int(labels.get("xid", "0") or 0)
         meaning = XID_MEANING.get(code, "see NVIDIA's XID catalog")
@@ -541,7 +554,8 @@ def sentence(event: Event, ranks: int) -> str:
 
 def render_text(found: Timeline) -> str:
     """The timeline as plain text: a header line, then each event and its ranked causes."""
-    gpus = ", ".join(f"rank {r} {u}" for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
+    gpus = ", ".join(f"rank {r} {u}" + (f" (on {found.parent_gpus[r]})" if r in found.parent_gpus else "")
+                     for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
     lines = [f"run {found.run} (job {found.job}): {utc(found.start)} to {utc(found.end)}; GPUs: {gpus or 'unknown (no training_gpu_info)'}"]
     if not found.events:
         lines.append("no model-track event (non-finite values, spikes, slowdowns, stragglers, data starvation, "

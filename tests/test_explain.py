@@ -74,6 +74,29 @@ def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
     assert {e["kind"] for e in events} == {"nonfinite", "failed"}  # the failed rank is no slowdown
 
 
+def test_nan_on_a_mig_instance_after_xid_79_on_its_parent_gpu(prometheus, capsys):
+    found = timeline(prometheus, "mig", capsys)
+    mig, parent = support.hook_uuid_of("mig", "mig", 1, 2), support.uuid_of("mig", 1)
+    assert mig.startswith("MIG-") and found["gpus"]["1"] == mig and found["parent_gpus"] == {"1": parent}
+    (event,) = [e for e in found["events"] if e["kind"] == "nonfinite"]
+    assert event["rank"] == "1" and event["gpu_uuid"] == mig
+    assert kinds(event) == ["xid"] and f"XID 79 (GPU fell off the bus) on {parent}" in event["causes"][0]["evidence"]
+    assert (f"45 s after XID 79 (GPU fell off the bus) on its MIG instance's parent GPU ({parent}); no other rank "
+            "affected: hardware, not the model") in event["sentence"]
+    code, out, _ = explain(prometheus, "mig", capsys)
+    assert code == 0 and f"rank 1 {mig} (on {parent})" in out.splitlines()[0]
+
+
+def test_a_lost_gpu_is_the_first_cause(prometheus, capsys):
+    (event,) = timeline(prometheus, "gpu-lost", capsys)["events"]
+    assert event["kind"] == "failed" and event["rank"] == "1"
+    assert kinds(event) == ["gpu_lost", "xid"] and event["causes"][0]["score"] == 0.99
+    assert f"{support.uuid_of('gpu-lost', 1)} lost (stopped answering NVML)" in event["causes"][0]["evidence"]
+    assert event["sentence"].endswith(
+        "failed on rank 1 (%s) 30 s after a GPU loss on that GPU (it stopped answering NVML): hardware, not the model"
+        % support.uuid_of("gpu-lost", 1))
+
+
 def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
     (event,) = timeline(prometheus, "nan-all", capsys)["events"]
     assert event["kind"] == "nonfinite" and event["rank"] == "0"
