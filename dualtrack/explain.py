@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from . import prometheus
-from .cli import fail, warner
+from .cli import fail, one_line, warner
 from .summary import utc
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
@@ -139,7 +139,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_time(text: str, now: float, flag: str) -> float:
-    """Unix seconds, ISO 8601, or a duration ago (30s, 90m, 6h, 2d). Raises ValueError."""
+    """Unix seconds, ISO 8601, or a duration ago (30s, 90m, 6h, 2d); finite. Raises ValueError."""
+    found = _parse_time(text, now, flag)
+    if not math.isfinite(found):
+        raise ValueError(f"{flag} {text!r}: not a finite time")
+    return found
+
+
+def _parse_time(text: str, now: float, flag: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
     if match:
         return now - float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
@@ -176,8 +183,9 @@ class Reader:
                                "(check the run id, --since and --until)")
         self.job = jobs[0]["metric"].get("job", "")
         self.ranks = sorted({s["metric"].get("rank", "") for s in jobs}, key=_rank_key)
-        self.start = max(since, float(starts[0]["value"][1])) if starts else since
-        self.end = min(until, float(ends[0]["value"][1]) + 60) if ends else until
+        first, last = (float(found[0]["value"][1]) if found else math.nan for found in (starts, ends))
+        self.start = max(since, first) if math.isfinite(first) else since
+        self.end = min(until, last + 60) if math.isfinite(last) else until
         self.res = max(15.0, math.ceil((self.end - self.start) / MAX_POINTS))
         # Range queries step from start: the last point must be the end (what happened last counts).
         self.start = self.end - math.ceil((self.end - self.start) / self.res) * self.res
@@ -564,4 +572,5 @@ def render_text(found: Timeline) -> str:
         lines.append(f"{utc(event.time)}  {event.kind}: {event.sentence}")
         for cause in event.causes:
             lines.append(f"    {cause.score:.2f} {cause.kind}: {cause.evidence}")
-    return "\n".join(lines)
+    # Label values (process names, runs, uuids) are anyone's text: no terminal escape reaches the screen.
+    return "\n".join(one_line(line) for line in lines)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dualtrack import explain as explain_module
 from dualtrack.cli import main
 from stack import processes
 from tests import explain_support as support
@@ -152,6 +153,26 @@ def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_times_that_are_not_finite_get_one_line(prometheus, capsys):
+    for flag, value in (("--since", "-inf"), ("--until", "inf"), ("--since", "nan"), ("--until", "1e999"),
+                        ("--since", "9" * 400 + "d")):
+        assert main(["explain", "healthy", "--prometheus", prometheus["url"], f"{flag}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} " in err and "not a finite time" in err, err
+
+
+def test_control_characters_in_labels_are_escaped_in_the_text():
+    hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m"
+    found = explain_module.Timeline(
+        f"r{hostile}", f"j{hostile}", 0.0, 60.0, {"0": f"GPU-{hostile}"},
+        [explain_module.Event("straggler", 7, 30.0, "0", f"GPU-{hostile}", "stepped at 50% of the run's median rate",
+                              causes=[explain_module.Cause("co_tenant", f"process {hostile}\nfake line", 0.7)],
+                              sentence=f"step 7: ... ({hostile})")])
+    text = explain_module.render_text(found)
+    assert not any(c in text for c in "\x1b\x07\x9b") and text.count("\n") == 2
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\x9b31m" in text and "\\nfake line" in text
 
 
 def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsys):
