@@ -29,6 +29,8 @@ class RawServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop.set()
+        with socket.create_connection(self._listener.getsockname()):  # wakes the accept at once
+            pass
         self._thread.join()
         self._listener.close()
 
@@ -38,6 +40,9 @@ class RawServer:
                 connection, _ = self._listener.accept()
             except TimeoutError:
                 continue
+            if self.stop.is_set():
+                connection.close()
+                return
             threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
 
     def _answer(self, connection: socket.socket) -> None:
