@@ -141,13 +141,14 @@ class Prometheus:
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """The instant vector `expr` gives now, or at `at`: series of {"metric": {label: value}, "value":
-        (time, value)}, both floats; raises QueryError for anything else."""
+        (time, value)}, the time a float, the value Prometheus' text of a float; raises QueryError for
+        anything else."""
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
         found = self._get("query", params, "result")
         try:
-            return [{"metric": _labels(series), "value": (float(series["value"][0]), float(series["value"][1]))}
+            return [{"metric": _labels(series), "value": (float(series["value"][0]), _number(series["value"][1]))}
                     for series in found]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise QueryError(f"query failed (query): malformed series ({type(exc).__name__})") from None
@@ -220,6 +221,13 @@ class Prometheus:
                     raise _TooLarge()
                 chunks.append(chunk)
             return b""
+
+
+def _number(value: Any) -> str:
+    """A sample value as Prometheus writes it ("42", "NaN", "+Inf"); raises ValueError if no float."""
+    text = str(value)
+    float(text)
+    return text
 
 
 def _labels(series: dict[str, Any]) -> dict[str, str]:
