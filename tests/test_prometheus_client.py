@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -91,7 +90,7 @@ def test_query_results_are_checked_series():
             client.query("up")
 
 
-def test_the_hostile_servers_stop(tmp_path: Path):
+def test_the_hostile_servers_stop():
     """The helpers themselves: leaving the server ends a trickle that nobody reads any more."""
     with hostile.RawServer(hostile.trickle) as server:
         client = prometheus.Prometheus(resolve("prometheus", prometheus.ENV_URL, server.url), timeout=0.5)
