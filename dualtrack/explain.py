@@ -192,9 +192,10 @@ class Reader:
         info = client.query(f"max by (rank, uuid) (last_over_time(training_gpu_info{{{self.selector}}}[{rng}]))", until)
         self.gpus = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in info if "uuid" in s["metric"]}
         # The uuid of each rank's GPU in the exporter's series: a MIG instance's parent GPU.
-        joined = client.query("max by (rank, uuid) (last_over_time("
+        joined = client.query("max by (rank, uuid, gpu_instance) (last_over_time("
                               f"job_run_rank_gpu:training_gpu_info:nvml{{{self.selector},mig_uuid!=\"\"}}[{rng}]))", until)
         self.parents = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in joined if "uuid" in s["metric"]}
+        self.instances = {s["metric"].get("rank", ""): s["metric"].get("gpu_instance", "") for s in joined}
         self.exporter_gpus = {rank: self.parents.get(rank, uuid) for rank, uuid in self.gpus.items()}
         processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
         self.pids = {s["metric"].get("pid") for s in processes}
@@ -467,11 +468,25 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                 causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before", 0.5,
                                     f"with NVLink traffic {where(uuid)} halved"))
         if "memory_pressure" in wanted:
-            full = client.query(f"max_over_time((nvml_gpu_memory_used_bytes{{{sel}}} / nvml_gpu_memory_total_bytes{{{sel}}})[{rng}:]) > 0.95", at)
+            # A MIG instance has its own memory (nvml_gpu_mig_memory_*): its fill counts, not its parent's.
+            ranks = [event.rank] if own else list(reader.exporter_gpus)
+            slices = sorted({(reader.parents[r], reader.instances[r]) for r in ranks if r in reader.parents})
+            whole = [u for u in uuids if u not in {parent for parent, _ in slices}]
+            fills = []
+            if whole:
+                match = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
+                fills.append(f"nvml_gpu_memory_used_bytes{{{match}}} / nvml_gpu_memory_total_bytes{{{match}}}")
+            for parent, instance in slices:
+                match = f"uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
+                fills.append(f"nvml_gpu_mig_memory_used_bytes{{{match}}} / nvml_gpu_mig_memory_total_bytes{{{match}}}")
+            full = client.query(" or ".join(f"max_over_time(({fill})[{rng}:]) > 0.95" for fill in fills), at) if fills else []
             for series in full:
                 uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
-                causes.append(Cause("memory_pressure", f"{uuid} memory {ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
-                                    f"with {ratio:.0%} of the memory used {where(uuid)}"))
+                instance = series["metric"].get("gpu_instance")
+                memory = f"the memory of GPU instance {instance}" if instance else "the memory"
+                causes.append(Cause("memory_pressure", f"{uuid}{f' GPU instance {instance}' if instance else ''} memory "
+                                                       f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
+                                    f"with {ratio:.0%} of {memory} used {where(uuid)}"))
         if "co_tenant" in wanted:
             procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{sel}}}[{rng}]))", at)
             for series in procs:

@@ -19,9 +19,10 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "gpu-lost")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
-#: training_gpu_info; the exporter's series carry the parent's). In "gpu-lost", the last rank's GPU
+#: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
+#: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. In "gpu-lost", the last rank's GPU
 #: is lost at FAULT_AT (the exporter drops its series, counts the loss and XID 79) and the rank fails
 #: LOST_FAIL seconds later.
 LOST_FAIL = 30.0
@@ -54,7 +55,7 @@ def uuid_of(run: str, rank: int) -> str:
 def hook_uuid_of(scenario: str, run: str, rank: int, ranks: int) -> str:
     """The uuid the rank's hook reports: its MIG instance's in the "mig" scenario's last rank."""
     uuid = uuid_of(run, rank)
-    return f"MIG-{uuid[4:]}" if scenario == "mig" and rank == ranks - 1 else uuid
+    return f"MIG-{uuid[4:]}" if scenario in ("mig", "mig-oom") and rank == ranks - 1 else uuid
 
 
 def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
@@ -79,7 +80,7 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
-    elif scenario == "model" and rank == ranks - 1:
+    elif scenario in ("model", "mig-oom") and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
     return state
@@ -146,7 +147,11 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            used = 79 * 2**30 if now.memory_full else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            if mig:
+                lines.append(f'nvml_gpu_mig_memory_used_bytes{{{gpu},gpu_instance="1"}} '
+                             f'{(39.5 if now.memory_full else 20) * 2**30}{ts}')
+                lines.append(f'nvml_gpu_mig_memory_total_bytes{{{gpu},gpu_instance="1"}} {40 * 2**30}{ts}')
             lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {used}{ts}")
             lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")

@@ -88,6 +88,15 @@ def test_nan_on_a_mig_instance_after_xid_79_on_its_parent_gpu(prometheus, capsys
     assert code == 0 and f"rank 1 {mig} (on {parent})" in out.splitlines()[0]
 
 
+def test_an_oom_on_a_mig_instance_reads_the_instance_memory(prometheus, capsys):
+    events = timeline(prometheus, "mig-oom", capsys)["events"]
+    (oom,) = [e for e in events if e["kind"] == "oom"]
+    parent = support.uuid_of("mig-oom", 1)
+    assert oom["rank"] == "1" and kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
+    assert oom["causes"][0]["evidence"] == f"{parent} GPU instance 1 memory 99% full"
+    assert f"with 99% of the memory of GPU instance 1 used on its MIG instance's parent GPU ({parent})" in oom["sentence"]
+
+
 def test_a_lost_gpu_is_the_first_cause(prometheus, capsys):
     (event,) = timeline(prometheus, "gpu-lost", capsys)["events"]
     assert event["kind"] == "failed" and event["rank"] == "1"
