@@ -420,6 +420,12 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     own = reader.exporter_gpus.get(event.rank) if event.rank is not None else None
     uuids = [own] if own else sorted(set(reader.exporter_gpus.values()))
     rank_of = {uuid: rank for rank, uuid in reader.exporter_gpus.items()}
+    # MIG instances (parent uuid, gpu_instance) among them: each has its own memory and is isolated
+    # from the other instances' processes, which NVML lists per GPU only (no co-tenant is named).
+    ranks = [event.rank] if own else list(reader.exporter_gpus)
+    slices = sorted({(reader.parents[r], reader.instances[r]) for r in ranks if r in reader.parents})
+    whole = [u for u in uuids if u not in {parent for parent, _ in slices}]
+    whole_sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
     lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
@@ -468,14 +474,10 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                 causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before", 0.5,
                                     f"with NVLink traffic {where(uuid)} halved"))
         if "memory_pressure" in wanted:
-            # A MIG instance has its own memory (nvml_gpu_mig_memory_*): its fill counts, not its parent's.
-            ranks = [event.rank] if own else list(reader.exporter_gpus)
-            slices = sorted({(reader.parents[r], reader.instances[r]) for r in ranks if r in reader.parents})
-            whole = [u for u in uuids if u not in {parent for parent, _ in slices}]
+            # A MIG instance's own memory (nvml_gpu_mig_memory_*) counts, not its parent's.
             fills = []
             if whole:
-                match = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
-                fills.append(f"nvml_gpu_memory_used_bytes{{{match}}} / nvml_gpu_memory_total_bytes{{{match}}}")
+                fills.append(f"nvml_gpu_memory_used_bytes{{{whole_sel}}} / nvml_gpu_memory_total_bytes{{{whole_sel}}}")
             for parent, instance in slices:
                 match = f"uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
                 fills.append(f"nvml_gpu_mig_memory_used_bytes{{{match}}} / nvml_gpu_mig_memory_total_bytes{{{match}}}")
@@ -487,8 +489,8 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                 causes.append(Cause("memory_pressure", f"{uuid}{f' GPU instance {instance}' if instance else ''} memory "
                                                        f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
                                     f"with {ratio:.0%} of {memory} used {where(uuid)}"))
-        if "co_tenant" in wanted:
-            procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{sel}}}[{rng}]))", at)
+        if "co_tenant" in wanted and whole:
+            procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{whole_sel}}}[{rng}]))", at)
             for series in procs:
                 labels = series["metric"]
                 if labels.get("pid") in reader.pids:

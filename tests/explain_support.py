@@ -22,7 +22,8 @@ THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowd
 SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
-#: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. In "gpu-lost", the last rank's GPU
+#: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
+#: process of no run in the parent's other GPU instance. In "gpu-lost", the last rank's GPU
 #: is lost at FAULT_AT (the exporter drops its series, counts the loss and XID 79) and the rank fails
 #: LOST_FAIL seconds later.
 LOST_FAIL = 30.0
@@ -157,6 +158,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
             processes = [(str(1000 + rank), "python3", 61 * 2**30)]
+            if mig:  # a server in the parent's other GPU instance: isolated from the rank's, no co-tenant
+                processes.append(("4343", "tritonserver", 10 * 2**30))
             if now.co_tenant:
                 processes.append(("4242", "stress-ng", 12 * 2**30))
             for pid, name, used in processes:

@@ -95,6 +95,8 @@ def test_an_oom_on_a_mig_instance_reads_the_instance_memory(prometheus, capsys):
     assert oom["rank"] == "1" and kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
     assert oom["causes"][0]["evidence"] == f"{parent} GPU instance 1 memory 99% full"
     assert f"with 99% of the memory of GPU instance 1 used on its MIG instance's parent GPU ({parent})" in oom["sentence"]
+    # The server in the parent's other GPU instance is isolated from rank 1's: no co-tenant.
+    assert "co_tenant" not in {kind for event in events for kind in kinds(event)}
 
 
 def test_a_lost_gpu_is_the_first_cause(prometheus, capsys):
