@@ -12,10 +12,12 @@ EMPTY_VECTOR = b'{"status":"success","data":{"resultType":"vector","result":[]}}
 
 class RawServer:
     """Serves each connection on 127.0.0.1 with `answer(connection, stop)` once the request's head
-    is read; `requests` holds the heads. A context manager: leaving it stops every answer."""
+    is read (at once with `read_request=False`: a TLS client waits for the server to speak);
+    `requests` holds the heads. A context manager: leaving it stops every answer."""
 
-    def __init__(self, answer: Callable[[socket.socket, threading.Event], None]) -> None:
+    def __init__(self, answer: Callable[[socket.socket, threading.Event], None], read_request: bool = True) -> None:
         self.answer = answer
+        self.read_request = read_request
         self.requests: list[bytes] = []
         self.stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -50,7 +52,7 @@ class RawServer:
             try:
                 connection.settimeout(10)
                 head = b""
-                while b"\r\n\r\n" not in head and len(head) < 65536:
+                while self.read_request and b"\r\n\r\n" not in head and len(head) < 65536:
                     chunk = connection.recv(4096)
                     if not chunk:
                         return
@@ -97,6 +99,11 @@ def bad_status_line(connection: socket.socket, _stop: threading.Event) -> None:
 def truncated(connection: socket.socket, _stop: threading.Event) -> None:
     """A body cut short of its Content-Length, then the connection closed."""
     connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + EMPTY_VECTOR[:20])
+
+
+def silent(_connection: socket.socket, stop: threading.Event) -> None:
+    """The request is read, then nothing comes back until the server stops."""
+    stop.wait()
 
 
 def disconnect(connection: socket.socket, _stop: threading.Event) -> None:

@@ -26,6 +26,8 @@ FAULTS = {
     "bad_status_line": "BadStatusLine: SPAM \\x1b[31mSPAM\\r\\n",
     "truncated": "IncompleteRead",
     "disconnect": "RemoteDisconnected",
+    "silent": "within 1 s",
+    "tls_to_plain": "[SSL",  # https:// to a server that answers in plain HTTP
 }
 
 
@@ -38,11 +40,13 @@ def dualtrack(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_explain_gets_one_line_from_a_misbehaving_server(fault):
-    with hostile.RawServer(getattr(hostile, fault)) as server:
-        result = dualtrack("explain", "r1", "--prometheus", server.url, "--prometheus-timeout", "1")
+    answer = hostile.empty_vector if fault == "tls_to_plain" else getattr(hostile, fault)
+    with hostile.RawServer(answer, read_request=fault != "tls_to_plain") as server:
+        url = server.url.replace("http://", "https://") if fault == "tls_to_plain" else server.url
+        result = dualtrack("explain", "r1", "--prometheus", url, "--prometheus-timeout", "1")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith(f"dualtrack explain: error: {server.url}: query failed (query): ")
+    assert result.stderr.startswith(f"dualtrack explain: error: {url}: query failed (query): ")
     assert FAULTS[fault] in result.stderr
 
 
