@@ -3,10 +3,13 @@ their PID namespace and their PID in it (a process started under `unshare --pid`
 whose `processes` file lists those host PIDs."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import astuple
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -27,6 +30,25 @@ UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-p
 
 def own_namespace(pid: int | str = "self") -> str:
     return str(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+
+
+def as_nobody(read: Callable[[], object]) -> object:
+    """`read()` in a forked child running as nobody (uid and gid 65534, no capabilities)."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(writer, json.dumps(read()).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as answer:
+        text = answer.read()
+    os.waitpid(child, 0)
+    return [tuple(item) for item in json.loads(text)]
 
 
 def listing(tmp_path: Path, *pids: int) -> str:
@@ -100,6 +122,18 @@ def test_a_process_in_its_own_pid_namespace_carries_that_namespace_and_its_pid_i
     found = {s["pid"]: (s["pid_namespace"], s["namespace_pid"])
              for s in rig.series("nvml_gpu_process_memory_used_bytes")}
     assert found == {str(inner): (own_namespace(inner), "1"), str(host.pid): (own_namespace(), str(host.pid))}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads as another user: needs root to switch")
+def test_without_ptrace_rights_a_host_process_is_known_by_its_nspid_and_a_container_one_is_unknown(waiting):
+    """An exporter running as another user, without CAP_SYS_PTRACE (compose: uid 10001, no
+    capabilities), may not read a process's ns/pid link. A process with a single NSpid field is in
+    the exporter's own (host) namespace all the same; one in a container of its own stays unknown."""
+    shell = waiting([*UNSHARE, sys.executable, "-c", "import sys; print('in', flush=True); sys.stdin.read()"])
+    [inner] = wait_until(lambda: children(shell.pid), 10, what="the process unshare forked")
+    host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
+    assert as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-2:] for pid in (host.pid, inner)]) \
+        == [(own_namespace(), str(host.pid)), ("", "")]
 
 
 def test_outside_the_host_pid_namespace_the_namespace_is_unknown(tmp_path):

@@ -67,21 +67,25 @@ def pid_namespace(pid_link: Path) -> str:
     return match.group(1) if match else ""
 
 
-def namespace_pid(status: str) -> str:
-    """The PID in the process's own PID namespace: the last NSpid field of /proc/<pid>/status."""
+def nspid(status: str) -> list[str]:
+    """The NSpid fields of /proc/<pid>/status: its PID in our /proc's namespace, ..., in its own."""
     for line in status.splitlines():
         if line.startswith("NSpid:"):
             fields = line.split()[1:]
-            return fields[-1] if fields and fields[-1].isdigit() else ""
-    return ""
+            return fields if all(field.isdigit() for field in fields) else []
+    return []
 
 
-def identify(pid: int, proc_root: Path) -> ProcessIdentity:
-    """Name, PID namespace and workload attribution of a host PID; "" for what cannot be read."""
+def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdentity:
+    """Name, PID namespace and workload attribution of a host PID; "" for what cannot be read.
+
+    Reading another user's ns/pid link takes ptrace rights (the same uid, or CAP_SYS_PTRACE); where
+    it is refused, a process with one NSpid field is in our /proc's namespace, `own_namespace`."""
     base = proc_root / str(pid)
     name = _text(base / "comm").strip()
-    namespace = pid_namespace(base / "ns" / "pid")
-    inner = namespace_pid(_text(base / "status")) if namespace else ""
+    pids = nspid(_text(base / "status"))
+    namespace = pid_namespace(base / "ns" / "pid") or (own_namespace if len(pids) == 1 else "")
+    inner = pids[-1] if namespace and pids else ""
     container = pod = job = ""
     cgroup_paths = [line.split(":", 2)[-1] for line in _text(base / "cgroup").splitlines()]
     for path in cgroup_paths:
@@ -118,6 +122,7 @@ class ProcessesCollector(Collector):
         super().__init__(device, **kwargs)
         self.proc_root = Path(proc_root)
         self.host_pids = host_pids  # False: our /proc is another PID namespace's, never read it
+        self.own_namespace = pid_namespace(self.proc_root / "self" / "ns" / "pid") if host_pids else ""
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
 
@@ -139,8 +144,8 @@ class ProcessesCollector(Collector):
         seen: dict[int, ProcessIdentity] = {}
         for process in processes:
             pid = int(process.pid)
-            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root) if self.host_pids
-                                    else ProcessIdentity())
+            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
+                                    if self.host_pids else ProcessIdentity())
             ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, str(pid), identity.name,
                      identity.container_id, identity.pod_uid, identity.slurm_job_id, identity.pid_namespace,
                      identity.namespace_pid)
