@@ -255,13 +255,6 @@ def test_janitor_runs_and_authenticates(stack):
     assert stack.password("hook") not in once.stdout + once.stderr + logs
 
 
-def _evaluated_since(stack: Stack, group: str, since: float) -> bool:
-    """Whether Prometheus evaluated rule group `group` after `since` (Unix time, to the second)."""
-    groups = stack.get(9090, "/api/v1/rules").json()["data"]["groups"]
-    [last] = [g["lastEvaluation"] for g in groups if g["name"] == group]
-    return datetime.fromisoformat(last[:19] + "+00:00").timestamp() > since + 1
-
-
 def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a_co_tenant(stack):
     """The training container has its own PID namespace: its hook reports pid 1 there, NVML the host
     PID. The exporter (pid: host, uid 10001, no capabilities) reads the process's namespace and PID in
@@ -269,6 +262,7 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
     named co_tenant by the rules and by explain's query."""
     from dualtrack.explain import co_tenants
+    from tests.test_pid_namespace_e2e import evaluated_since
 
     stack.compose("up", "-d", "--no-deps", "training")
     trainer = stack.container("training")["State"]["Pid"]  # its PID 1, as the host numbers it
@@ -282,7 +276,7 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     assert (process["metric"]["pid"], process["metric"]["pid_namespace"], process["metric"]["namespace_pid"]) == (
         str(trainer), namespace, "1")
     seen = time.time()
-    wait_until(lambda: _evaluated_since(stack, "dualtrack-explain.rules", seen), 60, interval=1,
+    wait_until(lambda: evaluated_since(stack.get(9090, "/api/v1/rules"), "dualtrack-explain.rules", seen), 60, interval=1,
                what="an evaluation of the explain rules with the joined process")
     assert stack.query(f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}"}}') == []
     assert stack.query(co_tenants(f'uuid="{uuid}"', "5m")) == []

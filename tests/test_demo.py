@@ -110,7 +110,8 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     assert {s["metric"]["run"]: s["metric"]["uuid"] for s in joined} == {
         run.name: simulated_uuid(gpu) for gpu, run in enumerate(sweep(2))}
     seen = time.time()
-    wait_until(lambda: evaluated_since(prometheus, "dualtrack-explain.rules", seen), 60,
+    wait_until(lambda: evaluated_since(requests.get(prometheus + "/api/v1/rules", timeout=5),
+                                               "dualtrack-explain.rules", seen), 60,
                what="an evaluation of the explain rules with the joined processes")
     assert query(prometheus, 'job_run_rank:training_infra_cause:score{job="demo",cause="co_tenant"}') == []
 
