@@ -197,8 +197,6 @@ class Reader:
         self.parents = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in joined if "uuid" in s["metric"]}
         self.instances = {s["metric"].get("rank", ""): s["metric"].get("gpu_instance", "") for s in joined}
         self.exporter_gpus = {rank: self.parents.get(rank, uuid) for rank, uuid in self.gpus.items()}
-        processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
-        self.pids = {s["metric"].get("pid") for s in processes}
 
     def by_rank(self, expr: str) -> dict[str, list[tuple[float, float]]]:
         """`expr` (with SEL for the run's label matchers) over the run, one value list per rank."""
@@ -414,6 +412,17 @@ def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+def co_tenants(selector: str, rng: str) -> str:
+    """GPU processes of no run in `rng` (rules/explain.yml's co_tenant join): a process is a run's when
+    its PID namespace and its PID in it are a run's pid_namespace and pid (the hook's
+    training_process_info), or, for a run that reports no pid_namespace, when its host PID is the
+    run's pid. A process whose namespace the exporter could not read is never a co-tenant."""
+    return (f'max_over_time(nvml_gpu_process_memory_used_bytes{{pid_namespace!="",namespace_pid!="",{selector}}}[{rng}]) '
+            f'unless on (pid_namespace, namespace_pid) '
+            f'label_join(last_over_time(training_process_info[{rng}]), "namespace_pid", "", "pid") '
+            f'unless on (pid) last_over_time(training_process_info{{pid_namespace=""}}[{rng}])')
+
+
 def find_causes(reader: Reader, event: Event) -> list[Cause]:
     """The infra evidence on the event's GPU (all the run's GPUs for a run-wide event), ranked."""
     wanted = RELEVANT[event.kind]
@@ -490,14 +499,12 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                                                        f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
                                     f"with {ratio:.0%} of {memory} used {where(uuid)}"))
         if "co_tenant" in wanted and whole:
-            procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{whole_sel}}}[{rng}]))", at)
+            procs = client.query(f"max by (uuid, pid, process) ({co_tenants(whole_sel, rng)})", at)
             for series in procs:
                 labels = series["metric"]
-                if labels.get("pid") in reader.pids:
-                    continue
                 uuid, used = labels.get("uuid", ""), float(series["value"][1])
                 name = labels.get("process") or "?"
-                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) not of this run on {uuid}, "
+                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) of no run on {uuid}, "
                                                  f"{used / 2**30:.1f} GiB", 0.7,
                                     f"with another process ({name}, pid {labels.get('pid')}) {where(uuid)}"))
     if "data_wait" in wanted:

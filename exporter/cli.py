@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--simulate.leak-minutes", dest="simulate_leak_minutes", type=_positive(float),
                           default=30.0, metavar="MINUTES",
                           help="memory-leak scenario: minutes until memory is full (default %(default)s)")
+    simulate.add_argument("--simulate.processes", dest="simulate_processes", default=None, metavar="FILE",
+                          help="the host processes the simulated GPUs run, a 'GPU PID' line each (read at "
+                          "every sample; default: the exporter's own PID on every GPU)")
     return parser
 
 
@@ -165,7 +168,8 @@ def open_nvml(args: argparse.Namespace, simulator: Callable[..., SimulatedNVML] 
         lib = pynvml
     else:
         lib = simulator(args.simulate, args.simulate_gpus, call_cost=args.simulate_call_cost,
-                        phase_seconds=args.simulate_phase_seconds, leak_minutes=args.simulate_leak_minutes)
+                        phase_seconds=args.simulate_phase_seconds, leak_minutes=args.simulate_leak_minutes,
+                        processes=args.simulate_processes)
     nvml = Nvml(lib)
     nvml.init()
     return nvml

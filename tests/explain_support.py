@@ -31,6 +31,14 @@ LOST_FAIL = 30.0
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
 OOM_AT = 3000.0
+#: Each rank trains in a container of its own: pid CONTAINER_PID in PID namespace container_namespace(rank),
+#: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE).
+CONTAINER_PID = 7
+HOST_NAMESPACE = 4026531836
+
+
+def container_namespace(rank: int) -> int:
+    return 4026532500 + rank
 
 
 @dataclass
@@ -129,7 +137,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')
-            lines.append(f'training_process_info{{{train},pid="{1000 + rank}",hostname="{host}"}} 1{ts}')
+            lines.append(f'training_process_info{{{train},pid="{CONTAINER_PID}",hostname="{host}",'
+                         f'pid_namespace="{container_namespace(rank)}"}} 1{ts}')
             # What rules/recording.yml records: the rank's exporter GPU (a MIG instance's parent).
             mig = f',gpu_instance="1",mig_uuid="{hook_uuid}"' if hook_uuid != uuid else ""
             lines.append(f'job_run_rank_gpu:training_gpu_info:nvml{{{train},gpu="{rank % 8}",uuid="{uuid}"{mig}}} 1{ts}')
@@ -157,14 +166,16 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
-            processes = [(str(1000 + rank), "python3", 61 * 2**30)]
+            # NVML names the host pid; the exporter adds its PID namespace and its pid in it
+            processes = [(str(1000 + rank), "python3", 61 * 2**30, container_namespace(rank), CONTAINER_PID)]
             if mig:  # a server in the parent's other GPU instance: isolated from the rank's, no co-tenant
-                processes.append(("4343", "tritonserver", 10 * 2**30))
+                processes.append(("4343", "tritonserver", 10 * 2**30, HOST_NAMESPACE, 4343))
             if now.co_tenant:
-                processes.append(("4242", "stress-ng", 12 * 2**30))
-            for pid, name, used in processes:
+                processes.append(("4242", "stress-ng", 12 * 2**30, HOST_NAMESPACE, 4242))
+            for pid, name, used, namespace, inner in processes:
                 lines.append(f'nvml_gpu_process_memory_used_bytes{{{gpu},pid="{pid}",process="{name}",'
-                             f'container_id="",pod_uid="",slurm_job_id=""}} {used}{ts}')
+                             f'container_id="",pod_uid="",slurm_job_id="",pid_namespace="{namespace}",'
+                             f'namespace_pid="{inner}"}} {used}{ts}')
             if scenario in ("xid", "mig") and rank == ranks - 1 and at >= FAULT_AT:
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
             at += scrape

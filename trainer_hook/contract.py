@@ -186,6 +186,11 @@ def numeric_id(batch_id: Any) -> float:
 
 
 # ---------------------------------------------------------------------- the exported state
+#: Keys of the record's start line that say which process wrote it (format 2; pid_namespace since it
+#: is known: with pid, the pair the exporter's per-process series match across PID namespaces).
+START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace")
+
+
 class ProcessIdentity(NamedTuple):
     """The pushing process (training_local_rank, training_world_size, training_process_info)."""
 
@@ -193,6 +198,7 @@ class ProcessIdentity(NamedTuple):
     world_size: int = 1
     pid: int = 0
     hostname: str = ""
+    pid_namespace: str = ""  # inode of the PID namespace `pid` is in (decimal): with `pid`, what NVML's host PID is
 
 
 @dataclass

@@ -16,8 +16,8 @@ from prometheus_client import start_http_server
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
-from .contract import (DROP_REASONS, FORMAT_VERSION, Dropped, ProcessIdentity, Snapshot, config_labels,
-                       merge_maxima, metric_suffix)
+from .contract import (DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
+                       config_labels, merge_maxima, metric_suffix)
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
@@ -36,6 +36,17 @@ HARD_PENDING = 65536
 _STEP_KEY = "step"
 #: Characters of an exception's text kept in the record's end line.
 MAX_MESSAGE = 2000
+
+
+def own_pid_namespace() -> str:
+    """The inode (decimal) of this process's PID namespace, "" where /proc does not say. With
+    os.getpid() it names this process as the exporter's per-process series do, in a container too."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+    inode = link.removeprefix("pid:[").removesuffix("]")
+    return inode if inode.isdigit() else ""
 
 
 class TrainingMonitor:
@@ -82,7 +93,8 @@ class TrainingMonitor:
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
-        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname())
+        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
+                                        own_pid_namespace())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()
@@ -116,11 +128,11 @@ class TrainingMonitor:
         lifecycle.register(self)
 
     def _start_line(self) -> dict[str, Any]:
-        """The record's first line: who wrote it (format 2 adds local_rank, world_size and pid)."""
+        """The record's first line: who wrote it (format 2 adds START_PROCESS_KEYS)."""
         s = self.settings
         return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
-                "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size,
-                "instance": s.instance, "pid": self._pid, "config": self._run_labels}
+                "rank": s.rank, **{key: getattr(self._process, key) for key in START_PROCESS_KEYS},
+                "instance": s.instance, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
