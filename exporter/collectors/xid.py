@@ -21,32 +21,11 @@ from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import LOST_ERROR_NAMES, Absent, CallFailed, Device, GpuLost, Nvml, handle_key
+from exporter.xids import meaning
 
 log = logging.getLogger(__name__)
 WAIT_MS = 500
 LOG_EVERY = 60.0  # seconds between two log lines for the same GPU and XID
-
-#: What the common XIDs mean, after NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors).
-XID_MEANINGS: dict[int, str] = {
-    13: "graphics engine exception, usually the application",
-    31: "GPU memory page fault, usually the application",
-    43: "GPU stopped processing, usually the application",
-    48: "double-bit ECC error (memory)",
-    63: "ECC page retirement or row remapping recorded (memory)",
-    64: "ECC page retirement or row remapping failed (memory)",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate (memory)",
-    94: "contained ECC error (memory)",
-    95: "uncontained ECC error (memory)",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-}
-
-
-def describe_xid(xid: int) -> str:
-    return XID_MEANINGS.get(xid, "see NVIDIA's XID catalog")
-
 
 class XidWatcher:
     """Counts XID events for a set of GPUs from one NVML event set, in a background thread."""
@@ -179,7 +158,7 @@ class XidWatcher:
             self._logged[(index, xid)] = (last, unlogged + 1)
             return
         more = f" (and {unlogged} more since the last line)" if unlogged else ""
-        log.warning("GPU %d: XID %d: %s%s", index, xid, describe_xid(xid), more)
+        log.warning("GPU %d: XID %d: %s%s", index, xid, meaning(xid), more)
         self._logged[(index, xid)] = (now, 0)
 
 
