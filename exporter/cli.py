@@ -200,15 +200,20 @@ def main(argv: Sequence[str] | None = None, simulator: Callable[..., SimulatedNV
     return serve(args, nvml, web_config, stop)
 
 
+def kernel_log_path(args: argparse.Namespace) -> str:
+    """The kernel log read for XIDs: --collector.xid.kernel-log; not given, the host's, unless the GPUs
+    are simulated (their bus ids are made up); "" when not read."""
+    if args.collector_xid_kernel_log is not None:
+        return args.collector_xid_kernel_log
+    return "" if args.simulate else kernellog.DEFAULT_PATH
+
+
 def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Event) -> int:
     """Run the sampler and the web server until `stop` is set."""
     enabled = [c.name for c in ALL if getattr(args, f"collector_{c.name}")]
     try:
-        kernel_log = args.collector_xid_kernel_log
-        if kernel_log is None:  # not given: the host's kernel log, unless the GPUs are simulated
-            kernel_log = "" if args.simulate else kernellog.DEFAULT_PATH
         sampler = Sampler(nvml, enabled, interval=args.sample_interval, idle_threshold=args.idle_threshold,
-                          simulated=args.simulate is not None, xid_kernel_log=kernel_log)
+                          simulated=args.simulate is not None, xid_kernel_log=kernel_log_path(args))
     except Exception as exc:  # noqa: BLE001 - e.g. the GPU list cannot be read at all
         print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
         return 1

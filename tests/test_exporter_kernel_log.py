@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.cli import kernel_log_path, parse_args
 from exporter.collectors.xid import MATCH_WINDOW, XidCounts
 from exporter.kernellog import bus_key, parse_xid
 from stack import processes
@@ -168,3 +170,38 @@ def test_the_real_dev_kmsg_is_followed_from_its_end(tmp_path):
         assert rig.sampler.kernel_log._fd is not None
     finally:
         assert rig.sampler.stop()
+
+
+def errors_served(service: processes.Service) -> dict[str, float]:
+    text = requests.get(service.url + "/metrics", timeout=5).text
+    return {s.labels["error"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "nvml_exporter_errors_total" and s.labels["collector"] == "xid"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1"
+                    or not shutil.which("setpriv"), reason="needs root, setpriv and kernel.dmesg_restrict=1")
+def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_service):
+    """The real /dev/kmsg under kernel.dmesg_restrict=1, with the rights each deployment grants."""
+    unprivileged = ["--reuid=10001", "--regid=10001", "--clear-groups"]
+    grants = {  # the Dockerfile's user with no capability: refused, one warning, the scrape unaffected
+              "none": [*unprivileged, "--inh-caps=-all", "--bounding-set=-all"],
+              # systemd: DynamicUser with AmbientCapabilities=CAP_SYSLOG
+              "systemd": [*unprivileged, "--inh-caps=+syslog", "--ambient-caps=+syslog", "--bounding-set=-all,+syslog"],
+              # compose and Kubernetes: uid 0 with CAP_SYSLOG alone (cap_drop ALL, cap_add SYSLOG)
+              "compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog"]}
+    for name, rights in grants.items():
+        service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
+                                                "--collector.xid.kernel-log=/dev/kmsg"])
+        service.argv[:0] = ["setpriv", *rights, "--"]
+        exporter = start_service(service)
+        assert errors_served(exporter) == ({"kernel_log_eperm": 1.0} if name == "none" else {}), name
+        exporter.stop()
+        assert exporter.proc.returncode == 0, exporter.log_tail()
+
+
+def test_the_flag_defaults_to_dev_kmsg_and_an_empty_value_turns_it_off():
+    assert kernel_log_path(parse_args([], environ={})) == "/dev/kmsg"
+    assert kernel_log_path(parse_args(["--simulate=healthy"], environ={})) == ""  # made-up bus ids
+    assert kernel_log_path(parse_args(["--simulate=healthy", "--collector.xid.kernel-log=/x"], environ={})) == "/x"
+    assert kernel_log_path(parse_args([], environ={"DUALTRACK_EXPORTER_COLLECTOR_XID_KERNEL_LOG": ""})) == ""
+    assert kernel_log_path(parse_args(["--collector.xid.kernel-log="], environ={})) == ""
