@@ -76,14 +76,12 @@ class KernelLogReader:
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> bool:
-        """Stop and join the thread (it never blocks in a read), then close the file."""
+        """Stop and join the thread (it never blocks in a read), then close the file; False if it is still running."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
-        self._close()
-        return True
+        running = self._thread is not None and (self._thread.join(timeout) or self._thread.is_alive())
+        if not running:
+            self._close()
+        return not running
 
     def _open(self, at_end: bool) -> bool:
         try:
