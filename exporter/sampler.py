@@ -196,6 +196,8 @@ class GpuSampler:
             return False
         log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)
         self.lost = False
+        for collector in self.collectors:
+            collector.restart()
         self.on_return(self.device)
         return True
 

@@ -12,7 +12,8 @@ A plan file, as `python -m tests.faulty_exporter --faults=FILE` and `FaultyNVML`
 
 `devices` changes what a GPU has (exporter.simulated.DeviceTraits); `at`/`until` are seconds since
 start; `times` caps how often a rule fires; `error` is a pynvml error class suffix
-(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events.
+(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events. A registration for
+events that fails with "Unknown" leaves its event set undefined, as nvml.h says: waits on it fail.
 """
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ class FaultyNVML(SimulatedNVML):
                     self.fall_off_bus(gpu)
                 if fault.error:
                     raise getattr(pynvml, f"NVMLError_{fault.error}")()
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        try:
+            super().nvmlDeviceRegisterEvents(handle, event_types, event_set)
+        except pynvml.NVMLError_Unknown:  # nvml.h: the set is then undefined and must be freed
+            self.undefine_event_set(event_set)
+            raise
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
         for fault in self.faults:

@@ -103,8 +103,7 @@ class XidWatcher:
         except (Absent, CallFailed) as exc:
             log.info("XID events unavailable (%s): nvml_gpu_xid_errors_total will not be exported", exc)
             return
-        for device in self.devices:
-            self._register(device)
+        self._register_all(self.devices)
         if self._by_handle:
             self._thread = threading.Thread(target=self._run, name="xid-events", daemon=True)
             self._thread.start()
@@ -119,21 +118,33 @@ class XidWatcher:
         with self._lock:
             self._returned.append(device)
 
-    def _register(self, device: Device) -> None:
+    def _register(self, device: Device) -> bool:
+        """Register `device` on the current set; False if that left the set undefined (UNKNOWN)."""
         try:
             device.call("nvmlDeviceRegisterEvents", self.nvml.lib.nvmlEventTypeXidCriticalError, self._event_set)
         except (Absent, CallFailed, GpuLost) as exc:
             log.info("GPU %d: XID events unavailable (%s)", device.index, exc)
-            return
+            return getattr(exc, "error", "") != "unknown"
         with self._lock:
             self._by_handle = {key: index for key, index in self._by_handle.items() if index != device.index}
             self._by_handle[handle_key(device.handle)] = device.index
+        return True
 
-    def _renew(self) -> None:
-        """Move to a new event set with every GPU that still registers, and free the old one.
+    def _register_all(self, devices: list[Device], left_out: tuple[int, ...] = ()) -> None:
+        """Register `devices` on the current set. A registration answered UNKNOWN leaves the set in an
+        undefined state that must be freed (nvml.h): the set is renewed without that GPU, which is left
+        out until it comes back (`register`)."""
+        undefined = tuple(device.index for device in devices if not self._register(device))
+        if undefined:
+            self._renew(left_out + undefined)
+
+    def _renew(self, left_out: tuple[int, ...] = ()) -> None:
+        """Move to a new event set with every GPU that still registers (but those `left_out`), and free
+        the old one.
 
         A GPU registered on a set that falls off the bus fails every wait on it, masking the other
-        GPUs' XIDs; it is left out until it comes back (`register`). Run by the event thread only.
+        GPUs' XIDs; it is left out until it comes back (`register`). Run by the event thread only
+        (or by `start`, before it runs).
         """
         try:
             event_set = self.nvml.call("nvmlEventSetCreate")
@@ -143,8 +154,7 @@ class XidWatcher:
         old, self._event_set = self._event_set, event_set
         with self._lock:
             self._by_handle = {}
-        for device in self.devices:
-            self._register(device)
+        self._register_all([device for device in self.devices if device.index not in left_out], left_out)
         try:
             self.nvml.call("nvmlEventSetFree", old)
         except (Absent, CallFailed) as exc:
@@ -170,8 +180,7 @@ class XidWatcher:
         while not self._stop.is_set():
             with self._lock:
                 returned, self._returned = self._returned, []
-            for device in returned:
-                self._register(device)
+            self._register_all(returned)
             try:
                 data = self.nvml.call("nvmlEventSetWait", self._event_set, WAIT_MS)
             except CallFailed as exc:
