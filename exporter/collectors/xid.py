@@ -82,6 +82,7 @@ class XidCounts:
         with self._lock:
             return dict(self._counts.get(index, {}))
 
+
 class XidWatcher:
     """Counts XID events for a set of GPUs from one NVML event set, in a background thread."""
 
@@ -101,7 +102,8 @@ class XidWatcher:
         try:
             self._event_set = self.nvml.call("nvmlEventSetCreate")
         except (Absent, CallFailed) as exc:
-            log.info("XID events unavailable (%s): nvml_gpu_xid_errors_total will not be exported", exc)
+            log.info("XID events unavailable from NVML (%s): nvml_gpu_xid_errors_total counts the kernel log's "
+                     "XIDs only (if it is read)", exc)
             return
         self._register_all(self.devices)
         if self._by_handle:
