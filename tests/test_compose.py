@@ -281,6 +281,9 @@ def test_exporter_gets_gpus_host_pids_and_no_privileges():
     assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
     assert "no-new-privileges:true" in exporter["security_opt"]
     assert "privileged" not in exporter
+    # the kernel log's XIDs: /dev/kmsg read-only and CAP_SYSLOG, which Docker gives to uid 0 only
+    assert exporter["devices"] == ["/dev/kmsg:/dev/kmsg:r"] and exporter["cap_add"] == ["SYSLOG"]
+    assert exporter["user"] == "0:0"
 
 
 def test_keys_debian_docker_compose_rejects_are_absent():

@@ -202,6 +202,10 @@ def test_exporter_serves_gpu_series_over_tls_with_basic_auth(stack):
     response = stack.get(9942, "/metrics", user="prometheus")
     assert response.status_code == 200
     assert 'nvml_gpu_info{' in response.text and "nvml_gpu_utilization" in response.text
+    # the kernel log (/dev/kmsg) opens with the compose file's rights: no "kernel_log_..." error
+    assert 'nvml_exporter_errors_total{collector="xid"' not in response.text
+    logs = stack.podman("logs", stack.container("exporter")["Id"], check=False)
+    assert "cannot read the kernel log" not in logs.stdout + logs.stderr
     assert requests.get(stack.url(9942) + "/metrics", verify=stack.ca, timeout=10).status_code == 401
     with pytest.raises(requests.exceptions.SSLError):  # TLS, with the certificate of the stack's CA
         requests.get(stack.url(9942) + "/metrics", timeout=10)
