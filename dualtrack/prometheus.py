@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from .connection import Endpoint, opener, resolve, shown, warn_plaintext
+from .connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
 
@@ -51,31 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"CA certificate for an https:// URL (default ${ENV_URL}_CA_FILE)")
 
 
-def _secret(path: Path | None, flag: str) -> str | None:
-    """The first line of a password or token file (never shown in an error)."""
-    if path is None:
-        return None
-    try:
-        return next(iter(path.read_text(encoding="utf-8").splitlines()), "").strip()
-    except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{flag} {str(path)!r} is not UTF-8 text") from None
-
-
 def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometheus | None":
     """The client the flags and environment describe; None when no URL is given. Raises ValueError."""
     url = args.prometheus or os.environ.get(ENV_URL) or None
     if url is None:
         return None
     username = args.prometheus_username or os.environ.get(f"{ENV_URL}_USERNAME") or None
-    password = _secret(args.prometheus_password_file, "--prometheus-password-file")
+    password = read_secret(args.prometheus_password_file, "--prometheus-password-file")
     if password is not None and username is None:
         raise ValueError("--prometheus-password-file needs --prometheus-username")
     if username is not None and password is None:
         password = os.environ.get(f"{ENV_URL}_PASSWORD", "")
     endpoint = resolve("prometheus", ENV_URL, url, (username, password) if username else None,
-                       _secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file"),
+                       read_secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file"),
                        args.prometheus_ca_file)
     warn_plaintext(endpoint, "Prometheus", warn)
     return Prometheus(endpoint)

@@ -1,0 +1,275 @@
+"""Prometheus Remote-Write 1.0 from the hook's own background thread: no Pushgateway, no janitor.
+
+Every published snapshot becomes one batch of samples stamped with the hook's publish time, carrying
+the series and labels Prometheus stores when it scrapes the Pushgateway with honor_labels (the
+grouping labels job/run/rank/instance on every series; `le` written as the Pushgateway writes it).
+Batches wait in a bounded queue (the oldest is dropped, and counted, when it is full); a sender thread
+POSTs them, several at a time, as snappy-compressed protobuf WriteRequests. 5xx, 429 and network
+errors are retried with capped exponential backoff, a bounded number of times; any other 4xx is the
+receiver refusing the data: dropped, counted in training_push_failures_total, warned about once.
+The training thread never waits on any of it (close() waits at most push_timeout + 1 s, as the
+Pushgateway's final push does).
+
+The final state is followed by stale markers `delete_after` seconds later (the spec's end of a
+series; the Pushgateway path deletes its group then): queries see the final state as long as they
+would through the Pushgateway, and nothing after.
+
+Needs `pip install 'dualtrack[remote-write]'` (protobuf and cramjam); the message types are built
+from prometheus/prompb's types.proto (Label, Sample, TimeSeries) and remote.proto (WriteRequest)
+at first use.
+"""
+from __future__ import annotations
+
+import http.client
+import logging
+import math
+import struct
+import threading
+import urllib.error
+import urllib.request
+from collections import deque
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Iterable, NamedTuple
+
+from dualtrack.connection import Endpoint, opener, shown
+
+from .contract import Snapshot
+from .exposition import families
+from .settings import Settings
+
+log = logging.getLogger("trainer_hook")
+
+PROTOCOL_VERSION = "0.1.0"
+#: The spec's staleness marker: a NaN no real sample may carry.
+STALE_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000002))[0]
+#: Batches (one per push interval) held while the receiver is slow or away: 10 min at 5 s.
+MAX_QUEUED_BATCHES = 120
+#: Batches sent in one request once a backlog built up.
+MAX_BATCHES_PER_REQUEST = 12
+#: Tries of one request on 5xx, 429 or a network error; then it is dropped and counted.
+MAX_ATTEMPTS = 5
+FIRST_BACKOFF = 0.5
+MAX_BACKOFF = 30.0
+#: Label values the Pushgateway re-exposes as numbers (Go's shortest float format).
+_NUMERIC_LABELS = ("le", "quantile")
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Batch(NamedTuple):
+    """One snapshot's samples: (sorted labels with __name__, value), all at `timestamp_ms`."""
+
+    timestamp_ms: int
+    samples: tuple[tuple[Labels, float], ...]
+
+
+# --------------------------------------------------------------------------- the protocol's messages
+_DOUBLE, _INT64, _STRING, _MESSAGE = 1, 3, 9, 11  # FieldDescriptorProto.TYPE_*
+#: message -> (field, number, type, repeated, message type): prompb, the fields Remote-Write 1.0 uses
+_SCHEMA: dict[str, tuple[tuple[str, int, int, bool, str], ...]] = {
+    "WriteRequest": (("timeseries", 1, _MESSAGE, True, "TimeSeries"),),
+    "TimeSeries": (("labels", 1, _MESSAGE, True, "Label"), ("samples", 2, _MESSAGE, True, "Sample")),
+    "Label": (("name", 1, _STRING, False, ""), ("value", 2, _STRING, False, "")),
+    "Sample": (("value", 1, _DOUBLE, False, ""), ("timestamp", 2, _INT64, False, "")),
+}
+_messages: dict[str, type] = {}
+
+
+def messages() -> dict[str, type]:
+    """The prompb message classes by name, built once; raises ValueError when protobuf is missing."""
+    if not _messages:
+        try:
+            from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+        except ImportError:
+            raise ValueError("remote write needs protobuf and cramjam: "
+                             "pip install 'dualtrack[remote-write]'") from None
+        proto = descriptor_pb2.FileDescriptorProto(name="dualtrack/prompb/remote.proto",
+                                                   package="prometheus", syntax="proto3")
+        for name, fields in _SCHEMA.items():
+            message = proto.message_type.add(name=name)
+            for field_name, number, kind, repeated, type_name in fields:
+                spec = message.field.add(name=field_name, number=number, type=kind,
+                                         label=3 if repeated else 1)
+                if type_name:
+                    spec.type_name = f".prometheus.{type_name}"
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(proto)
+        _messages.update({name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"prometheus.{name}"))
+                          for name in _SCHEMA})
+    return _messages
+
+
+def _snappy() -> Any:
+    try:
+        import cramjam
+    except ImportError:
+        raise ValueError("remote write needs protobuf and cramjam: "
+                         "pip install 'dualtrack[remote-write]'") from None
+    return cramjam.snappy
+
+
+def _go_float(text: str) -> str:
+    """A numeric label value as the Pushgateway re-exposes it: "1.0" -> "1", "0.25" -> "0.25"."""
+    value = float(text)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    shortest = repr(value)
+    return shortest[:-2] if shortest.endswith(".0") else shortest
+
+
+def batch(snapshot: Snapshot, identity: dict[str, str], timestamp: float) -> Batch:
+    """The samples Prometheus would store for `snapshot` pushed under `identity`, at `timestamp`."""
+    samples = []
+    for family in families(snapshot, {}):
+        for sample in family.samples:
+            labels = {name: (_go_float(value) if name in _NUMERIC_LABELS else value)
+                      for name, value in sample.labels.items()}
+            labels.update(identity)
+            labels["__name__"] = sample.name
+            value = float(sample.value)
+            samples.append((tuple(sorted((k, v) for k, v in labels.items() if v != "")),
+                            math.nan if math.isnan(value) else value))  # never the stale marker's NaN
+    return Batch(round(timestamp * 1000), tuple(samples))
+
+
+def stale(last: Batch, timestamp: float) -> Batch:
+    """Stale markers at `timestamp` for every series of `last`."""
+    return Batch(round(timestamp * 1000), tuple((labels, STALE_NAN) for labels, _ in last.samples))
+
+
+def encode(batches: Iterable[Batch]) -> bytes:
+    """One snappy-compressed (block format) WriteRequest: a series per label set, its samples in
+    time order (one per timestamp, the later batch winning)."""
+    series: dict[Labels, dict[int, float]] = {}
+    for one in batches:
+        for labels, value in one.samples:
+            series.setdefault(labels, {})[one.timestamp_ms] = value
+    m = messages()
+    request = m["WriteRequest"]()
+    for labels, points in series.items():
+        timeseries = request.timeseries.add()
+        timeseries.labels.extend(m["Label"](name=name, value=value) for name, value in labels)
+        timeseries.samples.extend(m["Sample"](value=points[ms], timestamp=ms) for ms in sorted(points))
+    return bytes(_snappy().compress_raw(request.SerializeToString()))
+
+
+class RemoteWriter:
+    """Queues each offered snapshot as a batch; a daemon thread writes them to the receiver."""
+
+    def __init__(self, settings: Settings, endpoint: Endpoint) -> None:
+        """Raises ValueError (missing libraries, unusable TLS files) before anything starts."""
+        messages()
+        _snappy()
+        self.settings = settings
+        self.failures = 0  # requests or batches not accepted: training_push_failures_total
+        self._url = endpoint.url
+        self._open = opener(endpoint)
+        self._identity = {"job": settings.job, **settings.grouping_key}
+        self._headers = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
+                         "X-Prometheus-Remote-Write-Version": PROTOCOL_VERSION,
+                         "User-Agent": f"dualtrack-trainer-hook/{_version()}"}
+        self._queue: deque[Batch] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._abort = threading.Event()  # ends a backoff wait at close
+        self._warned_rejected = False
+        self._outage = 0  # consecutive requests given up on
+        self._thread = threading.Thread(target=self._run, name="trainer_hook-remote-write", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the monitor's side
+    def offer(self, snapshot: Snapshot) -> None:
+        """Queue `snapshot`'s samples, stamped with its publish time (the oldest batch goes when full)."""
+        self._enqueue(batch(snapshot, self._identity, snapshot.published))
+
+    def finish(self, final: Snapshot) -> None:
+        """Queue the final state (and its stale markers `delete_after` s later), then wait at most
+        push_timeout + 1 s for the queue to be written."""
+        last = batch(final, self._identity, final.published)
+        self._enqueue(last)
+        if self.settings.delete_after is not None:
+            self._enqueue(stale(last, final.published + self.settings.delete_after))
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(self.settings.push_timeout + 1.0)
+        self._abort.set()
+
+    def _enqueue(self, item: Batch) -> None:
+        with self._cond:
+            if len(self._queue) >= MAX_QUEUED_BATCHES:
+                self._queue.popleft()
+                self.failures += 1
+                if self._outage == 0:
+                    log.warning("remote write to %s falls behind: dropped the oldest batch of samples "
+                                "(queue of %d full); counted in training_push_failures_total",
+                                shown(self._url), MAX_QUEUED_BATCHES)
+                    self._outage = 1
+            self._queue.append(item)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the sender thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batches = [self._queue.popleft()
+                           for _ in range(min(len(self._queue), MAX_BATCHES_PER_REQUEST))]
+            try:
+                self._write(encode(batches))
+            except Exception:  # noqa: BLE001 - a bug here must not end writing
+                log.exception("trainer_hook internal error in remote write; training continues")
+
+    def _write(self, body: bytes) -> None:
+        """POST `body` until accepted, refused (4xx) or MAX_ATTEMPTS retryable failures."""
+        delay = FIRST_BACKOFF
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            status, detail = self._post(body)
+            if 200 <= status < 300:
+                if self._outage:
+                    log.warning("remote write to %s works again", shown(self._url))
+                    self._outage = 0
+                return
+            if status != 429 and 300 <= status < 500:
+                self.failures += 1
+                if not self._warned_rejected:
+                    self._warned_rejected = True
+                    log.warning("remote write to %s refused the samples (%s): dropped; training "
+                                "continues (counted in training_push_failures_total, warned once)",
+                                shown(self._url), detail)
+                return
+            if attempt == MAX_ATTEMPTS or self._abort.wait(min(delay, MAX_BACKOFF)):
+                break
+            delay *= 2
+        self.failures += 1
+        if self._outage == 0:
+            log.warning("remote write to %s failed %d times (%s): samples dropped; training continues, "
+                        "retrying with the next batch (counted in training_push_failures_total)",
+                        shown(self._url), MAX_ATTEMPTS, detail)
+        self._outage += 1
+
+    def _post(self, body: bytes) -> tuple[int, str]:
+        """(HTTP status, a line for the log); status 0 for a network error."""
+        request = urllib.request.Request(self._url, data=body, method="POST", headers=self._headers)
+        try:
+            with self._open(request, self.settings.push_timeout) as response:
+                response.read()
+                return response.status, f"HTTP {response.status}"
+        except urllib.error.HTTPError as exc:
+            try:
+                answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
+            except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
+                answer = []
+            return exc.code, f"HTTP {exc.code}" + (f": {answer[0]}" if answer else "")
+        except (OSError, http.client.HTTPException) as exc:
+            return 0, str(exc) or type(exc).__name__
+
+
+def _version() -> str:
+    try:
+        return version("dualtrack")
+    except PackageNotFoundError:
+        return "0"
