@@ -124,13 +124,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: Path,
-             pushgateway_args: list[str] | None = None, shipped_flags: bool = True) -> dict[str, float]:
-    """One Pushgateway (as shipped, with processes.PUSHGATEWAY_LOAD_FLAGS unless not `shipped_flags`,
-    plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks; the figures of that run."""
+             pushgateway_args: list[str] | None = None) -> dict[str, float]:
+    """One Pushgateway (as shipped, plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks;
+    the figures of that run."""
     workdir.mkdir(parents=True, exist_ok=True)
     pushgateway = processes.pushgateway(workdir)
-    if not shipped_flags:
-        pushgateway.argv = [a for a in pushgateway.argv if a not in processes.PUSHGATEWAY_LOAD_FLAGS]
     pushgateway.argv += pushgateway_args or []
     pushgateway.start()
     prometheus = None
@@ -202,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4, help="load generator processes")
     parser.add_argument("--pushgateway-arg", action="append", default=[], metavar="FLAG",
                         help="extra Pushgateway flag, e.g. --pushgateway-arg=--persistence.interval=1m")
-    parser.add_argument("--pushgateway-defaults", action="store_true",
-                        help="without the flags the stack ships (--push.disable-consistency-check): the defaults")
+    parser.add_argument("--no-consistency-check", action="store_true",
+                        help="add --push.disable-consistency-check (faster, but one conflicting push "
+                             "makes /metrics answer 500 for every group: not shipped)")
     args = parser.parse_args(argv)
     payload = hook_payload()
-    shipped = [] if args.pushgateway_defaults else list(processes.PUSHGATEWAY_LOAD_FLAGS)
+    shipped = ["--push.disable-consistency-check"] if args.no_consistency_check else []
     samples = sum(1 for line in payload.decode().splitlines() if line and not line.startswith("#"))
     print(f"hook payload: {len(payload)} bytes, {samples} samples per rank; push every {PUSH_INTERVAL:g} s, "
           f"Prometheus scrapes every {SCRAPE_INTERVAL}; Pushgateway flags: {shipped + args.pushgateway_arg or 'none'}; "
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for ranks in args.ranks:
             figures.append(run_load(ranks, args.seconds, args.processes, payload, Path(scratch) / str(ranks),
-                                    args.pushgateway_arg, shipped_flags=not args.pushgateway_defaults))
+                                    shipped + args.pushgateway_arg))
             print(f"N={ranks} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'':48}" + "".join(f"{'N=' + str(f['ranks']):>12}" for f in figures))
     for label, key, fmt, *scale in ROWS:

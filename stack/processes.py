@@ -286,18 +286,12 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     return with_web_config(Service("prometheus", argv, port, workdir / "prometheus.log"), web_config, auth)
 
 
-# What lets one Pushgateway hold 2,000 ranks pushing every 5 s (docs/scaling.md): without it every
-# push is checked against every group the gateway holds, and it falls behind between 250 and 500 ranks.
-# Compose and Kubernetes pass the same flag. Safe on a gateway only the dualtrack hook pushes to.
-PUSHGATEWAY_LOAD_FLAGS = ("--push.disable-consistency-check",)
-
-
 def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
                 web_config: Path | None = None, auth: tuple[str, str] | None = None) -> Service:
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""
     port = port or free_port()
     argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn", *PUSHGATEWAY_LOAD_FLAGS]
+            "--log.level=warn"]  # consistency check on: a conflicting push is refused, not served
     # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data, which every
     # Pushgateway started here would share (and load stale groups from): always say which file.
     argv.append(f"--persistence.file={workdir / 'pushgateway.store' if persistence else ''}")
