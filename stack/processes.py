@@ -286,6 +286,22 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     return with_web_config(Service("prometheus", argv, port, workdir / "prometheus.log"), web_config, auth)
 
 
+#: The flag that makes Prometheus accept remote write at /api/v1/write (the hook's DUALTRACK_REMOTE_WRITE_URL).
+REMOTE_WRITE_RECEIVER = "--web.enable-remote-write-receiver"
+REMOTE_WRITE_PATH = "/api/v1/write"  # the same path on Prometheus and VictoriaMetrics
+
+
+def victoria_metrics(workdir: Path, port: int | None = None) -> Service:
+    """A single-node VictoriaMetrics (not yet started): remote write at REMOTE_WRITE_PATH, the Prometheus
+    query API at /api/v1/query. Samples are visible to queries 1 s after they arrive (30 s by default)."""
+    port = port or free_port()
+    data = workdir / "victoria-metrics-data"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [_binary("victoria-metrics"), f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={data}",
+            "-search.latencyOffset=1s", "-loggerLevel=WARN"]
+    return Service("victoria-metrics", argv, port, workdir / "victoria-metrics.log", ready_path="/health")
+
+
 def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
                 web_config: Path | None = None, auth: tuple[str, str] | None = None) -> Service:
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""

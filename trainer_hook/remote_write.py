@@ -132,9 +132,9 @@ def batch(snapshot: Snapshot, identity: dict[str, str], timestamp: float) -> Bat
     return Batch(round(timestamp * 1000), tuple(samples))
 
 
-def stale(last: Batch, timestamp: float) -> Batch:
-    """Stale markers at `timestamp` for every series of `last`."""
-    return Batch(round(timestamp * 1000), tuple((labels, STALE_NAN) for labels, _ in last.samples))
+def stale(series: Iterable[Labels]) -> tuple[tuple[Labels, float], ...]:
+    """Stale markers for `series` (at the timestamp of the batch they go into)."""
+    return tuple((labels, STALE_NAN) for labels in sorted(series))
 
 
 def encode(batches: Iterable[Batch]) -> bytes:
@@ -169,6 +169,7 @@ class RemoteWriter:
                          "X-Prometheus-Remote-Write-Version": PROTOCOL_VERSION,
                          "User-Agent": f"dualtrack-trainer-hook/{_version()}"}
         self._queue: deque[Batch] = deque()
+        self._written: set[Labels] = set()  # the series of the latest batch
         self._cond = threading.Condition()
         self._closing = False
         self._abort = threading.Event()  # ends a backoff wait at close
@@ -179,16 +180,22 @@ class RemoteWriter:
 
     # ------------------------------------------------------------------ the monitor's side
     def offer(self, snapshot: Snapshot) -> None:
-        """Queue `snapshot`'s samples, stamped with its publish time (the oldest batch goes when full)."""
-        self._enqueue(batch(snapshot, self._identity, snapshot.published))
+        """Queue `snapshot`'s samples, stamped with its publish time (the oldest batch goes when full),
+        with stale markers for the series the previous batch had and this one has not (as a scrape
+        of the Pushgateway would see them go)."""
+        current = batch(snapshot, self._identity, snapshot.published)
+        series = {labels for labels, _ in current.samples}
+        gone, self._written = self._written - series, series
+        self._enqueue(current._replace(samples=current.samples + stale(gone)) if gone else current)
 
     def finish(self, final: Snapshot) -> None:
-        """Queue the final state (and its stale markers `delete_after` s later), then wait at most
-        push_timeout + 1 s for the queue to be written."""
-        last = batch(final, self._identity, final.published)
-        self._enqueue(last)
+        """Queue the final state (and stale markers for all its series `delete_after` s later, when the
+        Pushgateway path deletes its group), then wait at most push_timeout + 1 s for the queue to be
+        written."""
+        self.offer(final)
         if self.settings.delete_after is not None:
-            self._enqueue(stale(last, final.published + self.settings.delete_after))
+            later = round(final.published * 1000) + round(self.settings.delete_after * 1000)
+            self._enqueue(Batch(later, stale(self._written)))
         with self._cond:
             self._closing = True
             self._cond.notify()
