@@ -22,7 +22,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
-from .settings import DEFAULT_DELETE_AFTER, resolve
+from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
 from .watch import ScalerWatch, on_step, sharding
@@ -54,7 +54,7 @@ class TrainingMonitor:
                  local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,
                  gpu_uuid: str | Iterable[str] | None = None, strict: bool = False,
-                 listen_port: int | None = None, listen_address: str = "127.0.0.1",
+                 listen_port: int | None = None, listen_address: str = DEFAULT_LISTEN_ADDRESS,
                  push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,

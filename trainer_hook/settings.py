@@ -29,6 +29,8 @@ ENV_TOKEN = "DUALTRACK_PUSHGATEWAY_TOKEN"
 ENV_CA_FILE = "DUALTRACK_PUSHGATEWAY_CA_FILE"
 ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and the credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
+ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS
+DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
 DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
 #: (rank, local rank, world size) variables per launcher, the innermost launcher first: torchrun
@@ -236,6 +238,7 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["run"] = run = _run(a["run"])
     a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
     a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
+    a["listen_port"], a["listen_address"] = _listen(a["listen_port"], a["listen_address"])
     listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
@@ -251,6 +254,19 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
     a["delete_after"] = _delete_after(a["delete_after"])
     return Settings(**a)
+
+
+def _listen(port: int | None, address: str) -> tuple[int | None, str]:
+    """Pull mode's port and address: the arguments, else $DUALTRACK_LISTEN_PORT / _ADDRESS (a pod that a
+    PodMonitor scrapes sets them in its environment); the address's default is loopback."""
+    env_port = os.environ.get(f"{ENV_LISTEN}_PORT", "").strip()
+    if port is None and env_port:
+        if not env_port.isdigit():
+            raise ValueError(f"${ENV_LISTEN}_PORT must be a TCP port number, got {env_port!r}")
+        port = int(env_port)
+    if address == DEFAULT_LISTEN_ADDRESS:
+        address = os.environ.get(f"{ENV_LISTEN}_ADDRESS", "").strip() or address
+    return port, address
 
 
 def _delete_after(value: float | None) -> float | None:
