@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -59,7 +60,7 @@ def hook_payload() -> bytes:
     config = {"model": "llama-7b", "optimizer": "adamw", "batch_size": 32, "lr": 3e-4, "seed": 1}
     with tempfile.TemporaryDirectory() as scratch:
         with TrainingMonitor(job="bench", run="capture", pushgateway=f"http://127.0.0.1:{server.server_port}",
-                             push_interval=60, config=config, rank=0, instance="node-0",
+                             push_interval=60, config=config, rank=0, instance="node-0", delete_after=None,
                              gpu_uuid="GPU-00000000-0000-0000-0000-000000000000",
                              record_path=Path(scratch) / "r.jsonl") as monitor:
             for step in range(20):
@@ -71,31 +72,42 @@ def hook_payload() -> bytes:
 
 def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, payload: bytes,
             results: "multiprocessing.Queue") -> None:
-    """Push for `ranks` every PUSH_INTERVAL from start_at for `seconds`; report (latencies, lateness, errors).
-
-    At most IN_FLIGHT pushes per process run at once; pushes still queued GRACE seconds after the last
-    one was due are dropped (counted as errors), so a saturated Pushgateway cannot stretch the run.
-    """
+    """PUT `payload` under each of `ranks`' grouping keys every PUSH_INTERVAL (see drive)."""
     local = threading.local()
-    latencies: list[float] = []
-    lateness: list[float] = []
-    errors = [0]
 
-    def push(rank: int, due: float) -> None:
+    def push(rank: int) -> bool:
         connection = getattr(local, "connection", None)
         if connection is None:
             connection = local.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=GRACE)
-        started = time.time()
         try:
             connection.request("PUT", f"/metrics/job/bench/run/load/rank/{rank}/instance/node-{rank // 8}",
                                body=payload, headers={"Content-Type": "text/plain; version=0.0.4"})
             response = connection.getresponse()
             response.read()
-            ok = response.status in (200, 202)
+            return response.status in (200, 202)
         except (OSError, http.client.HTTPException):
-            ok = False
             local.connection = None
             connection.close()
+            return False
+
+    drive(push, ranks, total, seconds, start_at, results)
+
+
+def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: float, start_at: float,
+          results: "multiprocessing.Queue") -> None:
+    """Call `send(rank)` (True: accepted) for `ranks` every PUSH_INTERVAL from start_at for `seconds`,
+    each rank at its own phase; report (latencies, lateness, errors) on `results`.
+
+    At most IN_FLIGHT sends per process run at once; sends still queued GRACE seconds after the last
+    one was due are dropped (counted as errors), so a saturated receiver cannot stretch the run.
+    """
+    latencies: list[float] = []
+    lateness: list[float] = []
+    errors = [0]
+
+    def timed(rank: int, due: float) -> None:
+        started = time.time()
+        ok = send(rank)
         finished = time.time()
         lateness.append(started - due)
         if ok:
@@ -111,7 +123,7 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
         delay = due - time.time()
         if delay > 0:
             time.sleep(delay)
-        futures.append(pool.submit(push, rank, due))
+        futures.append(pool.submit(timed, rank, due))
     wait(futures, timeout=GRACE)
     dropped = sum(future.cancel() for future in futures)
     pool.shutdown(wait=True)
