@@ -130,6 +130,28 @@ def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: fl
     results.put((latencies, lateness, errors[0] + dropped))
 
 
+def load(worker: Callable[..., None], port: int, payload: object, ranks: int, seconds: float, workers: int,
+         pid: int, lead: float) -> tuple[list[float], list[float], int, float]:
+    """Run `worker(port, its ranks, ranks, seconds, start_at, payload, results)` in `workers` processes,
+    starting `lead` seconds from now; (latencies, lateness, errors, CPU cores of process `pid` after
+    the first cycle)."""
+    results: multiprocessing.Queue = multiprocessing.Queue()
+    start_at = time.time() + lead
+    procs = [multiprocessing.Process(target=worker, args=(port, list(range(i, ranks, workers)), ranks, seconds,
+                                                          start_at, payload, results))
+             for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    time.sleep(max(0.0, start_at + PUSH_INTERVAL - time.time()))  # the first cycle creates the series
+    cpu_before, wall_before = cpu_seconds(pid), time.time()
+    gathered = [results.get(timeout=seconds + 3 * GRACE + 60) for _ in procs]
+    cpu = (cpu_seconds(pid) - cpu_before) / (time.time() - wall_before)
+    for proc in procs:
+        proc.join()
+    return ([x for got in gathered for x in got[0]], [x for got in gathered for x in got[1]],
+            sum(got[2] for got in gathered), cpu)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -150,22 +172,8 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
         prometheus = processes.prometheus(workdir, config, extra_args=["--enable-feature=extra-scrape-metrics"])
         prometheus.start()
         pid = pushgateway.proc.pid
-        results: multiprocessing.Queue = multiprocessing.Queue()
-        start_at = time.time() + 1.0
-        procs = [multiprocessing.Process(target=_worker, args=(pushgateway.port, list(range(i, ranks, workers)),
-                                                               ranks, seconds, start_at, payload, results))
-                 for i in range(workers)]
-        for proc in procs:
-            proc.start()
-        time.sleep(max(0.0, start_at + PUSH_INTERVAL - time.time()))  # first cycle fills the gateway
-        cpu_before, wall_before = cpu_seconds(pid), time.time()
-        gathered = [results.get(timeout=seconds + 3 * GRACE + 30) for _ in procs]
-        cpu = (cpu_seconds(pid) - cpu_before) / (time.time() - wall_before)
-        for proc in procs:
-            proc.join()
-        latencies = [x for got in gathered for x in got[0]]
-        lateness = [x for got in gathered for x in got[1]]
-        errors = sum(got[2] for got in gathered)
+        latencies, lateness, errors, cpu = load(_worker, pushgateway.port, payload, ranks, seconds, workers,
+                                                pid, lead=1.0)
         started = time.perf_counter()
         body = requests.get(pushgateway.url + "/metrics", timeout=60).content
         fetch = time.perf_counter() - started

@@ -29,8 +29,8 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_exporter import cpu_seconds, rss_mb  # noqa: E402
-from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, percentile, run_load  # noqa: E402
+from bench_exporter import rss_mb  # noqa: E402
+from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load  # noqa: E402
 from stack import processes  # noqa: E402
 from trainer_hook import remote_write  # noqa: E402
 from trainer_hook.contract import Snapshot  # noqa: E402
@@ -101,21 +101,8 @@ def run_remote_write(ranks: int, seconds: float, workers: int, snapshot: Snapsho
     prometheus.start()
     try:
         pid = prometheus.proc.pid
-        results: multiprocessing.Queue = multiprocessing.Queue()
-        start_at = time.time() + 5.0  # the workers build their requests first
-        procs = [multiprocessing.Process(target=_worker, args=(prometheus.port, list(range(i, ranks, workers)),
-                                                               ranks, seconds, start_at, snapshot, results))
-                 for i in range(workers)]
-        for proc in procs:
-            proc.start()
-        time.sleep(max(0.0, start_at + PUSH_INTERVAL - time.time()))  # the first cycle creates the series
-        cpu_before, wall_before = cpu_seconds(pid), time.time()
-        gathered = [results.get(timeout=seconds + 3 * GRACE + 60) for _ in procs]
-        cpu = (cpu_seconds(pid) - cpu_before) / (time.time() - wall_before)
-        for proc in procs:
-            proc.join()
-        latencies = [x for got in gathered for x in got[0]]
-        lateness = [x for got in gathered for x in got[1]]
+        latencies, lateness, errors, cpu = load(_worker, prometheus.port, snapshot, ranks, seconds, workers,
+                                                pid, lead=5.0)  # the workers build their requests first
         per_request = len(remote_write.batch(snapshot, {}, 0.0).samples)
         span = int(seconds / PUSH_INTERVAL) * PUSH_INTERVAL
         own = requests.get(prometheus.url + "/metrics", timeout=60).text
@@ -124,7 +111,7 @@ def run_remote_write(ranks: int, seconds: float, workers: int, snapshot: Snapsho
         return {"ranks": ranks, "samples_per_request": per_request,
                 "wanted_samples_per_s": ranks * per_request / PUSH_INTERVAL,
                 "accepted_samples_per_s": len(latencies) * per_request / span,
-                "errors": sum(got[2] for got in gathered),
+                "errors": errors,
                 "latency_p50_ms": percentile(latencies, 0.5) * 1000,
                 "latency_p99_ms": percentile(latencies, 0.99) * 1000,
                 "late_p99_ms": percentile(lateness, 0.99) * 1000,

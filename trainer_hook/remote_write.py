@@ -31,7 +31,9 @@ from collections import deque
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, NamedTuple
 
+from dualtrack import protobuf
 from dualtrack.connection import Endpoint, opener, shown
+from dualtrack.protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 
 from .contract import Snapshot
 from .exposition import families
@@ -64,13 +66,12 @@ class Batch(NamedTuple):
 
 
 # --------------------------------------------------------------------------- the protocol's messages
-_DOUBLE, _INT64, _STRING, _MESSAGE = 1, 3, 9, 11  # FieldDescriptorProto.TYPE_*
-#: message -> (field, number, type, repeated, message type): prompb, the fields Remote-Write 1.0 uses
-_SCHEMA: dict[str, tuple[tuple[str, int, int, bool, str], ...]] = {
-    "WriteRequest": (("timeseries", 1, _MESSAGE, True, "TimeSeries"),),
-    "TimeSeries": (("labels", 1, _MESSAGE, True, "Label"), ("samples", 2, _MESSAGE, True, "Sample")),
-    "Label": (("name", 1, _STRING, False, ""), ("value", 2, _STRING, False, "")),
-    "Sample": (("value", 1, _DOUBLE, False, ""), ("timestamp", 2, _INT64, False, "")),
+#: prompb's types.proto and remote.proto: the messages and fields Remote-Write 1.0 uses
+_SCHEMA: Schema = {
+    "WriteRequest": (("timeseries", 1, MESSAGE, True, "TimeSeries"),),
+    "TimeSeries": (("labels", 1, MESSAGE, True, "Label"), ("samples", 2, MESSAGE, True, "Sample")),
+    "Label": (("name", 1, STRING, False, ""), ("value", 2, STRING, False, "")),
+    "Sample": (("value", 1, DOUBLE, False, ""), ("timestamp", 2, INT64, False, "")),
 }
 _messages: dict[str, type] = {}
 
@@ -79,23 +80,10 @@ def messages() -> dict[str, type]:
     """The prompb message classes by name, built once; raises ValueError when protobuf is missing."""
     if not _messages:
         try:
-            from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+            _messages.update(protobuf.messages("dualtrack/prompb/remote.proto", "prometheus", _SCHEMA))
         except ImportError:
             raise ValueError("remote write needs protobuf and cramjam: "
                              "pip install 'dualtrack[remote-write]'") from None
-        proto = descriptor_pb2.FileDescriptorProto(name="dualtrack/prompb/remote.proto",
-                                                   package="prometheus", syntax="proto3")
-        for name, fields in _SCHEMA.items():
-            message = proto.message_type.add(name=name)
-            for field_name, number, kind, repeated, type_name in fields:
-                spec = message.field.add(name=field_name, number=number, type=kind,
-                                         label=3 if repeated else 1)
-                if type_name:
-                    spec.type_name = f".prometheus.{type_name}"
-        pool = descriptor_pool.DescriptorPool()
-        pool.Add(proto)
-        _messages.update({name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"prometheus.{name}"))
-                          for name in _SCHEMA})
     return _messages
 
 
