@@ -302,6 +302,17 @@ def victoria_metrics(workdir: Path, port: int | None = None) -> Service:
     return Service("victoria-metrics", argv, port, workdir / "victoria-metrics.log", ready_path="/health")
 
 
+def vmalert(workdir: Path, datasource_url: str, notifier_url: str, port: int | None = None,
+            evaluation_interval: str = "1s") -> Service:
+    """VictoriaMetrics' rule evaluator (not yet started) over the repo's rules/, reading `datasource_url`,
+    writing recording rules' results back there, sending alerts to the Alertmanager at `notifier_url`."""
+    port = port or free_port()
+    argv = [_binary("vmalert"), f"-httpListenAddr=127.0.0.1:{port}", f"-rule={RULES_DIR}/*.yml",
+            f"-datasource.url={datasource_url}", f"-remoteWrite.url={datasource_url}",
+            f"-notifier.url={notifier_url}", f"-evaluationInterval={evaluation_interval}", "-loggerLevel=WARN"]
+    return Service("vmalert", argv, port, workdir / "vmalert.log", ready_path="/health")
+
+
 def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
                 web_config: Path | None = None, auth: tuple[str, str] | None = None) -> Service:
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""

@@ -1,7 +1,7 @@
 """Remote write on two real engines: Debian's Prometheus with --web.enable-remote-write-receiver (the
 project's rules evaluate the remote-written series, and hold the same series and labels as a run
 pushed through the Pushgateway and scraped with honor_labels), and Debian's VictoriaMetrics (the run's
-series are queryable through its Prometheus API)."""
+series are queryable through its Prometheus API, and vmalert fires the same alert from the same rules)."""
 from __future__ import annotations
 
 import pytest
@@ -70,14 +70,27 @@ def test_remote_written_run_fires_the_rules_with_the_pushgateways_series(tmp_pat
     processes.wait_for_series(prometheus.url, f'training_run_state{{run="{runs["written"]}",state="finished"}} == 1', 30)
 
 
-def test_victoria_metrics_serves_the_runs_series(tmp_path, start_service):
+def test_victoria_metrics_serves_the_runs_series_and_vmalert_fires_the_rules(tmp_path, start_service):
     vm = start_service(processes.victoria_metrics(tmp_path))
+    alertmanager = start_service(processes.alertmanager(tmp_path, processes.render_alertmanager_config(
+        tmp_path, {"DUALTRACK_WEBHOOK_URL": "http://127.0.0.1:9/unused"})))
+    rules = start_service(processes.vmalert(tmp_path, vm.url, alertmanager.url))
     run = run_id("vm")
     monitor = TrainingMonitor(job="rw-test", run=run, instance="node-7", push_interval=0.2,
                               remote_write_url=vm.url + processes.REMOTE_WRITE_PATH, record_path=False)
     trainer = Trainer()
-    for _ in range(12):
+    for _ in range(10):
         trainer.train_step(monitor)
+    trainer.train_step(monitor, loss_scale=float("nan"), batch_id=4242)
+    trainer.train_step(monitor)
+
+    def firing() -> list[dict]:
+        alerts = requests.get(rules.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+        return [a for a in alerts if a["name"] == "TrainingLossNonFinite" and a["labels"].get("run") == run
+                and a["state"] == "firing"]
+
+    alert, = processes.wait_until(firing, 90, what="vmalert firing TrainingLossNonFinite")
+    assert "since step 10, batch 4242" in alert["annotations"]["description"]
     monitor.close()
     assert monitor._writer.failures == 0
     result = processes.wait_for_series(vm.url, f'training_steps_total{{run="{run}"}} == 12', 60)
