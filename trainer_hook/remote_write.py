@@ -162,6 +162,7 @@ class RemoteWriter:
         self._closing = False
         self._abort = threading.Event()  # ends a backoff wait at close
         self._warned_rejected = False
+        self._warned_full = False  # since the last accepted write
         self._outage = 0  # consecutive requests given up on
         self._thread = threading.Thread(target=self._run, name="trainer_hook-remote-write", daemon=True)
         self._thread.start()
@@ -195,11 +196,11 @@ class RemoteWriter:
             if len(self._queue) >= MAX_QUEUED_BATCHES:
                 self._queue.popleft()
                 self.failures += 1
-                if self._outage == 0:
+                if not self._warned_full:
+                    self._warned_full = True
                     log.warning("remote write to %s falls behind: dropped the oldest batch of samples "
                                 "(queue of %d full); counted in training_push_failures_total",
                                 shown(self._url), MAX_QUEUED_BATCHES)
-                    self._outage = 1
             self._queue.append(item)
             self._cond.notify()
 
@@ -224,6 +225,7 @@ class RemoteWriter:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             status, detail = self._post(body)
             if 200 <= status < 300:
+                self._warned_full = False
                 if self._outage:
                     log.warning("remote write to %s works again", shown(self._url))
                     self._outage = 0
