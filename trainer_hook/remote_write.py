@@ -231,7 +231,7 @@ class RemoteWriter:
                     self._outage = 0
                 return
             if status != 429 and 300 <= status < 500:
-                self.failures += 1
+                self._count_failure()
                 if not self._warned_rejected:
                     self._warned_rejected = True
                     log.warning("remote write to %s refused the samples (%s): dropped; training "
@@ -241,12 +241,16 @@ class RemoteWriter:
             if attempt == MAX_ATTEMPTS or self._abort.wait(min(delay, MAX_BACKOFF)):
                 break
             delay *= 2
-        self.failures += 1
+        self._count_failure()
         if self._outage == 0:
             log.warning("remote write to %s failed %d times (%s): samples dropped; training continues, "
                         "retrying with the next batch (counted in training_push_failures_total)",
-                        shown(self._url), MAX_ATTEMPTS, detail)
+                        shown(self._url), attempt, detail)
         self._outage += 1
+
+    def _count_failure(self) -> None:
+        with self._cond:  # the worker thread counts queue overflows under the same lock
+            self.failures += 1
 
     def _post(self, body: bytes) -> tuple[int, str]:
         """(HTTP status, a line for the log); status 0 for a network error."""
@@ -260,7 +264,8 @@ class RemoteWriter:
                 answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
             except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
                 answer = []
-            return exc.code, f"HTTP {exc.code}" + (f": {answer[0]}" if answer else "")
+            shown_answer = "".join(ch if ch.isprintable() else "?" for ch in answer[0]) if answer else ""
+            return exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else "")
         except (OSError, http.client.HTTPException) as exc:
             return 0, str(exc) or type(exc).__name__
 
