@@ -159,3 +159,13 @@ def test_basic_auth_never_reaches_the_log(tmp_path, caplog):
     with pytest.raises(ValueError, match="must not contain credentials") as error:
         monitor("http://user:s3cret-pw@127.0.0.1:1/api/v1/write", tmp_path)
     assert "s3cret-pw" not in str(error.value)
+
+
+def test_unusable_tls_files_fail_the_constructor_and_leave_nothing_behind(tmp_path):
+    bad_ca = tmp_path / "ca.crt"
+    bad_ca.write_text("not a certificate\n")
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="cannot use the TLS files"):
+        monitor("https://127.0.0.1:1/api/v1/write", tmp_path, ca_file=str(bad_ca))
+    assert not (tmp_path / "rec.jsonl").exists()
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("trainer_hook-")]

@@ -68,6 +68,7 @@ class TrainingMonitor:
             config = vars(config)
         self.settings = s = resolve(arguments)
         handler = make_handler(s) if s.pushgateway else None
+        self._writer = RemoteWriter(s, s.remote_write) if s.remote_write else None  # checks; starts nothing
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
@@ -106,7 +107,6 @@ class TrainingMonitor:
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
         self.record.write([self._start_line()])
         self._pusher = Pusher(s, handler) if handler else None
-        self._writer = RemoteWriter(s, s.remote_write) if s.remote_write else None
         self._latest = self._publish("running")
         self._offer(self._latest)
         if pushgateway is None and not s.pushgateway and s.listen_port is None and not s.remote_write:

@@ -145,7 +145,8 @@ class RemoteWriter:
     """Queues each offered snapshot as a batch; a daemon thread writes them to the receiver."""
 
     def __init__(self, settings: Settings, endpoint: Endpoint) -> None:
-        """Raises ValueError (missing libraries, unusable TLS files) before anything starts."""
+        """Raises ValueError (missing libraries, unusable TLS files); the thread starts with the first
+        batch, so a monitor whose construction fails later leaves nothing behind."""
         messages()
         _snappy()
         self.settings = settings
@@ -165,7 +166,6 @@ class RemoteWriter:
         self._warned_full = False  # since the last accepted write
         self._outage = 0  # consecutive requests given up on
         self._thread = threading.Thread(target=self._run, name="trainer_hook-remote-write", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ the monitor's side
     def offer(self, snapshot: Snapshot) -> None:
@@ -203,6 +203,8 @@ class RemoteWriter:
                                 shown(self._url), MAX_QUEUED_BATCHES)
             self._queue.append(item)
             self._cond.notify()
+            if self._thread.ident is None:
+                self._thread.start()
 
     # ------------------------------------------------------------------ the sender thread
     def _run(self) -> None:
