@@ -70,14 +70,17 @@ def test_remote_written_run_fires_the_rules_with_the_pushgateways_series(tmp_pat
     processes.wait_for_series(prometheus.url, f'training_run_state{{run="{runs["written"]}",state="finished"}} == 1', 30)
 
 
-def test_victoria_metrics_serves_the_runs_series_and_vmalert_fires_the_rules(tmp_path, start_service):
+def test_victoria_metrics_serves_the_runs_series_and_vmalert_fires_the_rules(tmp_path, start_service,
+                                                                           monkeypatch):
+    """A run with only DUALTRACK_REMOTE_WRITE_URL set (no Pushgateway anywhere)."""
     vm = start_service(processes.victoria_metrics(tmp_path))
     alertmanager = start_service(processes.alertmanager(tmp_path, processes.render_alertmanager_config(
         tmp_path, {"DUALTRACK_WEBHOOK_URL": "http://127.0.0.1:9/unused"})))
     rules = start_service(processes.vmalert(tmp_path, vm.url, alertmanager.url))
     run = run_id("vm")
-    monitor = TrainingMonitor(job="rw-test", run=run, instance="node-7", push_interval=0.2,
-                              remote_write_url=vm.url + processes.REMOTE_WRITE_PATH, record_path=False)
+    monkeypatch.delenv("DUALTRACK_PUSHGATEWAY", raising=False)
+    monkeypatch.setenv("DUALTRACK_REMOTE_WRITE_URL", vm.url + processes.REMOTE_WRITE_PATH)
+    monitor = TrainingMonitor(job="rw-test", run=run, instance="node-7", push_interval=0.2, record_path=False)
     trainer = Trainer()
     for _ in range(10):
         trainer.train_step(monitor)
