@@ -14,7 +14,7 @@ import pytest
 from stack import processes
 from tests.hook_support import record_lines
 from tests.remote_write_support import receiver
-from trainer_hook import TrainingMonitor, remote_write
+from trainer_hook import TrainingMonitor, push, remote_write
 from trainer_hook.remote_write import STALE_NAN
 
 
@@ -34,11 +34,13 @@ def is_stale(value: float) -> bool:
 
 def test_requests_follow_remote_write_1_0(tmp_path):
     with receiver() as (url, got):
-        mon = monitor(url, tmp_path, config={"Zeta": "", "lr": 0.1}, delete_after=20.0)
+        mon = monitor(url, tmp_path, config={"Zeta": "", "lr": 0.1}, delete_after=0.5)
         for step in range(20):
             mon.log({"loss": 1.0 / (step + 1)}, step=step)
         mon.log({"loss": float("nan")}, step=20)
         mon.close()
+        processes.wait_until(lambda: all(is_stale(samples[-1][1]) for samples in got[-1].series.values()),
+                             30, what="the stale markers delete_after (0.5 s) after the final state")
     assert got, "nothing was written"
     for request in got:
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -76,9 +78,11 @@ def test_requests_follow_remote_write_1_0(tmp_path):
     states = {labels["state"]: samples for labels, samples in by_name["training_run_state"]}
     final_ms, final = [(ms, v) for ms, v in states["finished"] if not is_stale(v)][-1]
     assert final == 1.0
-    # then stale markers for every series, delete_after (20 s) after the final state
-    assert {(is_stale(samples[-1][1]), samples[-1][0] - final_ms) for samples in got[-1].series.values()} \
-        == {(True, 20_000)}
+    # then, delete_after later, one request of stale markers for every series of the final state
+    final_series = {labels for labels, samples in series.items() if any(ms == final_ms for ms, _ in samples)}
+    assert set(got[-1].series) == final_series
+    assert {(is_stale(v), ms >= final_ms + 500) for samples in got[-1].series.values() for ms, v in samples} \
+        == {(True, True)}
 
 
 def test_a_refusing_receiver_is_warned_about_once_and_counted(tmp_path, caplog):
@@ -169,3 +173,17 @@ def test_unusable_tls_files_fail_the_constructor_and_leave_nothing_behind(tmp_pa
         monitor("https://127.0.0.1:1/api/v1/write", tmp_path, ca_file=str(bad_ca))
     assert not (tmp_path / "rec.jsonl").exists()
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("trainer_hook-")]
+
+
+def test_a_new_run_under_the_same_identity_cancels_the_stale_markers(tmp_path):
+    with receiver() as (url, got):
+        first = monitor(url, tmp_path, delete_after=5.0)
+        first.close()
+        deletion = push._deletions[first._writer._group]  # noqa: SLF001
+        again = monitor(url, tmp_path, delete_after=0)
+        deletion.thread.join(10)
+        assert deletion.cancelled.is_set() and not deletion.thread.is_alive()
+        again.close()
+        processes.wait_until(lambda: any(is_stale(s[-1][1]) for r in got for s in r.series.values()), 30,
+                             what="the second run's own stale markers")
+    assert sum(any(is_stale(s[-1][1]) for s in r.series.values()) for r in got) == 1

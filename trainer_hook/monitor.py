@@ -435,7 +435,7 @@ class TrainingMonitor:
             final = final if unpushed is None else merge_maxima(unpushed, final)
             self._pusher.push_final(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._writer:
-            self._writer.finish(final)
+            self._writer.finish(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

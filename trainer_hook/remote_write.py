@@ -11,8 +11,9 @@ The training thread never waits on any of it (close() waits at most push_timeout
 Pushgateway's final push does).
 
 The final state is followed by stale markers `delete_after` seconds later (the spec's end of a
-series; the Pushgateway path deletes its group then): queries see the final state as long as they
-would through the Pushgateway, and nothing after.
+series), sent when that time comes, as the Pushgateway path deletes its group then (trainer_hook.push's
+deletion schedule: cancelled by a new run of the process under the same identity, awaited at exit):
+queries see the final state as long as they would through the Pushgateway, and nothing after.
 
 Needs `pip install 'dualtrack[remote-write]'` (protobuf and cramjam); the message types are built
 from prometheus/prompb's types.proto (Label, Sample, TimeSeries) and remote.proto (WriteRequest)
@@ -25,6 +26,7 @@ import logging
 import math
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import deque
@@ -37,6 +39,7 @@ from dualtrack.protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 
 from .contract import Snapshot
 from .exposition import families
+from .push import cancel_deletion, schedule_deletion
 from .settings import Settings
 
 log = logging.getLogger("trainer_hook")
@@ -154,6 +157,8 @@ class RemoteWriter:
         self._url = endpoint.url
         self._open = opener(endpoint)
         self._identity = {"job": settings.job, **settings.grouping_key}
+        self._group = (endpoint.url, settings.job, tuple(sorted(settings.grouping_key.items())))
+        cancel_deletion(self._group)  # a new run of this process under the same identity keeps its series
         self._headers = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
                          "X-Prometheus-Remote-Write-Version": PROTOCOL_VERSION,
                          "User-Agent": f"dualtrack-trainer-hook/{_version()}"}
@@ -177,19 +182,25 @@ class RemoteWriter:
         gone, self._written = self._written - series, series
         self._enqueue(current._replace(samples=current.samples + stale(gone)) if gone else current)
 
-    def finish(self, final: Snapshot) -> None:
-        """Queue the final state (and stale markers for all its series `delete_after` s later, when the
-        Pushgateway path deletes its group), then wait at most push_timeout + 1 s for the queue to be
-        written."""
+    def finish(self, final: Snapshot, await_at_exit: bool = True) -> None:
+        """Queue the final state, wait at most push_timeout + 1 s for the queue to be written, then
+        schedule stale markers for all its series `delete_after` s later (none if the receiver was
+        out of reach: its series end by themselves)."""
         self.offer(final)
-        if self.settings.delete_after is not None:
-            later = round(final.published * 1000) + round(self.settings.delete_after * 1000)
-            self._enqueue(Batch(later, stale(self._written)))
         with self._cond:
             self._closing = True
             self._cond.notify()
         self._thread.join(self.settings.push_timeout + 1.0)
         self._abort.set()
+        if self.settings.delete_after is not None and not self._thread.is_alive() and not self._outage:
+            schedule_deletion(self._group, self.settings.delete_after, self._mark_stale, await_at_exit)
+
+    def _mark_stale(self) -> None:
+        """The end of the run's series: one request of stale markers at the current time."""
+        status, detail = self._post(encode([Batch(round(time.time() * 1000), stale(self._written))]))
+        if not 200 <= status < 300:
+            log.warning("could not mark the finished run's series stale at %s (%s): they end by "
+                        "themselves after Prometheus' 5 min lookback", shown(self._url), detail)
 
     def _enqueue(self, item: Batch) -> None:
         with self._cond:
