@@ -10,7 +10,10 @@
 # installed for --collector.podresources.
 # The health check follows the exporter's TLS and basic auth: set DUALTRACK_EXPORTER_WEB_CONFIG_FILE
 # (not the flag) and DUALTRACK_HEALTHCHECK_PASSWORD_FILE (see deploy/healthcheck.py).
-FROM python:3.11-slim
+# The base image by digest (docs/security.md lists every image's digest); a site that mirrors it under
+# another name passes --build-arg PYTHON_IMAGE=... (the container test does, with its stand-in).
+ARG PYTHON_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -25,8 +28,13 @@ COPY exporter ./exporter
 COPY trainer_hook ./trainer_hook
 COPY dualtrack ./dualtrack
 COPY deploy/healthcheck.py ./healthcheck.py
-RUN pip install ".[kubernetes]" && rm -rf /opt/dualtrack/build \
-    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin dualtrack
+# Every Python package pinned (deploy/constraints.txt): the image installs what CI tested.
+COPY deploy/constraints.txt ./constraints.txt
+# Two users: the exporter (10001, the image's default) and the janitor (10002, compose `user:`), so that
+# the exporter, which shares the host's PID namespace, cannot read the janitor's /proc/<pid>/environ.
+RUN pip install -c constraints.txt ".[kubernetes]" && rm -rf /opt/dualtrack/build \
+    && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin dualtrack \
+    && useradd --system --uid 10002 --user-group --no-create-home --shell /usr/sbin/nologin dualtrack-janitor
 
 USER 10001:10001
 EXPOSE 9942

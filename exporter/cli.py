@@ -24,8 +24,9 @@ from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
 from exporter.sampler import Sampler
 from exporter.simulated import SCENARIOS, SimulatedNVML
-from exporter.web import WebServer, add_web_arguments
+from exporter.web import WebServer
 from exporter.webconfig import WebConfigError, load_web_config
+from exporter.webflags import add_web_arguments
 
 PROG = "dualtrack-exporter"
 ENV_PREFIX = "DUALTRACK_EXPORTER_"
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--simulate.leak-minutes", dest="simulate_leak_minutes", type=_positive(float),
                           default=30.0, metavar="MINUTES",
                           help="memory-leak scenario: minutes until memory is full (default %(default)s)")
+    simulate.add_argument("--simulate.processes", dest="simulate_processes", default=None, metavar="FILE",
+                          help="the host processes the simulated GPUs run, a 'GPU PID' line each (read at "
+                          "every sample; default: the exporter's own PID on every GPU)")
     return parser
 
 
@@ -164,7 +168,8 @@ def open_nvml(args: argparse.Namespace, simulator: Callable[..., SimulatedNVML] 
         lib = pynvml
     else:
         lib = simulator(args.simulate, args.simulate_gpus, call_cost=args.simulate_call_cost,
-                        phase_seconds=args.simulate_phase_seconds, leak_minutes=args.simulate_leak_minutes)
+                        phase_seconds=args.simulate_phase_seconds, leak_minutes=args.simulate_leak_minutes,
+                        processes=args.simulate_processes)
     nvml = Nvml(lib)
     nvml.init()
     return nvml

@@ -13,8 +13,12 @@ slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the
 scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
 leaking GPUs side by side.
 
+Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes` file ("GPU PID"
+per line, `--simulate.processes`) names the host PIDs each GPU runs: a demo's or a test's real
+training processes, so that the per-process series join their runs as on a real host.
+
 Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
-subclass in tests/nvml_faults.py hooks into `_enter`, `_field_error` and `_new_xids`. Here a GPU
+subclass in tests/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
 that falls off the bus is `fall_off_bus(gpu)`.
 """
 from __future__ import annotations
@@ -139,7 +143,7 @@ def _api(device: bool = True) -> Callable:
             self._enter(method.__name__, gpu)
             started = time.thread_time()
             try:
-                return method(self, *args, **kwargs)
+                return self._leave(method.__name__, gpu, method(self, *args, **kwargs))
             finally:
                 self.cpu_seconds += time.thread_time() - started
         wrapper.simulated_api = True
@@ -167,7 +171,7 @@ class SimulatedNVML:
     def __init__(self, scenario: str | Sequence[str] = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
                  call_cost: float = 0.0, clock: Callable[[], float] = time.time,
                  phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
-                 binding_lacks: tuple[str, ...] = ()) -> None:
+                 processes: str | os.PathLike | None = None, binding_lacks: tuple[str, ...] = ()) -> None:
         self.scenarios = (scenario,) if isinstance(scenario, str) else tuple(scenario)
         unknown = [name for name in self.scenarios if name not in SCENARIOS]
         if unknown or not self.scenarios:
@@ -179,6 +183,8 @@ class SimulatedNVML:
         self.phase_seconds = phase_seconds
         self.leak_minutes = leak_minutes
         self.pid = os.getpid() if pid is None else pid
+        # a file of "GPU PID" lines: the (host) processes each GPU runs, instead of `pid` on every GPU
+        self.processes = processes
         self.calls: Counter = Counter()
         self.cpu_seconds = 0.0  # spent simulating (not by the exporter): benchmarks subtract it
         self.calls_by_gpu: Counter = Counter()
@@ -265,6 +271,10 @@ class SimulatedNVML:
             raise pynvml.NVMLError_Uninitialized()
         if self.call_cost:
             time.sleep(self.call_cost)
+
+    def _leave(self, function: str, gpu: int | None, result: Any) -> Any:
+        """What an NVML function answers, given what it computed (the same, here)."""
+        return result
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
         """The NVML return code of one field of a batch, if it fails (never, here)."""
@@ -565,6 +575,20 @@ class SimulatedNVML:
         busy = self.utilization(self._gpu_of(handle), self._t())
         return int((0.5e9 if counter == H.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
 
+    def pids_on(self, gpu: int) -> list[int]:
+        """The host PIDs GPU `gpu` runs: those the `processes` file lists for it (read at each call, so
+        a demo can name its runs once they started; lines that are not "GPU PID" are skipped), else
+        `pid`."""
+        if self.processes is None:
+            return [self.pid]
+        try:
+            lines = open(self.processes, encoding="utf-8", errors="replace").read().splitlines()
+        except OSError:
+            return []
+        pairs = (line.split() for line in lines)
+        return [int(fields[1]) for fields in pairs
+                if len(fields) == 2 and fields[0] == str(gpu) and fields[1].isdigit()]
+
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
@@ -572,8 +596,9 @@ class SimulatedNVML:
             raise pynvml.NVMLError_NoPermission()
         t = self._t()
         co_tenant = CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0
-        infos = [pynvml.c_nvmlProcessInfo_t(pid=self.pid, usedGpuMemory=self.memory_used(gpu, t) - 256 * MIB - co_tenant,
-                                            gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)]
+        pids = self.pids_on(gpu)
+        infos = [pynvml.c_nvmlProcessInfo_t(pid=pid, usedGpuMemory=(self.memory_used(gpu, t) - 256 * MIB - co_tenant) // len(pids),
+                                            gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF) for pid in pids]
         if co_tenant:
             infos.append(pynvml.c_nvmlProcessInfo_t(pid=CO_TENANT_PID, usedGpuMemory=co_tenant,
                                                     gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))

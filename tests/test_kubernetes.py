@@ -187,13 +187,23 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     monitor = find("ServiceMonitor", "pushgateway")["spec"]["endpoints"][0]
     assert monitor["honorLabels"] is True and monitor["scheme"] == "https" and "basicAuth" in monitor
 
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert deployment["containers"][0]["image"] == compose["pushgateway"]["image"]  # the same digest
+
     janitor = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    assert janitor["command"] == ["dualtrack", "janitor", "--once"]
+    pod = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    password_mount = next(m for m in janitor["volumeMounts"] if m["name"] == "hook")["mountPath"]
+    assert janitor["command"] == ["dualtrack", "janitor", "--once",
+                                  f"--pushgateway-password-file={password_mount}/password"]
     env = {e["name"] for e in janitor["env"]}
     hook_names = "".join(p.read_text() for p in (REPO / "trainer_hook").glob("*.py"))
-    assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_PASSWORD",
-                   "DUALTRACK_PUSHGATEWAY_CA_FILE"}
+    # the password is a file, never in the environment; the janitor is not the exporter's uid
+    assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_CA_FILE"}
     assert all(f'"{name}"' in hook_names for name in env)  # the names the hook reads
+    exporter_pod = find("DaemonSet", "dualtrack-exporter")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] != exporter_pod["securityContext"]["runAsUser"]
+    hook_volume = next(v for v in pod["volumes"] if v["name"] == "hook")["secret"]
+    assert hook_volume["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
     service = find("Service", "pushgateway")
     url = next(e["value"] for e in janitor["env"] if e["name"] == "DUALTRACK_PUSHGATEWAY")
     assert url == f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:" \
