@@ -583,6 +583,15 @@ def training_run() -> dashboard.Dashboard:
         single("ETA", "Time left at the last 5 minutes' step rate, for runs that log max_steps (log(max_steps=N)); "
                "the slowest rank's.", "s", [("{{run}}", f"job_run:training_eta_seconds:rate5m{{{JOB_RUN}}}")],
                width=6, height=8, instant=True, text_mode=cm.BigValueTextMode.VALUE_AND_NAME),
+        graph("MFU", "Model FLOPs utilization: the run's model FLOP/s (training_model_flops_total: flops_per_token "
+              "or flops_per_sample x what it logs, else 6 x parameters x tokens) over the dense peak FLOP/s of its "
+              "GPUs at the run's precision (NVIDIA's datasheets, rules/gpu_peaks.yml). Empty for GPU models not in "
+              "the table and MIG instances. TrainingMFUDrop fires after 15 min below the second line: 75 % of the "
+              "run's last-hour median.", "percentunit",
+              [("{{run}}", f"job_run:training_mfu:ratio{{{JOB_RUN}}}"),
+               ("{{run}} 75 % of last-hour median",
+                f"0.75 * quantile_over_time(0.5, job_run:training_mfu:ratio{{{JOB_RUN}}}[1h])")],
+              width=24, min_value=0),
     ]:
         board = board.with_panel(panel)
 
