@@ -277,15 +277,22 @@ def _listen(port: int | None, address: str) -> tuple[int | None, str]:
     return port, address
 
 
+def _as_float(value: Any) -> float:
+    """float(value); NaN for anything that is not a number (a bool included)."""
+    if isinstance(value, bool):
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _flops(name: str, value: float | None) -> float | None:
     """Model FLOPs per token or per sample: a positive finite number, or None."""
     if value is None:
         return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if isinstance(value, bool) or not 0 < number < float("inf"):
+    number = _as_float(value)
+    if not 0 < number < float("inf"):
         raise ValueError(f"{name} must be a positive number of FLOPs, got {value!r}")
     return number
 
@@ -303,10 +310,7 @@ def _delete_after(value: float | None) -> float | None:
         value, what = env, f"${ENV_DELETE_AFTER}"
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if isinstance(value, bool) or not 0 <= seconds < float("inf"):
+    seconds = _as_float(value)
+    if not 0 <= seconds < float("inf"):
         raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
     return seconds
