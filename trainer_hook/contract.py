@@ -280,6 +280,7 @@ class Accumulator:
         nothing, and a skipped step neither starts nor ends a non-finite streak. Only finite values
         go into the sums and the window maxima; on a tie the earlier step is kept. Keys beyond the
         first MAX_KEYS of the run are counted in state.dropped["too_many_keys"], nothing else.
+        `flops`: the step's model FLOPs (training_model_flops_total), when known.
         """
         state = self.state
         state.step = step
