@@ -58,7 +58,7 @@ JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to 
 BUFFER = 120  # entries the driver keeps
 PROCESS_SAMPLE_PERIOD = 1.0  # seconds between one process's utilization samples while it computes
 PROCESS_BUFFER = 16  # samples the driver keeps per process
-EMPTY_ENTRIES = 2  # empty entries (pid 0, timestamp 0) the driver pads a per-process answer with
+PROCESS_ENTRIES = 100  # entries a per-process answer has whatever the processes (go-nvml#11): the unused ones empty
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
 #: The NVML constants the simulator speaks, with their values from nvml.h: fixed here, so that the
@@ -654,7 +654,7 @@ class SimulatedNVML:
                         pid=pid, timeStamp=stamp, smUtil=round(100 * load[pid]), memUtil=round(45 * load[pid])))
         if not samples:
             raise pynvml.NVMLError_NotFound()
-        return samples + [pynvml.c_nvmlProcessUtilizationSample_t() for _ in range(EMPTY_ENTRIES)]
+        return samples + [pynvml.c_nvmlProcessUtilizationSample_t() for _ in range(PROCESS_ENTRIES - len(samples))]
 
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
