@@ -218,14 +218,18 @@ def test_no_new_sample_not_found_means_every_process_computed_nothing():
     assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
 
 
-def test_a_board_without_per_process_utilization_is_asked_once_and_exports_no_series():
-    """NOT_SUPPORTED (some boards; MIG, the simulator's test shows): no utilization series and no
-    error, the processes' memory still exported, and the driver not asked again."""
-    rig = Rig("healthy", 1, pid=1000, devices={0: DeviceTraits(process_utilization=False)}, collectors=["processes"])
+@pytest.mark.parametrize("lacking", ["board", "binding"])
+def test_a_board_or_binding_without_per_process_utilization_is_asked_once_and_exports_no_series(lacking):
+    """NOT_SUPPORTED (some boards; MIG, the simulator's test shows), or an nvidia-ml-py without the
+    function: no utilization series and no error, the processes' memory still exported, and the
+    driver not asked again."""
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              devices={0: DeviceTraits(process_utilization=False)} if lacking == "board" else None,
+              binding_lacks=("nvmlDeviceGetProcessUtilization",) if lacking == "binding" else ())
     for _ in range(12):
         rig.step()
     assert rig.series(SM) == [] and len(rig.series("nvml_gpu_process_memory_used_bytes")) == 1
-    assert rig.lib.calls["nvmlDeviceGetProcessUtilization"] == 1
+    assert rig.lib.calls["nvmlDeviceGetProcessUtilization"] == (lacking == "board")
     assert rig.series("nvml_exporter_errors_total") == []
     assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
 
