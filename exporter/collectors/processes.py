@@ -13,11 +13,12 @@ sensitive: `--no-collector.processes` turns all of this off.
 
 Each listed process's SM utilization comes from nvmlDeviceGetProcessUtilization (nvidia-smi pmon's
 "sm" column): the driver's per-process samples newer than the last seen timestamp (CPU time in
-microseconds), read like the utilization collector reads nvmlDeviceGetSamples. The gauge is the mean
-of a process's samples since the last read; a listed process without one (NOT_FOUND: none newer, the
-driver takes none while a process idles) computed nothing, 0. The driver pads its answer with empty
-entries (pid 0, timestamp 0) and orders it by nothing: both are skipped or sorted out here. GPUs or
-drivers without it (NOT_SUPPORTED, some boards and MIG) export no utilization series.
+microseconds), read like the utilization collector reads nvmlDeviceGetSamples (the first read takes
+what the driver kept). The gauge is the mean of a process's samples since the last read; a listed
+process without one (NOT_FOUND: none newer, the driver takes none while a process idles) computed
+nothing, 0. The driver pads its answer with empty entries (pid 0, timestamp 0), skipped, in no time
+order, which a mean does not need. GPUs or drivers without it (NOT_SUPPORTED, some boards and MIG)
+export no utilization series.
 """
 from __future__ import annotations
 
