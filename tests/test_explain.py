@@ -151,11 +151,26 @@ def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
     (slowdown,) = [e for e in events if e["kind"] == "step_time_regression"]
     by_gpu = {support.uuid_of("co-tenant", rank): str(rank) for rank in range(2)}
     explained = {by_gpu[c["evidence"].split(" on ")[1].split(",")[0]]: c["score"] for c in slowdown["causes"]}
-    rules = yaml.safe_load((processes.REPO / "rules" / "explain.yml").read_text())
-    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("record") == "job_run_rank:training_infra_cause:score"]
-    scored = {s["metric"]["rank"]: float(s["value"][1]) for s in processes.query(prometheus["url"], expr, at=slowdown["time"] + 60)
+    scored = {s["metric"]["rank"]: float(s["value"][1])
+              for s in processes.query(prometheus["url"], infra_cause_rule(), at=slowdown["time"] + 60)
               if s["metric"]["run"] == "co-tenant" and s["metric"]["cause"] == "co_tenant"}
     assert scored == explained == {"0": 0.7, "1": 0.75}
+
+
+def test_the_co_tenant_threshold_and_scores_are_the_rules():
+    """One SM threshold and two scores, in explain and in the rules' co_tenant term."""
+    expr = infra_cause_rule()
+    term = expr[expr.index("nvml_gpu_process_sm_utilization_ratio"):expr.index('"cause", "co_tenant"')]
+    assert (f"[10m]) > {explain_module.CO_TENANT_SM}) * 0 + {explain_module.CO_TENANT_COMPUTING_SCORE}" in term
+            and f"[10m]) * 0 + {explain_module.CO_TENANT_SCORE}\n" in term), term
+
+
+def infra_cause_rule() -> str:
+    """The expression of rules/explain.yml's job_run_rank:training_infra_cause:score."""
+    rules = yaml.safe_load((processes.REPO / "rules" / "explain.yml").read_text())
+    (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
+               if rule.get("record") == "job_run_rank:training_infra_cause:score"]
+    return expr
 
 
 def test_a_starving_data_loader(prometheus, capsys):
