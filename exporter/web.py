@@ -37,7 +37,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from exporter.webconfig import WebConfig
 
-DEFAULT_LISTEN_ADDRESS = ":9942"
+DEFAULT_LISTEN_ADDRESS = "127.0.0.1:9942"  # loopback unless asked (containers pass :9942)
 DEFAULT_TELEMETRY_PATH = "/metrics"
 HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 96 * 1024  # the request line alone may be 64 KiB, as http.server allows
