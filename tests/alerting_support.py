@@ -49,10 +49,12 @@ class AlertPipeline:
 
 def start_pipeline(workdir: Path, start_service: Callable[[Service], Service], webhook: WebhookReceiver,
                    exporter_targets: list[str] | None = None, group_wait: str = "1s",
-                   group_interval: str = "1s") -> AlertPipeline:
-    """Start the pipeline: scrape and evaluation every second, Alertmanager group_wait 1 s."""
+                   group_interval: str = "1s", alertmanager_env: dict[str, str] | None = None) -> AlertPipeline:
+    """Start the pipeline: scrape and evaluation every second, Alertmanager group_wait 1 s
+    (`alertmanager_env`: more of render-config.sh's variables, e.g. notification channels)."""
     pushgateway = start_service(processes.pushgateway(workdir))
-    am_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url},
+    am_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url,
+                                                               **(alertmanager_env or {})},
                                                      group_wait=group_wait, group_interval=group_interval)
     alertmanager = start_service(processes.alertmanager(workdir, am_config))
     prom_config = processes.render_prometheus_config(
