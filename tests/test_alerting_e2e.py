@@ -98,3 +98,22 @@ def test_eight_ranks_going_nan_together_send_one_notification(tmp_path, start_se
     notification = notifications[0]
     assert notification["groupLabels"] == {"alertname": "TrainingLossNonFinite", "job": "alerting-test", "run": run}
     assert sorted(alert["labels"]["rank"] for alert in notification["alerts"]) == [str(rank) for rank in range(8)]
+
+
+def test_a_short_run_that_goes_nan_and_finishes_notifies_once(tmp_path, start_service, webhook_receiver):
+    """The NaN and the end are in the run's one last push (no push saw it running with the NaN): the
+    finished run's last push on the Pushgateway fires TrainingLossNonFinite, one notification, which
+    resolves when the run's group is deleted."""
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
+    run = run_id("shortnan")
+    trainer = Trainer()
+    with TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url, push_interval=600,
+                         record_path=tmp_path / "short.jsonl", delete_after=3) as monitor:
+        for _ in range(3):
+            trainer.train_step(monitor)
+        trainer.train_step(monitor, loss_scale=float("nan"))
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run, timeout=60)
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run, timeout=60)
+    firing = [alert for payload in webhook_receiver.notifications() for alert in payload["alerts"]
+              if alert["labels"].get("run") == run and alert["status"] == "firing"]
+    assert len(firing) == 1, firing
