@@ -35,6 +35,9 @@ DATA_DELAY = 0.2  # seconds the input-bound run's loader waits per batch
 # The demo scrapes and evaluates every 5 s (production: 15 s) so that alerts with a history
 # condition (the explosion's baseline needs 5 samples older than 2 min) can fire within minutes.
 DEMO_INTERVAL = "5s"
+# Alertmanager sends a group's changes (a resolved alert) every 10 s (production: 5 min), so that
+# RESOLVED prints within seconds of the alert leaving Alertmanager.
+DEMO_GROUP_INTERVAL = "10s"
 EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
 # When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
 # on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
@@ -209,6 +212,12 @@ def grafana(binary: str, workdir: Path, provisioning: Path, port: int, password:
     return Service("grafana", argv, port, workdir / "grafana.log", ready_path="/api/health", env=env)
 
 
+def demo_alertmanager_config(workdir: Path, webhook_url: str) -> Path:
+    """The repo's Alertmanager config, its webhook pointed at `webhook_url`, with the demo's group interval."""
+    return processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook_url},
+                                                group_interval=DEMO_GROUP_INTERVAL)
+
+
 def record_path(workdir: Path, run: SweepRun) -> Path:
     return workdir / f"record-{run.name}.jsonl"
 
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
         services["pushgateway"] = up(processes.pushgateway(workdir, port=port_for("pushgateway"), persistence=True))
         up(processes.janitor(workdir, services["pushgateway"].url))
-        alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url})
+        alertmanager_config = demo_alertmanager_config(workdir, webhook.url)
         services["alertmanager"] = up(processes.alertmanager(workdir, alertmanager_config,
                                                              port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")

@@ -251,3 +251,30 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     printer(payload)
     assert "open the dashboard http://127.0.0.1:3000/d/dualtrack-training-run?var-job=demo&var-run=leak-bs128" \
         in capsys.readouterr().out
+
+
+def test_resolved_prints_within_seconds_of_the_alert_leaving_alertmanager(start_service, tmp_path: Path,
+                                                                         capsys) -> None:
+    """The demo's real Alertmanager, config and printer: an alert that resolves prints RESOLVED at the
+    group's next flush (the demo's 10 s group interval), not minutes later (production's 5 min)."""
+    from datetime import datetime, timedelta, timezone
+
+    from stack import processes
+    from stack.demo import AlertPrinter, demo_alertmanager_config
+    printer = AlertPrinter({}, {})
+    printer.alerts_url = "http://127.0.0.1:9/alerts"
+    webhook = processes.WebhookReceiver(on_payload=printer).start()
+    try:
+        am = start_service(processes.alertmanager(tmp_path, demo_alertmanager_config(tmp_path, webhook.url)))
+        alert = {"labels": {"alertname": "TrainingLossNonFinite", "severity": "critical", "job": "demo",
+                            "run": "explode-lr3e-2", "rank": "0", "instance": "h"}}
+        soon = datetime.now(timezone.utc) + timedelta(minutes=5)
+        requests.post(am.url + "/api/v2/alerts", json=[{**alert, "endsAt": soon.isoformat()}],
+                      timeout=5).raise_for_status()
+        webhook.wait_for_alert("TrainingLossNonFinite", timeout=60)
+        requests.post(am.url + "/api/v2/alerts", json=[{**alert, "endsAt": datetime.now(timezone.utc).isoformat()}],
+                      timeout=5).raise_for_status()
+        webhook.wait_for_alert("TrainingLossNonFinite", status="resolved", timeout=60)
+    finally:
+        webhook.stop()
+    assert re.search(r"RESOLVED TrainingLossNonFinite \[critical\] run explode-lr3e-2", capsys.readouterr().out)
