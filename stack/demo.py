@@ -51,6 +51,7 @@ LOADER_ALERT_AFTER = 7 * 60
 LEAK_ALERT_AFTER = 41 * 60
 LEAK_MINUTES = 120  # the simulated leak fills the GPU in 2 h, so it still grows when the alert fires
 TRAINING_DASHBOARD = "dualtrack-training-run"
+DEFAULT_RECORDS = "dualtrack-records"  # the hook's and `dualtrack report`'s default directory
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,10 @@ class AlertPrinter:
     (GPU alerts: the run on that GPU), the time since "dualtrack is up" and what to open: the
     Grafana dashboard, or without Grafana the Prometheus alerts page and the run's report."""
 
-    def __init__(self, run_of_uuid: dict[str, str], records: dict[str, Path]) -> None:
+    def __init__(self, run_of_uuid: dict[str, str], runs: set[str], records: Path) -> None:
         self.run_of_uuid = run_of_uuid
-        self.records = records  # run name -> its local record
+        self.runs = runs  # the sweep's run names: they have a record in `records`
+        self.records = records
         self.up_at = time.monotonic()  # reset when the stack is up
         self.grafana_url: str | None = None
         self.prometheus_url: str | None = None
@@ -163,10 +165,11 @@ class AlertPrinter:
                 return f"the dashboard {self.grafana_url}/d/dualtrack-gpu-fleet"
             return f"the dashboard {self.grafana_url}/d/{TRAINING_DASHBOARD}?var-job={JOB}&var-run={quote(run)}"
         where = f"the Prometheus alerts page {self.alerts_url}"
-        if run not in self.records:
+        if run not in self.runs:
             return where
-        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report "
-                f"{self.records[run]} --prometheus {self.prometheus_url} --out {run}.html")
+        lookup = "" if self.records == Path(DEFAULT_RECORDS).resolve() else f" --records {self.records}"
+        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report {run}{lookup} "
+                f"--prometheus {self.prometheus_url} --out {run}.html")
 
     def __call__(self, payload: dict) -> None:
         for alert in payload.get("alerts", []):
@@ -218,19 +221,21 @@ def demo_alertmanager_config(workdir: Path, webhook_url: str) -> Path:
                                                 group_interval=DEMO_GROUP_INTERVAL)
 
 
-def record_path(workdir: Path, run: SweepRun) -> Path:
-    return workdir / f"record-{run.name}.jsonl"
+def record_path(records: Path, run: SweepRun) -> Path:
+    """The run's record in `records`, named as the hook names it, which `dualtrack report RUN` finds."""
+    return records / f"{JOB}-{run.name}-rank0.jsonl"
 
 
 def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None,
-                     cuda_device: int | None) -> Service:
-    """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`."""
+                     cuda_device: int | None, records: Path | None = None) -> Service:
+    """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`; its record
+    goes to `records` (default: `workdir`), its log to `workdir`."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if cuda_device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_device)
     argv = [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway_url, "--job", JOB,
             "--run", run.name, "--step-time", f"{STEP_TIME}", *run.args,
-            "--record-path", str(record_path(workdir, run)),
+            "--record-path", str(record_path(records or workdir, run)),
             *(["--gpu-uuid", gpu_uuid] if gpu_uuid else [])]
     return Service(f"training {run.name}", argv, 0, workdir / f"training-{run.name}.log", ready_path=None,
                    env=env)
@@ -244,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "history older than 2 min; earlier, only TrainingLossNonFinite fires)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data and logs go (default: a temporary directory)")
+    parser.add_argument("--records", type=Path, default=Path(DEFAULT_RECORDS), metavar="DIR",
+                        help=f"where the runs' records go (default: ./{DEFAULT_RECORDS}, where `dualtrack "
+                             "report RUN` looks; an earlier demo's records of the same runs are appended to)")
     parser.add_argument("--duration", type=float, default=0.0,
                         help="stop after this many seconds (default: run until Ctrl-C)")
     parser.add_argument("--replay", type=Path, default=None, metavar="DIR",
@@ -265,7 +273,7 @@ def load_replayed_blocks(source: Path, data_dir: Path) -> int:
 
 
 def print_summary(services: dict[str, Service], prometheus_alerts: str, password: str | None,
-                  workdir: Path, runs: list[SweepRun], real_gpus: bool) -> None:
+                  workdir: Path, records: Path, runs: list[SweepRun], real_gpus: bool) -> None:
     say()
     log("dualtrack is up:")
     say(f"    Prometheus   {services['prometheus'].url}  (alerts: {prometheus_alerts})")
@@ -278,7 +286,7 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
     else:
         say("    Grafana      not installed here: the dashboards are dashboards/*.json "
             "(docker compose runs Grafana with them)")
-    say(f"    Logs and data in {workdir}")
+    say(f"    Logs and data in {workdir}; the runs' records in {records}")
     say()
     log(f"the sweep (job {JOB}), one run per {'GPU' if real_gpus else 'simulated GPU'}:")
     for gpu, run in enumerate(runs):
@@ -343,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         real_gpus = gpus > 0
         runs = sweep(args.explode_after)
         uuids = [None] * len(runs) if real_gpus else [simulated_uuid(i) for i in range(len(runs))]
-        printer = AlertPrinter({u: r.name for u, r in zip(uuids, runs) if u},
-                               {r.name: record_path(workdir, r) for r in runs})
+        records = args.records.resolve()
+        records.mkdir(parents=True, exist_ok=True)
+        printer = AlertPrinter({u: r.name for u, r in zip(uuids, runs) if u}, {r.name for r in runs}, records)
         webhook = processes.WebhookReceiver(on_payload=printer).start()
         exporter_args = [] if real_gpus else [
             "--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}",
@@ -379,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
             services["grafana"] = up(grafana(binary, workdir, provisioning, grafana_port, password))
             printer.grafana_url = services["grafana"].url
         for index, (run, uuid) in enumerate(zip(runs, uuids)):
-            up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None))
+            up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None,
+                                records))
         printer.prometheus_url = services["prometheus"].url
         printer.alerts_url = alerts_page(printer.prometheus_url)
-        print_summary(services, printer.alerts_url, password, workdir, runs, real_gpus)
+        print_summary(services, printer.alerts_url, password, workdir, records, runs, real_gpus)
         printer.up_at = time.monotonic()
         print_expectations(args, real_gpus)
         ended: set[str] = set()

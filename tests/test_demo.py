@@ -47,7 +47,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
 
 
 def demo_argv(workdir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "stack", "--workdir", str(workdir), *args]
+    return [sys.executable, "-m", "stack", "--workdir", str(workdir), "--records", str(workdir / "records"), *args]
 
 
 def wait_for_output(log: Path, pattern: str, timeout: float) -> re.Match:
@@ -209,7 +209,7 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     SIGKILL it), also with SIGINT and SIGTERM inherited as ignored."""
     from exporter.simulated import simulated_uuid
     from stack import processes
-    from stack.demo import sweep, training_service
+    from stack.demo import record_path, sweep, training_service
     from tests.hook_support import pushed_value, record_lines
     monkeypatch.delenv("DUALTRACK_DELETE_AFTER", raising=False)  # the default: wait at exit to delete
     pgw = start_service(processes.pushgateway(tmp_path))
@@ -228,7 +228,7 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     assert service.proc.returncode == -signal.SIGTERM, service.log_tail()
     assert pushed_value(pgw.url, "training_run_state", run.name, state="finished") == 1
     assert pushed_value(pgw.url, "training_run_state", run.name, state="failed") == 0
-    end = record_lines(tmp_path / f"record-{run.name}.jsonl")[1][-1]
+    end = record_lines(record_path(tmp_path, run))[1][-1]
     assert end["event"] == "end" and end["state"] == "finished" and "reason" not in end, end
 
 
@@ -236,7 +236,7 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     """Without Grafana an alert line points at the Prometheus alerts page and the run's report
     command (there is no dashboard to open); with Grafana, at the dashboard filtered to the run."""
     from stack.demo import AlertPrinter
-    printer = AlertPrinter({"GPU-0": "leak-bs128"}, {"leak-bs128": Path("/w/record-leak-bs128.jsonl")})
+    printer = AlertPrinter({"GPU-0": "leak-bs128"}, {"leak-bs128"}, Path("/w/records"))
     printer.prometheus_url, printer.alerts_url = "http://127.0.0.1:9090", "http://127.0.0.1:9090/classic/alerts"
     payload = {"alerts": [{"status": "firing", "labels": {"alertname": "GPUMemoryLeakSuspected", "uuid": "GPU-0"}},
                           {"status": "firing", "labels": {"alertname": "GPUXidError", "uuid": "GPU-9"}}]}
@@ -244,7 +244,7 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     lines = capsys.readouterr().out
     assert "dashboard" not in lines
     assert ("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts, or write the run's report: "
-            f"{sys.executable} -m dualtrack report /w/record-leak-bs128.jsonl --prometheus http://127.0.0.1:9090 "
+            f"{sys.executable} -m dualtrack report leak-bs128 --records /w/records --prometheus http://127.0.0.1:9090 "
             "--out leak-bs128.html") in lines
     assert lines.rstrip().endswith("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts")
     printer.grafana_url = "http://127.0.0.1:3000"
@@ -261,7 +261,7 @@ def test_resolved_prints_within_seconds_of_the_alert_leaving_alertmanager(start_
 
     from stack import processes
     from stack.demo import AlertPrinter, demo_alertmanager_config
-    printer = AlertPrinter({}, {})
+    printer = AlertPrinter({}, set(), tmp_path)
     printer.alerts_url = "http://127.0.0.1:9/alerts"
     webhook = processes.WebhookReceiver(on_payload=printer).start()
     try:
@@ -278,3 +278,24 @@ def test_resolved_prints_within_seconds_of_the_alert_leaving_alertmanager(start_
     finally:
         webhook.stop()
     assert re.search(r"RESOLVED TrainingLossNonFinite \[critical\] run explode-lr3e-2", capsys.readouterr().out)
+
+
+def test_the_readmes_report_command_works_as_printed_on_a_demo_run(start_service, tmp_path: Path) -> None:
+    """The README's `dualtrack report <run-id> ...`, typed where the demo ran: the demo keeps its runs'
+    records where the hook and `dualtrack report` look by default (./dualtrack-records)."""
+    from stack import processes
+    from stack.demo import parse_args, sweep, training_service
+    from tests.hook_support import pushed_value
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^dualtrack report <run-id> (.+)$", readme, re.M).group(1).split()
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = sweep(150)[0]
+    service = training_service(tmp_path, run, pgw.url, None, None, records=tmp_path / parse_args([]).records)
+    service.argv += ["--push-interval", "0.5"]
+    start_service(service)
+    wait_until(lambda: (pushed_value(pgw.url, "training_steps_total", run.name) or 0) > 3, 60,
+               what="a few steps of the demo run")
+    report = subprocess.run([sys.executable, "-m", "dualtrack", "report", run.name, *command], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "report.html").stat().st_size > 0 and (tmp_path / "report.png").stat().st_size > 0
