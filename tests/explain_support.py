@@ -19,7 +19,7 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "fine-tune-spike")
 #: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
@@ -64,6 +64,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
+        state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
     elif scenario == "model" and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
@@ -101,7 +103,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                                 ("training_first_nonfinite_step", first_nonfinite),
                                 ("training_nonfinite_steps_total", nonfinite_steps),
                                 ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
-                                ("training_grad_norm_max", now.grad_norm + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_grad_norm_max", now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3))),
                                 ("training_loss_scale", now.loss_scale),
                                 ("training_cuda_ooms_total", now.ooms),
                                 ("training_grad_norm_max_step", int(steps)),
