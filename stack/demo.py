@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import requests
+import yaml
 
 from exporter.simulated import simulated_uuid
 from stack import processes
@@ -184,17 +185,25 @@ class AlertPrinter:
 
 def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str,
                                 scrape_interval: str) -> Path:
-    """Copy grafana/provisioning with the datasource URLs, scrape interval and dashboard path
-    pointed at this machine."""
+    """Copy grafana/provisioning pointed at this machine: the datasources at the demo's Prometheus and
+    Alertmanager (plain HTTP on loopback, so without the compose stack's TLS and basic auth), the
+    scrape interval, and the dashboards' path."""
     target = workdir / "grafana-provisioning"
     shutil.copytree(REPO / "grafana" / "provisioning", target)
-    for path in target.rglob("*.yml"):
-        text = path.read_text()
-        text = text.replace("http://prometheus:9090", prometheus_url)
-        text = text.replace("http://alertmanager:9093", alertmanager_url)
-        text = text.replace("timeInterval: 15s", f"timeInterval: {scrape_interval}")
-        text = text.replace("/var/lib/grafana/dashboards", str(REPO / "dashboards"))
-        path.write_text(text)
+    urls = {"prometheus": prometheus_url, "alertmanager": alertmanager_url}
+    for path in (target / "datasources").glob("*.yml"):
+        config = yaml.safe_load(path.read_text())
+        for source in config.get("datasources", []):
+            source["url"] = urls[source["type"]]
+            for key in ("basicAuth", "basicAuthUser", "secureJsonData"):
+                source.pop(key, None)
+            settings = source.get("jsonData", {})
+            settings.pop("tlsAuthWithCACert", None)
+            if "timeInterval" in settings:
+                settings["timeInterval"] = scrape_interval
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    for path in (target / "dashboards").glob("*.yml"):
+        path.write_text(path.read_text().replace("/var/lib/grafana/dashboards", str(REPO / "dashboards")))
     return target
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import pytest
 import requests
+import yaml
 
 from stack.processes import REPO, query, wait_for_series, wait_until
 from tests.process_support import alive, children
@@ -299,3 +300,32 @@ def test_the_readmes_report_command_works_as_printed_on_a_demo_run(start_service
                             capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert report.returncode == 0, report.stderr
     assert (tmp_path / "report.html").stat().st_size > 0 and (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_the_demos_grafana_datasources_reach_its_prometheus_and_alertmanager(start_service, tmp_path: Path) -> None:
+    """Without Grafana: the provisioned datasource files, read as Grafana reads them ($__file{} resolved,
+    basic auth and the CA when they say so), answer queries from the demo's running daemons."""
+    from stack import processes
+    from stack.demo import DEMO_INTERVAL, render_grafana_provisioning
+    am = start_service(processes.alertmanager(tmp_path, processes.render_alertmanager_config(tmp_path)))
+    config = processes.render_prometheus_config(tmp_path, {"prometheus": []}, scrape_interval=DEMO_INTERVAL)
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    provisioning = render_grafana_provisioning(tmp_path, prometheus.url, am.url, DEMO_INTERVAL)
+
+    def resolved(value: str) -> str:
+        return re.sub(r"\$__file\{([^}]+)\}", lambda found: Path(found.group(1)).read_text().strip(), value)
+
+    sources = {source["type"]: source for path in (provisioning / "datasources").glob("*.yml")
+               for source in yaml.safe_load(path.read_text())["datasources"]}
+    assert set(sources) == {"prometheus", "alertmanager"}
+    paths = {"prometheus": "/api/v1/query?query=up", "alertmanager": "/api/v2/status"}
+    for kind, source in sources.items():
+        secure = {key: resolved(value) for key, value in source.get("secureJsonData", {}).items()}
+        auth = (source["basicAuthUser"], secure["basicAuthPassword"]) if source.get("basicAuth") else None
+        verify: bool | str = True
+        if source.get("jsonData", {}).get("tlsAuthWithCACert"):
+            verify = str(tmp_path / f"{kind}-ca.crt")
+            Path(verify).write_text(secure["tlsCACert"])
+        answer = requests.get(source["url"] + paths[kind], auth=auth, verify=verify, timeout=10)
+        assert answer.status_code == 200, (kind, source["url"], answer.text)
+    assert sources["prometheus"]["jsonData"]["timeInterval"] == DEMO_INTERVAL
