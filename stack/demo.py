@@ -36,13 +36,20 @@ DATA_DELAY = 0.2  # seconds the input-bound run's loader waits per batch
 # The demo scrapes and evaluates every 5 s (production: 15 s) so that alerts with a history
 # condition (the explosion's baseline needs 5 samples older than 2 min) can fire within minutes.
 DEMO_INTERVAL = "5s"
-# Alertmanager sends a group's changes (a resolved alert) every 10 s (production: 5 min), so that
-# RESOLVED prints within seconds of the alert leaving Alertmanager.
+# Alertmanager waits 5 s for a new group's other alerts (production: 10 s critical, 30 s warning; the
+# demo's runs have one rank each) and sends a group's changes (a resolved alert) every 10 s
+# (production: 5 min), so that RESOLVED prints within seconds of the alert leaving Alertmanager.
+DEMO_GROUP_WAIT = "5s"
 DEMO_GROUP_INTERVAL = "10s"
+# explode-lr3e-2 reads one corrupt batch (a NaN feature) this many seconds after its start: the
+# sweep's first alert, TrainingLossNonFinite, within 2 min of "up" (the explosion cannot be first:
+# TrainingGradientExplosion compares with more than 2 min of the run's own history).
+BAD_BATCH_AFTER = 40.0
 EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
 # When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
 # on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
-# The explosion's alerts: its push, a scrape, an evaluation and Alertmanager's 10 s group wait.
+# A training event's alert, from the event's time in the run: the run's start-up (torch's import),
+# its push, a scrape, an evaluation and Alertmanager's 5 s group wait.
 EXPLOSION_ALERTS_AFTER = 40
 # TrainingDataLoaderBottleneck: `for: 4m` after the data-wait share shows, then the 30 s group wait;
 # measured 408 s after up at load average 14 (`pytest -m slow tests/test_demo.py -k time_to_first -s`).
@@ -72,8 +79,10 @@ def sweep(explode_after: float) -> list[SweepRun]:
         SweepRun("inputbound-workers0", "input-bound",
                  ("--learning-rate", "1e-2", "--data-workers", "0", "--input-bound", "0:1e12",
                   "--data-delay", f"{DATA_DELAY}"), "waits for its data loader (GPU heartbeat)"),
-        SweepRun("explode-lr3e-2", "healthy", ("--learning-rate", "3e-2", "--explode-after", f"{explode_after:g}"),
-                 f"its gradients explode {explode_after:g} s after it starts"),
+        SweepRun("explode-lr3e-2", "healthy", ("--learning-rate", "3e-2", "--bad-batch-after", f"{BAD_BATCH_AFTER:g}",
+                                               "--explode-after", f"{explode_after:g}"),
+                 f"reads a corrupt batch {BAD_BATCH_AFTER:g} s after it starts; its gradients explode "
+                 f"{explode_after:g} s after it starts"),
         SweepRun("leak-bs128", "memory-leak", ("--learning-rate", "1e-2", "--batch-size", "128", "--leak"),
                  "its GPU's memory climbs in steps towards OOM"),
     ]
@@ -227,7 +236,7 @@ def grafana(binary: str, workdir: Path, provisioning: Path, port: int, password:
 def demo_alertmanager_config(workdir: Path, webhook_url: str) -> Path:
     """The repo's Alertmanager config, its webhook pointed at `webhook_url`, with the demo's group interval."""
     return processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook_url},
-                                                group_interval=DEMO_GROUP_INTERVAL)
+                                                group_wait=DEMO_GROUP_WAIT, group_interval=DEMO_GROUP_INTERVAL)
 
 
 def record_path(records: Path, run: SweepRun) -> Path:
@@ -305,10 +314,10 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
 
 def alert_times(explode_after: float) -> dict[str, float]:
     """When the sweep's alerts are expected to print, in seconds after "dualtrack is up"."""
-    times = {"TrainingLossNonFinite": explode_after + EXPLOSION_ALERTS_AFTER,
+    times = {"TrainingLossNonFinite": min(explode_after, BAD_BATCH_AFTER) + EXPLOSION_ALERTS_AFTER,
              "TrainingDataLoaderBottleneck": LOADER_ALERT_AFTER, "GPUMemoryLeakSuspected": LEAK_ALERT_AFTER}
     if explode_after >= 140:  # the explosion's baseline needs 5 samples older than 2 min
-        times["TrainingGradientExplosion"] = times["TrainingLossNonFinite"]
+        times["TrainingGradientExplosion"] = explode_after + EXPLOSION_ALERTS_AFTER
     return times
 
 
@@ -318,11 +327,13 @@ def about(seconds: float) -> str:
 
 def print_expectations(args: argparse.Namespace, real_gpus: bool) -> None:
     times = alert_times(args.explode_after)
-    explosion = "TrainingLossNonFinite" + (" and TrainingGradientExplosion" if "TrainingGradientExplosion" in times
-                                           else " (too early for TrainingGradientExplosion: it needs 2 min "
-                                                "of the run's history)")
+    explosion = (f"TrainingGradientExplosion (its explosion) {about(times['TrainingGradientExplosion'])} after up"
+                 if "TrainingGradientExplosion" in times else
+                 "no TrainingGradientExplosion (its explosion comes too early: the alert needs 2 min of the "
+                 "run's history)")
     log("alerts print here as they fire and resolve, timed from \"dualtrack is up\": expect "
-        f"{explosion} (run explode-lr3e-2) {about(times['TrainingLossNonFinite'])} after up, "
+        f"TrainingLossNonFinite (run explode-lr3e-2, a corrupt batch or its explosion) "
+        f"{about(times['TrainingLossNonFinite'])} after up, {explosion}, "
         f"TrainingDataLoaderBottleneck (run inputbound-workers0) "
         f"{about(times['TrainingDataLoaderBottleneck'])} after up.")
     if real_gpus:

@@ -6,7 +6,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import requests
 
@@ -80,10 +80,10 @@ class NonFiniteRun:
         return {"job": "alerting-test", "run": self.run, "rank": "0", "instance": socket.gethostname()}
 
     @classmethod
-    def start(cls, pipeline: AlertPipeline, record_path: Path) -> "NonFiniteRun":
+    def start(cls, pipeline: AlertPipeline, record_path: Path, **monitor_args: Any) -> "NonFiniteRun":
         run = run_id("alert")
         monitor = TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url,
-                                  push_interval=0.5, record_path=record_path)
+                                  push_interval=0.5, record_path=record_path, **monitor_args)
         return cls(monitor, Trainer(), run)
 
     def train(self, steps: int) -> None:

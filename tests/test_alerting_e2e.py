@@ -18,9 +18,11 @@ pytestmark = pytest.mark.e2e
 
 
 def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
-        tmp_path, start_service, webhook_receiver):
+        tmp_path, start_service, webhook_receiver, monkeypatch):
+    grafana = "https://grafana.example.org"
+    monkeypatch.setenv("DUALTRACK_GRAFANA_URL", grafana)  # prometheus.yml's one setting, as compose sets it
     pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
-    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
+    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl", delete_after=2)
     with run.monitor:
         run.train(20)
         processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} >= 20', 30)
@@ -41,15 +43,15 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
     assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
     # The Training run dashboard filtered to the run, from an hour before the evaluation to 10 min after.
-    grafana = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"][processes.GRAFANA_URL_LABEL]
     link = urlsplit(alert["annotations"]["dashboard_url"])
     assert f"{link.scheme}://{link.netloc}{link.path}" == grafana + "/d/dualtrack-training-run"
     query = parse_qs(link.query)
     assert query["var-job"] == [run.labels["job"]] and query["var-run"] == [run.run]
     window = int(query["from"][0]) / 1000, int(query["to"][0]) / 1000
     assert window[0] < logged_at < notification["received_at"] < window[1]
-    # The run finished (closing the monitor pushed state="finished"): the alert resolves.
-    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
+    # The run finished (closing the monitor pushed state="finished", kept on the Pushgateway for its
+    # delete_after): the alert resolves once the run's group is deleted.
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=90)
 
 
 def test_lost_gpu_reaches_the_webhook(tmp_path, start_service, webhook_receiver):

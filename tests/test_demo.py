@@ -140,21 +140,26 @@ def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path
 @pytest.mark.timeout(900)
 def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> None:
     """The README's promise on a 2-core machine, timed from "dualtrack is up" as the alert lines
-    are: the explosion's alerts and the data-loader alert near the times the banner announces."""
+    are: the first alert within 2 min, the explosion's and the data-loader alert near the times the
+    banner announces (stack.demo.alert_times, which these measurements set)."""
     from stack.demo import EXPLODE_AFTER, alert_times
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
         spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT)
     first = wait_for_output(log, FIRST_ALERT.pattern, 400)
+    explosion = wait_for_output(log, r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2 "
+                                     r"\(\+(\d+)m(\d+)s after up\)", 400)
     loader = wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0 "
                                   r"\(\+(\d+)m(\d+)s after up\)", 700)
     first_at = int(first.group(3)) * 60 + int(first.group(4))
+    explosion_at = int(explosion.group(1)) * 60 + int(explosion.group(2))
     loader_at = int(loader.group(1)) * 60 + int(loader.group(2))
-    print(f"after up: first alert {first_at} s ({first.group(1)}), data-loader alert {loader_at} s")
+    print(f"after up: first alert {first_at} s ({first.group(1)}), gradient explosion {explosion_at} s, "
+          f"data-loader alert {loader_at} s; load average {os.getloadavg()[0]:.1f}")
     expected = alert_times(EXPLODE_AFTER)
-    assert first_at < expected["TrainingLossNonFinite"] + 60, first.group(0)
+    assert first.group(1) == "TrainingLossNonFinite" and first_at <= 120, first.group(0)
+    assert explosion_at < expected["TrainingGradientExplosion"] + 60, explosion.group(0)
     assert loader_at < expected["TrainingDataLoaderBottleneck"] + 90, loader.group(0)
-    assert re.search(r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2", log.read_text())
 
 
 def test_a_port_in_time_wait_is_kept_and_a_taken_one_moves_loudly(capsys) -> None:
