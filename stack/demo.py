@@ -48,14 +48,17 @@ BAD_BATCH_AFTER = 40.0
 EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
 # When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
 # on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
-# A training event's alert, from the event's time in the run: the run's start-up (torch's import),
-# its push, a scrape, an evaluation and Alertmanager's 5 s group wait.
-EXPLOSION_ALERTS_AFTER = 40
-# TrainingDataLoaderBottleneck: `for: 4m` after the data-wait share shows, then the 30 s group wait;
-# measured 408 s after up at load average 14 (`pytest -m slow tests/test_demo.py -k time_to_first -s`).
-LOADER_ALERT_AFTER = 7 * 60
+# Measured with `pytest -m slow tests/test_demo.py -k time_to_first -s` (2 cores, load average 1.5-6):
+# the corrupt batch's TrainingLossNonFinite 63 s after up, TrainingGradientExplosion 173 s,
+# TrainingDataLoaderBottleneck 378 s.
+# A training event's alert, from the event's time in the run (both measured 23 s): the run's start-up
+# (torch's import) before "up", its push, a scrape, an evaluation and Alertmanager's 5 s group wait.
+EXPLOSION_ALERTS_AFTER = 25
+# TrainingDataLoaderBottleneck: `for: 4m` after the 5-min data-wait share passes 30 %, then the 5 s
+# group wait.
+LOADER_ALERT_AFTER = 380
 # GPUMemoryLeakSuspected by design: 30 min of growth before its "rose in the first half hour"
-# condition holds, then `for: 10m` and Alertmanager's 30 s group wait.
+# condition holds, then `for: 10m` and Alertmanager's 5 s group wait.
 LEAK_ALERT_AFTER = 41 * 60
 LEAK_MINUTES = 120  # the simulated leak fills the GPU in 2 h, so it still grows when the alert fires
 TRAINING_DASHBOARD = "dualtrack-training-run"
