@@ -68,6 +68,7 @@ sed -f "$script" "$template" |
     -e "s|@DUALTRACK_SMTP_REQUIRE_TLS@|$(sed_escape "${DUALTRACK_SMTP_REQUIRE_TLS:-true}")|g" \
     -e "s|@DUALTRACK_PAGERDUTY_URL@|$(sed_escape "${DUALTRACK_PAGERDUTY_URL:-https://events.pagerduty.com/v2/enqueue}")|g" \
     > "$output"
+rm -f "$script"  # exec below skips the EXIT trap
 
 if [ $# -gt 0 ]; then
     exec "$@"

@@ -215,3 +215,14 @@ def test_compose_passes_the_channels_and_mounts_their_secrets_read_only_in_its_o
     assert mount == {"type": "bind", "source": "./deploy/compose/secrets/notify", "target": default.group(1),
                      "read_only": True}
     assert "*" in (REPO / "deploy" / "compose" / "secrets" / ".gitignore").read_text().split()  # never committed
+
+
+def test_the_render_script_leaves_no_temporary_file_even_when_it_execs(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = tmp_path / "am.yml"
+    result = subprocess.run(["sh", str(processes.ALERTMANAGER_RENDER), str(processes.ALERTMANAGER_YML), str(out),
+                             "true"], capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "TMPDIR": str(scratch), "DUALTRACK_CHANNELS": "slack"})
+    assert result.returncode == 0, result.stderr
+    assert out.is_file() and list(scratch.iterdir()) == []
