@@ -110,7 +110,7 @@ def test_a_short_run_that_goes_nan_and_finishes_notifies_once(tmp_path, start_se
     run = run_id("shortnan")
     trainer = Trainer()
     with TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url, push_interval=600,
-                         record_path=tmp_path / "short.jsonl", delete_after=3) as monitor:
+                         record_path=tmp_path / "short.jsonl", delete_after=10) as monitor:
         for _ in range(3):
             trainer.train_step(monitor)
         trainer.train_step(monitor, loss_scale=float("nan"))
