@@ -24,11 +24,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def one_line(text: str) -> str:
-    """`text` with control characters (newlines from a file or run name) written as escapes."""
+    """`text` with control characters (newlines from a file or run name, terminal escapes, C1
+    controls) written as escapes."""
     return _CONTROL.sub(lambda found: repr(found[0])[1:-1], text)
 
 

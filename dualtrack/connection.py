@@ -107,6 +107,18 @@ def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None,
                     tuple(client_cert) if client_cert else None, bool(tls_verify))
 
 
+def read_secret(path: Path | None, flag: str) -> str | None:
+    """The first line of a password or token file (never shown in an error)."""
+    if path is None:
+        return None
+    try:
+        return next(iter(path.read_text(encoding="utf-8").splitlines()), "").strip()
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {str(path)!r} is not UTF-8 text") from None
+
+
 def is_loopback(url: str) -> bool:
     """The URL's host is this machine (localhost or a loopback address)."""
     host = urlsplit(url).hostname or ""

@@ -1,7 +1,8 @@
 """`dualtrack explain RUN`: the run's model-track events, each with the infra evidence found before it.
 
 Events come from the run's `training_*` series; evidence from the `nvml_gpu_*` series of the GPUs
-the run trained on (`training_gpu_info` joins rank to GPU uuid) in a window before each event.
+the run trained on (`training_gpu_info` joins rank to GPU uuid; a rank on a MIG instance is joined to
+its parent GPU by the recorded `job_run_rank_gpu:training_gpu_info:nvml`) in a window before each event.
 `timeline(client, run, since, until)` is the logic; `dualtrack report` shows the same timeline.
 """
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from exporter import xids
+
 from . import prometheus
-from .cli import fail, warner
+from .cli import fail, one_line, warner
 from .summary import utc
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
@@ -46,28 +49,23 @@ GRAD_SPIKE = """(
     count_over_time(training_grad_norm_max{SEL}[30m] offset 2m) >= 5
 )"""
 DEFAULT_LOOKBACK = 7 * 86400.0
-XID_MEANING = {79: "GPU fell off the bus", 119: "GSP timeout", 120: "GSP error",
-               48: "double-bit ECC error", 63: "ECC page retirement or row remapping recorded",
-               64: "ECC page retirement or row remapping failed", 94: "contained ECC error",
-               95: "uncontained ECC error", 13: "graphics engine exception, usually the application",
-               31: "GPU memory page fault, usually the application",
-               43: "GPU stopped processing, usually the application"}
-APPLICATION_XIDS = {13, 31, 43}
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
                   "hw_slowdown": ("hw_slowdown",)}
-HARDWARE = {"xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
+HARDWARE = {"gpu_lost", "xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
             "clock_drop", "link_drop"}
+#: A lost GPU (it stopped answering NVML) outranks every other cause, XID 79 included.
+GPU_LOST_SCORE = 0.99
 #: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
 RELEVANT = {
-    "nonfinite": {"xid", "ecc", "remapped_rows"},
-    "grad_spike": {"xid", "ecc", "remapped_rows"},
-    "loss_scale_collapse": {"xid", "ecc", "remapped_rows"},
+    "nonfinite": {"gpu_lost", "xid", "ecc", "remapped_rows"},
+    "grad_spike": {"gpu_lost", "xid", "ecc", "remapped_rows"},
+    "loss_scale_collapse": {"gpu_lost", "xid", "ecc", "remapped_rows"},
     "step_time_regression": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "straggler": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "data_starvation": {"data_wait"},
-    "oom": {"memory_pressure", "co_tenant", "xid"},
-    "failed": {"xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
+    "oom": {"memory_pressure", "co_tenant", "gpu_lost", "xid"},
+    "failed": {"gpu_lost", "xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
 }
 VERDICT = {"co_tenant": "another process on the GPU, not the model",
            "memory_pressure": "GPU memory, not the model's numerics",
@@ -112,10 +110,11 @@ class Timeline:
     end: float
     gpus: dict[str, str]  # rank -> uuid
     events: list[Event]
+    parent_gpus: dict[str, str] = field(default_factory=dict)  # rank on a MIG instance -> its parent GPU's uuid
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "job": self.job, "start": self.start, "end": self.end,
-                "gpus": self.gpus, "events": [e.to_json() for e in self.events]}
+                "gpus": self.gpus, "parent_gpus": self.parent_gpus, "events": [e.to_json() for e in self.events]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +150,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_time(text: str, now: float, flag: str) -> float:
-    """Unix seconds, ISO 8601, or a duration ago (30s, 90m, 6h, 2d). Raises ValueError."""
+    """Unix seconds, ISO 8601, or a duration ago (30s, 90m, 6h, 2d); finite. Raises ValueError."""
+    found = _parse_time(text, now, flag)
+    if not math.isfinite(found):
+        raise ValueError(f"{flag} {text!r}: not a finite time")
+    return found
+
+
+def _parse_time(text: str, now: float, flag: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
     if match:
         return now - float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
@@ -188,15 +194,20 @@ class Reader:
                                "(check the run id, --since and --until)")
         self.job = jobs[0]["metric"].get("job", "")
         self.ranks = sorted({s["metric"].get("rank", "") for s in jobs}, key=_rank_key)
-        self.start = max(since, float(starts[0]["value"][1])) if starts else since
-        self.end = min(until, float(ends[0]["value"][1]) + 60) if ends else until
+        first, last = (float(found[0]["value"][1]) if found else math.nan for found in (starts, ends))
+        self.start = max(since, first) if math.isfinite(first) else since
+        self.end = min(until, last + 60) if math.isfinite(last) else until
         self.res = max(15.0, math.ceil((self.end - self.start) / MAX_POINTS))
         # Range queries step from start: the last point must be the end (what happened last counts).
         self.start = self.end - math.ceil((self.end - self.start) / self.res) * self.res
         info = client.query(f"max by (rank, uuid) (last_over_time(training_gpu_info{{{self.selector}}}[{rng}]))", until)
         self.gpus = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in info if "uuid" in s["metric"]}
-        processes = client.query(f"max by (pid) (last_over_time(training_process_info{{{self.selector}}}[{rng}]))", until)
-        self.pids = {s["metric"].get("pid") for s in processes}
+        # The uuid of each rank's GPU in the exporter's series: a MIG instance's parent GPU.
+        joined = client.query("max by (rank, uuid, gpu_instance) (last_over_time("
+                              f"job_run_rank_gpu:training_gpu_info:nvml{{{self.selector},mig_uuid!=\"\"}}[{rng}]))", until)
+        self.parents = {s["metric"].get("rank", ""): s["metric"]["uuid"] for s in joined if "uuid" in s["metric"]}
+        self.instances = {s["metric"].get("rank", ""): s["metric"].get("gpu_instance", "") for s in joined}
+        self.exporter_gpus = {rank: self.parents.get(rank, uuid) for rank, uuid in self.gpus.items()}
 
     def by_rank(self, expr: str) -> dict[str, list[tuple[float, float]]]:
         """`expr` (with SEL for the run's label matchers) over the run, one value list per rank."""
@@ -223,7 +234,7 @@ def timeline(client: prometheus.Prometheus, run: str, since: float, until: float
         event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
         event.causes = find_causes(reader, event)
         event.sentence = sentence(event, len(reader.ranks))
-    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events)
+    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events, reader.parents)
 
 
 def _rank_key(rank: str) -> tuple[int, str]:
@@ -412,11 +423,29 @@ def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+def co_tenants(selector: str, rng: str) -> str:
+    """GPU processes of no run in `rng` (rules/explain.yml's co_tenant join): a process is a run's when
+    its PID namespace and its PID in it are a run's pid_namespace and pid (the hook's
+    training_process_info), or, for a run that reports no pid_namespace, when its host PID is the
+    run's pid. A process whose namespace the exporter could not read is never a co-tenant."""
+    return (f'max_over_time(nvml_gpu_process_memory_used_bytes{{pid_namespace!="",namespace_pid!="",{selector}}}[{rng}]) '
+            f'unless on (pid_namespace, namespace_pid) '
+            f'label_join(last_over_time(training_process_info[{rng}]), "namespace_pid", "", "pid") '
+            f'unless on (pid) last_over_time(training_process_info{{pid_namespace=""}}[{rng}])')
+
+
 def find_causes(reader: Reader, event: Event) -> list[Cause]:
     """The infra evidence on the event's GPU (all the run's GPUs for a run-wide event), ranked."""
     wanted = RELEVANT[event.kind]
-    uuids = [event.gpu_uuid] if event.gpu_uuid else sorted(set(reader.gpus.values()))
-    rank_of = {uuid: rank for rank, uuid in reader.gpus.items()}
+    own = reader.exporter_gpus.get(event.rank) if event.rank is not None else None
+    uuids = [own] if own else sorted(set(reader.exporter_gpus.values()))
+    rank_of = {uuid: rank for rank, uuid in reader.exporter_gpus.items()}
+    # MIG instances (parent uuid, gpu_instance) among them: each has its own memory and is isolated
+    # from the other instances' processes, which NVML lists per GPU only (no co-tenant is named).
+    ranks = [event.rank] if own else list(reader.exporter_gpus)
+    slices = sorted({(reader.parents[r], reader.instances[r]) for r in ranks if r in reader.parents})
+    whole = [u for u in uuids if u not in {parent for parent, _ in slices}]
+    whole_sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
     lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
@@ -424,18 +453,18 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     rng = f"{int(WINDOW + reader.res)}s"
 
     def where(uuid: str) -> str:
-        if uuid == event.gpu_uuid:
-            return "on that GPU"
+        if uuid == own:
+            return "on that GPU" if own == event.gpu_uuid else f"on its MIG instance's parent GPU ({uuid})"
         return f"on rank {rank_of.get(uuid, '?')}'s GPU ({uuid})"
 
     if uuids:
         sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
         client = reader.client
-        if wanted & {"xid", "ecc", "remapped_rows", "link_drop"}:
+        if wanted & {"gpu_lost", "xid", "ecc", "remapped_rows", "link_drop"}:
             step = max(1.0, (at - start) / 600)
             counters = client.query_range(
                 '{__name__=~"nvml_gpu_xid_errors_total|nvml_gpu_ecc_errors_total|nvml_gpu_remapped_rows_total|'
-                f'nvml_gpu_pcie_replay_errors_total",{sel}}}', start, at, step)
+                f'nvml_gpu_pcie_replay_errors_total|nvml_exporter_gpu_lost_total",{sel}}}', start, at, step)
             for series in counters:
                 causes.extend(_counter_cause(series, event, where, wanted, start, step))
         if wanted & set(THROTTLE_KINDS):
@@ -465,20 +494,28 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                 causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before", 0.5,
                                     f"with NVLink traffic {where(uuid)} halved"))
         if "memory_pressure" in wanted:
-            full = client.query(f"max_over_time((nvml_gpu_memory_used_bytes{{{sel}}} / nvml_gpu_memory_total_bytes{{{sel}}})[{rng}:]) > 0.95", at)
+            # A MIG instance's own memory (nvml_gpu_mig_memory_*) counts, not its parent's.
+            fills = []
+            if whole:
+                fills.append(f"nvml_gpu_memory_used_bytes{{{whole_sel}}} / nvml_gpu_memory_total_bytes{{{whole_sel}}}")
+            for parent, instance in slices:
+                match = f"uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
+                fills.append(f"nvml_gpu_mig_memory_used_bytes{{{match}}} / nvml_gpu_mig_memory_total_bytes{{{match}}}")
+            full = client.query(" or ".join(f"max_over_time(({fill})[{rng}:]) > 0.95" for fill in fills), at) if fills else []
             for series in full:
                 uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
-                causes.append(Cause("memory_pressure", f"{uuid} memory {ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
-                                    f"with {ratio:.0%} of the memory used {where(uuid)}"))
-        if "co_tenant" in wanted:
-            procs = client.query(f"max by (uuid, pid, process) (max_over_time(nvml_gpu_process_memory_used_bytes{{{sel}}}[{rng}]))", at)
+                instance = series["metric"].get("gpu_instance")
+                memory = f"the memory of GPU instance {instance}" if instance else "the memory"
+                causes.append(Cause("memory_pressure", f"{uuid}{f' GPU instance {instance}' if instance else ''} memory "
+                                                       f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
+                                    f"with {ratio:.0%} of {memory} used {where(uuid)}"))
+        if "co_tenant" in wanted and whole:
+            procs = client.query(f"max by (uuid, pid, process) ({co_tenants(whole_sel, rng)})", at)
             for series in procs:
                 labels = series["metric"]
-                if labels.get("pid") in reader.pids:
-                    continue
                 uuid, used = labels.get("uuid", ""), float(series["value"][1])
                 name = labels.get("process") or "?"
-                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) not of this run on {uuid}, "
+                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) of no run on {uuid}, "
                                                  f"{used / 2**30:.1f} GiB", 0.7,
                                     f"with another process ({name}, pid {labels.get('pid')}) {where(uuid)}"))
     if "data_wait" in wanted:
@@ -510,11 +547,14 @@ def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], 
         return []
     uuid, name, count = labels.get("uuid", ""), labels.get("__name__", ""), values[-1][1] - before
     delta = _ago(event.time - rose_at)
+    if name == "nvml_exporter_gpu_lost_total" and "gpu_lost" in wanted:
+        return [Cause("gpu_lost", f"{uuid} lost (stopped answering NVML) at {utc(rose_at)}, {delta} before",
+                      GPU_LOST_SCORE, f"{delta} after a GPU loss {where(uuid)} (it stopped answering NVML)")]
     if name == "nvml_gpu_xid_errors_total" and "xid" in wanted:
         code = int(labels.get("xid", "0") or 0)
-        meaning = XID_MEANING.get(code, "see NVIDIA's XID catalog")
+        meaning = xids.meaning(code)
         return [Cause("xid", f"XID {code} ({meaning}) on {uuid} at {utc(rose_at)}, {delta} before",
-                      0.3 if code in APPLICATION_XIDS else 0.95, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
+                      0.95 if xids.is_disruptive(code) else 0.3, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
     if name == "nvml_gpu_ecc_errors_total" and "ecc" in wanted:
         error = labels.get("error", "")
         return [Cause("ecc", f"{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",
@@ -557,7 +597,8 @@ def sentence(event: Event, ranks: int) -> str:
 
 def render_text(found: Timeline) -> str:
     """The timeline as plain text: a header line, then each event and its ranked causes."""
-    gpus = ", ".join(f"rank {r} {u}" for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
+    gpus = ", ".join(f"rank {r} {u}" + (f" (on {found.parent_gpus[r]})" if r in found.parent_gpus else "")
+                     for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
     lines = [f"run {found.run} (job {found.job}): {utc(found.start)} to {utc(found.end)}; GPUs: {gpus or 'unknown (no training_gpu_info)'}"]
     if not found.events:
         lines.append("no model-track event (non-finite values, spikes, slowdowns, stragglers, data starvation, "
@@ -566,4 +607,5 @@ def render_text(found: Timeline) -> str:
         lines.append(f"{utc(event.time)}  {event.kind}: {event.sentence}")
         for cause in event.causes:
             lines.append(f"    {cause.score:.2f} {cause.kind}: {cause.evidence}")
-    return "\n".join(lines)
+    # Label values (process names, runs, uuids) are anyone's text: no terminal escape reaches the screen.
+    return "\n".join(one_line(line) for line in lines)

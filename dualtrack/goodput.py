@@ -1,6 +1,7 @@
 """A run's goodput, energy efficiency and ETA over its life, from the rules in rules/goodput.yml."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from . import prometheus
@@ -16,11 +17,13 @@ QUERIES = {
 
 def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float, end: float) -> dict[str, float]:
     """The figures Prometheus recorded for the run between `start` and `end` (absent ones left out)."""
-    matchers = f"job={prometheus.quote(job)},run={prometheus.quote(run)}"
-    span = f"{max(60, int(end - start) + 60)}s"
+    values = {"SEL": f"job={prometheus.quote(job)},run={prometheus.quote(run)}",
+              "RANGE": f"{max(60, int(end - start) + 60)}s"}
     found: dict[str, float] = {}
     for name, expr in QUERIES.items():
-        result: list[dict[str, Any]] = client.query(expr.replace("SEL", matchers).replace("RANGE", span), end)
+        # One pass: a value inserted (a run named "RANGE") is never replaced again.
+        query = re.sub("SEL|RANGE", lambda placeholder: values[placeholder[0]], expr)
+        result: list[dict[str, Any]] = client.query(query, end)
         if result:
             found[name] = float(result[0]["value"][1])
     return found

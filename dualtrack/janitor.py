@@ -12,7 +12,8 @@ Ages are read on the Pushgateway's own clock, never the janitor's: a push time i
 `Date` of the Pushgateway's answer (else with the newest push time it lists), so a janitor whose
 clock is off by minutes or days deletes nothing early. A push time that is not a finite positive
 number is a malformed group: never deleted. Redirects are not followed.
-An unreachable Pushgateway or a malformed group is logged and retried on the next pass.
+An unreachable Pushgateway or a malformed group is logged and retried on the next pass. Label values
+and errors are logged with their control characters escaped (a pushed label cannot forge log lines).
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ import sys
 import threading
 import urllib.request
 from email.utils import parsedate_to_datetime
+from pathlib import Path
 from typing import Any, Callable
 
-from .connection import opener, push_handler, resolve, warn_plaintext
+from .cli import one_line
+from .connection import opener, push_handler, read_secret, resolve, warn_plaintext
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
@@ -52,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the Pushgateway (default: $DUALTRACK_PUSHGATEWAY, else {DEFAULT_PUSHGATEWAY}); "
                              "credentials from $DUALTRACK_PUSHGATEWAY_USERNAME/_PASSWORD or _TOKEN, "
                              "CA from $DUALTRACK_PUSHGATEWAY_CA_FILE, as for the hook")
+    parser.add_argument("--pushgateway-password-file", metavar="FILE", type=Path, default=None,
+                        help="read the password from this file (its first line) instead of "
+                             "$DUALTRACK_PUSHGATEWAY_PASSWORD; the user is $DUALTRACK_PUSHGATEWAY_USERNAME")
     parser.add_argument("--retention", type=duration, default=duration("24h"), metavar="DURATION",
                         help="delete a run still marked running whose last push is older than this "
                              "(killed without a word; default 24h)")
@@ -72,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error("--interval and --timeout must be longer than 0")
     url = args.pushgateway or os.environ.get(ENV_PUSHGATEWAY) or DEFAULT_PUSHGATEWAY
     try:  # the hook's rule and variables ($DUALTRACK_PUSHGATEWAY_USERNAME/_PASSWORD, _TOKEN, _CA_FILE)
-        access = resolve("pushgateway", ENV_PUSHGATEWAY, url)
+        password = read_secret(args.pushgateway_password_file, "--pushgateway-password-file")
+        username = os.environ.get(f"{ENV_PUSHGATEWAY}_USERNAME")
+        if password is not None and not username:
+            raise ValueError(f"--pushgateway-password-file needs ${ENV_PUSHGATEWAY}_USERNAME")
+        access = resolve("pushgateway", ENV_PUSHGATEWAY, url, None if password is None else (username, password))
         handler, open_ = push_handler(access), opener(access)
     except ValueError as exc:
         return _usage_error(str(exc))
@@ -128,7 +138,7 @@ class Janitor:
                 raise ValueError("'data' is not a list")
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, not a Pushgateway: retry later
             if not self._unreachable:
-                log.warning("cannot read the groups of %s: %s; retrying every %gs", self.url, exc,
+                log.warning("cannot read the groups of %s: %s; retrying every %gs", self.url, one_line(str(exc)),
                             self.args.interval)
             self._unreachable = True
             return None
@@ -188,7 +198,7 @@ class Janitor:
     def delete(self, labels: dict[str, str], why: str) -> bool:
         from prometheus_client import delete_from_gateway
 
-        name = " ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        name = one_line(" ".join(f"{k}={v}" for k, v in sorted(labels.items())))
         if self.args.dry_run:
             log.info("would delete %s (%s)", name, why)
             return False
@@ -197,7 +207,7 @@ class Janitor:
             delete_from_gateway(self.url, job=labels["job"], grouping_key=grouping,
                                 timeout=self.args.timeout, handler=self.handler)
         except Exception as exc:  # noqa: BLE001 - retried on the next pass
-            log.warning("could not delete %s: %s; retrying on the next pass", name, exc)
+            log.warning("could not delete %s: %s; retrying on the next pass", name, one_line(str(exc)))
             return False
         log.info("deleted %s (%s)", name, why)
         return True

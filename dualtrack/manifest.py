@@ -1,15 +1,19 @@
 """`DIR/dualtrack-replay.json`: which blocks in --out a replay made, so that the next one replaces them.
 
-The manifest is read as untrusted (it may have been copied from anywhere): an entry counts only
-when it names a plain ULID directory directly in --out whose meta.json still has the SHA-256
-recorded when the replay made it. Anything else is forgotten, never deleted. A block is deleted
-only when every run it holds is rewritten in full by the new replay (at least as many steps over at
-least the same time range), and only after the new blocks are in place and recorded.
+The manifest is read as untrusted (it may have been copied from anywhere, or forged): an entry
+counts only when it names a plain ULID directory directly in --out whose meta.json still has the
+SHA-256 recorded when the replay made it, and which holds the replay's proof: PROOF_FILE, a
+regular file (no link) owned by this user that the replay created (O_EXCL) in the block before
+installing it, holding a random secret whose SHA-256 the entry records. Another program's block
+(a Prometheus's own) has no such file, so no entry can make a replay delete it. Anything else is
+forgotten, never deleted. A block is deleted only when every run it holds is rewritten in full by
+the new replay (at least as many steps over at least the same time range), and only after the
+new blocks are in place and recorded.
 
-Format: {"format": 2, "blocks": {ULID: {"meta_sha256": HEX, "runs": [RUN...]}}}, RUN being
-{"job", "run", "rank", "steps", "first", "last"} (times in unix seconds). A run is keyed by its
-(job, run, rank) triple, never by a joined name. Manifests of earlier releases (ULID -> names)
-are read as empty: their blocks stay.
+Format: {"format": 3, "blocks": {ULID: {"meta_sha256": HEX, "proof_sha256": HEX, "runs": [RUN...]}}},
+RUN being {"job", "run", "rank", "steps", "first", "last"} (times in unix seconds). A run is keyed
+by its (job, run, rank) triple, never by a joined name. Manifests of earlier releases (format 2,
+or ULID -> names) are read as empty: their blocks stay.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 from dataclasses import asdict, dataclass
@@ -24,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 NAME = "dualtrack-replay.json"
-FORMAT = 2
+FORMAT = 3
+#: The file in each block a replay made that proves it made it (see the module's docstring).
+PROOF_FILE = "dualtrack-replay-proof"
 _ULID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
 _MAX_BYTES = 64 << 20
 _MAX_META_BYTES = 1 << 20
@@ -65,8 +72,10 @@ def install(blocks_dir: Path, out: Path, runs: list[Coverage]) -> tuple[int, int
             raise ManifestError(f"{out / block} already exists: not overwritten")
     fresh = {run.key: run for run in runs if run.steps > 0}
     for block in new:
+        proof = _prove(blocks_dir / block)
         os.replace(blocks_dir / block, out / block)
-        manifest[block] = {"meta_sha256": _meta_sha256(out / block), "runs": [asdict(r) for r in runs]}
+        manifest[block] = {"meta_sha256": _meta_sha256(out / block), "proof_sha256": proof,
+                           "runs": [asdict(r) for r in runs]}
     write(out, manifest, blocks_dir)
     replaced = [block for block, entry in manifest.items() if block not in new and _rewritten(entry, fresh)]
     for block in replaced:
@@ -121,16 +130,34 @@ def _verified(out: Path, name: object, entry: object) -> bool:
     try:
         if not stat.S_ISDIR(block.lstat().st_mode) or block.resolve().parent != out.resolve():
             return False
-        return entry.get("meta_sha256") == _meta_sha256(block)
+        proof = entry.get("proof_sha256")
+        return (entry.get("meta_sha256") == _meta_sha256(block) and isinstance(proof, str)
+                and proof == _file_sha256(block / PROOF_FILE, mine=True))
     except (OSError, ValueError):
         return False
 
 
+def _prove(block: Path) -> str:
+    """Create PROOF_FILE in a block this replay made (never through a link, never over a file);
+    the SHA-256 of its secret, for the manifest."""
+    secret = secrets.token_hex(32).encode()
+    fd = os.open(block / PROOF_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(secret)
+    return hashlib.sha256(secret).hexdigest()
+
+
 def _meta_sha256(block: Path) -> str:
-    fd = os.open(block / "meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _file_sha256(block / "meta.json")
+
+
+def _file_sha256(path: Path, mine: bool = False) -> str:
+    """The SHA-256 of a regular file (no link followed); `mine`: it must also be this user's."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise ValueError("meta.json is not a regular file")
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or (mine and info.st_uid != os.geteuid()):
+            raise ValueError(f"{path.name} is not a regular file of this user")
         return hashlib.sha256(handle.read(_MAX_META_BYTES)).hexdigest()
 
 

@@ -3,9 +3,14 @@
 Each step line is folded into the exported state by the live hook's own aggregation
 (trainer_hook.contract.Accumulator) and becomes the samples a scrape of the Pushgateway would have
 shown right after that step, stamped with the step's own time: per-step series (training_step, the
-logged values, the counters) at every step; slowly changing ones (state, info, start time, histogram, non-finite
+counters) at every step; a logged key's series (training_<key>, its sum, count and non-finite count)
+at the steps that log it; slowly changing ones (state, info, start time, histogram, non-finite
 markers) when they change and at least every REFRESH_SECONDS of record time, so that PromQL's
 5-minute lookback always finds them. Every series carries REPLAY_LABEL.
+
+So a step's samples are a fixed number plus a few per key the step line holds: the output grows
+linearly with the record (the labels are at most MAX_LABEL_LENGTH characters each, the config labels
+at most MAX_CONFIG_LABELS: trainer_hook.contract), never with steps times keys.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import math
 from typing import Any
 
 from trainer_hook.contract import (PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS, Accumulator, label_name,
-                                   label_value, per_key)
+                                   label_value)
 
 from .records import Run, exported_name, number
 
@@ -22,6 +27,10 @@ REPLAY_LABEL = "replayed"
 REPLAY_VALUE = "true"
 #: Slow series are repeated at least this often (record time): a default scrape interval.
 REFRESH_SECONDS = 15.0
+#: ... as long as the run's record bytes read since pay for them: at most this many bytes of slow
+#: series per record byte (a hook-written step line pays for a refresh by itself unless the config is
+#: huge; a crafted record of tiny lines 15 s apart gets its slow series less often, never more output).
+SLOW_BYTES_PER_RECORD_BYTE = 64
 _BOUNDS = [repr(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 
@@ -62,6 +71,14 @@ class RunSeries:
         self._run = Accumulator()
         self._data_wait: float | None = None
         self._refreshed = -math.inf
+        self._credit = 0  # record bytes of this run not yet spent on slow series
+        self._slow_bytes = 0  # size of the latest refresh: the price of the next one
+        self._ended = False  # an end line was written (the first one's refresh is free)
+        self._keys: set[str] = set()  # keys whose training_nonfinite_values_total was written
+
+    def read(self, size: int) -> None:
+        """`size` more bytes of this run's record were read (they pay for its slow series)."""
+        self._credit += size
 
     def _stamp(self, time: float) -> str:
         """' <seconds>\\n' for a sample at `time`, at least 1 ms after the previous one.
@@ -113,9 +130,15 @@ class RunSeries:
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
             out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
-        for name, total, count, _ in per_key(state):
-            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} {fmt(total)}{ts}')
-            out.append(f'training_logged_value_count{{{labels},key="{name}"}} {count}{ts}')
+        for name, value in folded.gauges.items():  # the keys this step logged: the others did not change
+            out.append(f'training_logged_value_sum{{{labels},key="{name}"}} '
+                       f'{fmt(state.value_sums.get(name, 0.0))}{ts}')
+            out.append(f'training_logged_value_count{{{labels},key="{name}"}} '
+                       f'{state.value_counts.get(name, 0)}{ts}')
+            if name not in self._keys or not math.isfinite(value):  # its first value, or one more
+                self._keys.add(name)
+                out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} '
+                           f'{state.nonfinite_values.get(name, 0)}{ts}')
         out.append(f"training_nonfinite_steps_total{{{labels}}} {state.nonfinite_steps_total}{ts}")
         if state.skipped_steps_total:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '
@@ -129,8 +152,10 @@ class RunSeries:
                 if value is not None:
                     out.append(f"training_cuda_memory_{name}_bytes{{{labels}}} {fmt(value)}{ts}")
         if folded.nonfinite or line["time"] - self._refreshed >= REFRESH_SECONDS:
-            self._refreshed = line["time"]
-            out.extend(self._slow("running", ts))
+            slow = self._refresh("running", ts)
+            if slow:
+                self._refreshed = line["time"]
+                out.extend(slow)
         self.samples += len(out)
         return "".join(out)
 
@@ -138,17 +163,31 @@ class RunSeries:
         """The samples of the end line: the final state, and everything slow once more."""
         state = line.get("state") if line.get("state") in RUN_STATES else "failed"
         ts = self._stamp(float(line["time"]))
-        out = self._slow(state, ts)
+        out = self._refresh(state, ts, paid=not self._ended) or self._states(state, ts)
+        self._ended = True
         if state == "failed" and isinstance(line.get("reason"), str) and line["reason"]:
             # What the live hook pushes: the class of the exception that ended the run.
             out.append(f'training_run_failure_info{{{self.labels},reason="{escape(line["reason"])}"}} 1{ts}')
         self.samples += len(out)
         return "".join(out)
 
+    def _refresh(self, run_state: str, ts: str, paid: bool = False) -> list[str]:
+        """The slow series, if the bytes read pay for them (SLOW_BYTES_PER_RECORD_BYTE) or they are
+        `paid` for already (the run's first end line); else []."""
+        if not paid and self._credit * SLOW_BYTES_PER_RECORD_BYTE < self._slow_bytes:
+            return []
+        out = self._slow(run_state, ts)
+        self._slow_bytes = sum(map(len, out))
+        self._credit = max(0, self._credit - self._slow_bytes // SLOW_BYTES_PER_RECORD_BYTE)
+        return out
+
+    def _states(self, run_state: str, ts: str) -> list[str]:
+        return [f"training_run_state{{{self.labels},state=\"{name}\"}} {int(name == run_state)}{ts}"
+                for name in RUN_STATES]
+
     def _slow(self, run_state: str, ts: str) -> list[str]:
         labels, start, state = self.labels, self.run.start, self._run.state
-        out = [f"training_run_state{{{labels},state=\"{name}\"}} {int(name == run_state)}{ts}"
-               for name in RUN_STATES]
+        out = self._states(run_state, ts)
         out.append(f"training_run_info{{{self.info_labels}}} 1{ts}")
         if self.run.start_time is not None:
             out.append(f"training_start_timestamp_seconds{{{labels}}} {fmt(self.run.start_time)}{ts}")
@@ -160,8 +199,6 @@ class RunSeries:
         for name in ("first_nonfinite_step", "first_nonfinite_batch_id", "last_nonfinite_step",
                      "last_nonfinite_batch_id"):
             out.append(f"training_{name}{{{labels}}} {fmt(getattr(state, name))}{ts}")
-        for name, _, _, bad in per_key(state):
-            out.append(f'training_nonfinite_values_total{{{labels},key="{name}"}} {bad}{ts}')
         if not state.skipped_steps_total:  # once it counts, it is written at every step
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} 0{ts}')
         buckets = self._run.cumulative_buckets()

@@ -7,24 +7,37 @@ Flags (each with an environment fallback, like the hook's DUALTRACK_PUSHGATEWAY_
     --prometheus-password-file FILE      $DUALTRACK_PROMETHEUS_PASSWORD (the password itself)
     --prometheus-bearer-token-file FILE  $DUALTRACK_PROMETHEUS_TOKEN (the token itself)
     --prometheus-ca-file FILE            $DUALTRACK_PROMETHEUS_CA_FILE
+    --prometheus-timeout SECONDS         (default 10)
 
 Passwords and tokens never go on the command line (other users see it in `ps`), and never into a
 message, a report or repr(): dualtrack.connection checks the URL and credentials.
+
+Each query has a total deadline (connecting, the answer's head and its whole body: a server that
+trickles bytes cannot hold it longer) and a size cap; whatever goes wrong on the way (refused, reset,
+a bad status line, a truncated body, TLS, a timeout, not JSON) is one QueryError line.
 """
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import math
 import os
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from .connection import Endpoint, opener, resolve, shown, warn_plaintext
+from .cli import one_line
+from .connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
+#: Seconds one query may take in all, unless --prometheus-timeout says otherwise.
+DEFAULT_TIMEOUT = 10.0
+#: The largest answer read (bytes); a larger one is a QueryError.
+MAX_ANSWER_BYTES = 32 * 2**20
 
 
 def quote(value: str) -> str:
@@ -34,6 +47,21 @@ def quote(value: str) -> str:
 
 class QueryError(Exception):
     """Prometheus could not be asked or answered nonsense (one line, no credentials)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))  # a server's text (a bad status line) may hold anything
+
+
+class _TooLarge(Exception):
+    """The answer is larger than the client reads."""
+
+
+def _seconds(text: str) -> float:
+    """A --prometheus-timeout value: finite seconds above 0 (argparse reports the ValueError)."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(text)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
@@ -49,18 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"file holding a bearer token (default ${ENV_URL}_TOKEN)")
     parser.add_argument("--prometheus-ca-file", metavar="FILE", default=None,
                         help=f"CA certificate for an https:// URL (default ${ENV_URL}_CA_FILE)")
-
-
-def _secret(path: Path | None, flag: str) -> str | None:
-    """The first line of a password or token file (never shown in an error)."""
-    if path is None:
-        return None
-    try:
-        return next(iter(path.read_text(encoding="utf-8").splitlines()), "").strip()
-    except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{flag} {str(path)!r} is not UTF-8 text") from None
+    parser.add_argument("--prometheus-timeout", metavar="SECONDS", type=_seconds, default=DEFAULT_TIMEOUT,
+                        help=f"the most one query may take, answer included (default {DEFAULT_TIMEOUT:g})")
 
 
 def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometheus | None":
@@ -69,24 +87,26 @@ def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometh
     if url is None:
         return None
     username = args.prometheus_username or os.environ.get(f"{ENV_URL}_USERNAME") or None
-    password = _secret(args.prometheus_password_file, "--prometheus-password-file")
+    password = read_secret(args.prometheus_password_file, "--prometheus-password-file")
     if password is not None and username is None:
         raise ValueError("--prometheus-password-file needs --prometheus-username")
     if username is not None and password is None:
         password = os.environ.get(f"{ENV_URL}_PASSWORD", "")
     endpoint = resolve("prometheus", ENV_URL, url, (username, password) if username else None,
-                       _secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file"),
+                       read_secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file"),
                        args.prometheus_ca_file)
     warn_plaintext(endpoint, "Prometheus", warn)
-    return Prometheus(endpoint)
+    return Prometheus(endpoint, getattr(args, "prometheus_timeout", DEFAULT_TIMEOUT))
 
 
 class Prometheus:
     """A small client of Prometheus' HTTP API: query, query_range, alerts."""
 
-    def __init__(self, endpoint: Endpoint, timeout: float = 10.0) -> None:
+    def __init__(self, endpoint: Endpoint, timeout: float = DEFAULT_TIMEOUT,
+                 max_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.max_bytes = max_bytes
         self._open = opener(endpoint)
 
     @property
@@ -102,17 +122,24 @@ class Prometheus:
         value}, "values": [(time, value), ...]}, both floats; raises QueryError for anything else."""
         found = self._get("query_range", {"query": expr, "start": start, "end": end, "step": step}, "result")
         try:
-            return [{"metric": {str(k): str(v) for k, v in series["metric"].items()},
-                     "values": [(float(t), float(v)) for t, v in series["values"]]} for series in found]
+            return [{"metric": _labels(series), "values": [(float(t), float(v)) for t, v in series["values"]]}
+                    for series in found]
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise QueryError(f"query failed (query_range): malformed series ({type(exc).__name__})") from None
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        """The instant vector (or scalar/string result list) `expr` gives now, or at `at`."""
+        """The instant vector `expr` gives now, or at `at`: series of {"metric": {label: value}, "value":
+        (time, value)}, the time a float, the value Prometheus' text of a float; raises QueryError for
+        anything else."""
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
-        return self._get("query", params, "result")
+        found = self._get("query", params, "result")
+        try:
+            return [{"metric": _labels(series), "value": (float(series["value"][0]), _number(series["value"][1]))}
+                    for series in found]
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise QueryError(f"query failed (query): malformed series ({type(exc).__name__})") from None
 
     def alerts(self) -> list[dict[str, Any]]:
         """The alerts pending or firing now."""
@@ -121,16 +148,76 @@ class Prometheus:
     def _get(self, api: str, params: dict[str, Any], key: str) -> list[Any]:
         """`data[key]` of /api/v1/`api`, a list; raises QueryError."""
         url = f"{self.endpoint.url}/api/v1/{api}" + (f"?{urlencode(params)}" if params else "")
+        body = self._fetch(api, url)
         try:
-            with self._open(urllib.request.Request(url), self.timeout) as response:
-                data = json.loads(response.read())["data"]
-        except urllib.error.HTTPError as exc:
-            raise QueryError(f"query failed ({api}): HTTP {exc.code} {str(exc.reason)[:200]}") from None
-        except urllib.error.URLError as exc:
-            raise QueryError(f"query failed ({api}): {str(exc.reason)[:200]}") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise QueryError(f"query failed ({api}, {type(exc).__name__}: {str(exc)[:200]})") from None
+            data = json.loads(body)["data"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+            raise QueryError(f"query failed ({api}): not a Prometheus answer ({type(exc).__name__})") from None
         found = data.get(key) if isinstance(data, dict) else None
         if not isinstance(found, list):
             raise QueryError(f"query failed ({api}): no list in data.{key}")
         return found
+
+    def _fetch(self, api: str, url: str) -> bytes:
+        """The whole body of GET `url` within the timeout; raises QueryError. The request runs in a
+        thread: a socket timeout bounds each read, not their sum, nor how long a server trickles."""
+        outcome: dict[str, Any] = {}
+        late = threading.Event()
+
+        def fetch() -> None:
+            try:
+                outcome["body"] = self._read(url, late)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which names it in one line
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=fetch, name="dualtrack-prometheus-query", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            late.set()  # the worker stops at its next read; nobody waits for it
+            raise QueryError(f"query failed ({api}): no complete answer within {self.timeout:g} s")
+        error = outcome.get("error")
+        if isinstance(error, urllib.error.HTTPError):
+            raise QueryError(f"query failed ({api}): HTTP {error.code} {str(error.reason)[:200]}")
+        if isinstance(error, urllib.error.URLError):
+            raise QueryError(f"query failed ({api}): {str(error.reason)[:200]}")
+        if isinstance(error, _TooLarge):
+            raise QueryError(f"query failed ({api}): an answer over {self.max_bytes // 2**20} MiB")
+        if isinstance(error, (http.client.HTTPException, OSError, ValueError)):
+            raise QueryError(f"query failed ({api}): {type(error).__name__}: {str(error)[:200]}")
+        if error is not None:
+            raise error
+        return outcome["body"]
+
+    def _read(self, url: str, late: threading.Event) -> bytes:
+        """The body of GET `url`, at most max_bytes; stops early once `late` is set."""
+        with self._open(urllib.request.Request(url), self.timeout) as response:
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise _TooLarge()
+            chunks: list[bytes] = []
+            size = 0
+            while not late.is_set():
+                chunk = response.read(1 << 16)
+                if not chunk:
+                    missing = getattr(response, "length", None)  # of a Content-Length not received
+                    if missing:
+                        raise http.client.IncompleteRead(b"", missing)
+                    return b"".join(chunks)
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise _TooLarge()
+                chunks.append(chunk)
+            return b""
+
+
+def _number(value: Any) -> str:
+    """A sample value as Prometheus writes it ("42", "NaN", "+Inf"); raises ValueError if no float."""
+    text = str(value)
+    float(text)
+    return text
+
+
+def _labels(series: dict[str, Any]) -> dict[str, str]:
+    """A series' labels as text."""
+    return {str(k): str(v) for k, v in series["metric"].items()}

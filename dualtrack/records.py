@@ -29,7 +29,8 @@ from typing import Any, BinaryIO, Iterable, Iterator
 
 from .cli import one_line
 
-from trainer_hook.contract import FORMAT_VERSION, Dropped, is_overflow, metric_suffix
+from trainer_hook.contract import (FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value,
+                                   metric_suffix)
 
 #: The newest record format this reader knows: the one the hook of this version writes.
 KNOWN_FORMAT = FORMAT_VERSION
@@ -60,7 +61,9 @@ class InputError(Exception):
 
 @dataclass
 class Run:
-    """One rank of one run, as its start line (and end line, once read) describe it."""
+    """One rank of one run, as its start line (and end line, once read) describe it; job, run, rank
+    and instance are label values as the hook makes them (contract.label_value: at most
+    MAX_LABEL_LENGTH characters, no control characters)."""
 
     job: str
     run: str
@@ -82,8 +85,10 @@ class Run:
 
     @property
     def config(self) -> dict[str, str]:
+        """The start line's config as the hook exports it (contract.config_labels: secrets masked,
+        names and values sanitized, at most MAX_CONFIG_LABELS), whoever wrote the record."""
         config = self.start.get("config")
-        return {str(k): str(v) for k, v in config.items()} if isinstance(config, dict) else {}
+        return config_labels(config) if isinstance(config, dict) else {}
 
 
 @dataclass
@@ -224,6 +229,7 @@ class Reader:
         self.files = expand(paths, self.problems)
         self.problems.files = len(self.files)
         self.runs: dict[tuple[str, str, str], Run] = {}
+        self.consumed = 0  # bytes of the records read so far, skipped lines included
 
     def no_steps(self) -> str:
         """Why there is nothing to show: '<files> hold no step line (<what was skipped>)'."""
@@ -255,6 +261,7 @@ class Reader:
         with handle:
             number_ = 0
             for number_, raw in enumerate(lines(handle), 1):
+                self.consumed += MAX_LINE_BYTES if raw is None else len(raw)
                 where = f"{path.name}:{number_}"
                 if raw is None:
                     self.problems.add(f"line longer than {MAX_LINE_BYTES} bytes", where)
@@ -302,7 +309,7 @@ class Reader:
 
     def _start(self, line: dict[str, Any], where: str) -> Run | None:
         try:
-            job, run, rank = (str(line[k]) for k in ("job", "run", "rank"))
+            job, run, rank = (label_value(line[k]) for k in ("job", "run", "rank"))
         except KeyError:
             self.problems.add("corrupt line", where)
             return None
@@ -314,7 +321,7 @@ class Reader:
             return known
         start_time = line.get("time")
         usable = type(start_time) in (int, float) and _bad_time(start_time, None) is None
-        made = Run(job=job, run=run, rank=rank, instance=str(line.get("instance", "")),
+        made = Run(job=job, run=run, rank=rank, instance=label_value(line.get("instance", "")),
                    start_time=float(start_time) if usable else None,
                    format=version if isinstance(version, int) else 1, start=line)
         self.runs[made.key] = made

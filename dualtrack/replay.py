@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import Iterable
 
 from .cli import fail
 from .manifest import Coverage, ManifestError, install
@@ -26,6 +25,10 @@ from .workspace import Interrupted, remove_stale, workspace
 
 HELP = "rebuild a run's Prometheus series (step resolution) from its local record, as TSDB blocks"
 CHUNK_SAMPLES = 1_000_000
+#: A chunk is also closed at this size: promtool reads each chunk whole.
+CHUNK_BYTES = 64 << 20
+#: Default of --max-output-bytes: the OpenMetrics text one replay may write in all.
+MAX_OUTPUT_BYTES = 16 << 30
 PROMTOOL_MISSING = ("promtool not found: install it (Debian/Ubuntu: apt-get install prometheus; "
                     "elsewhere the prometheus-*.tar.gz from https://prometheus.io/download/ has it) "
                     "or pass --promtool PATH")
@@ -44,6 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or one to load with `python -m stack --replay DIR`")
     parser.add_argument("--promtool", default=None, metavar="PATH",
                         help="promtool binary (default: promtool on PATH)")
+    parser.add_argument("--max-output-bytes", type=_byte_count, default=MAX_OUTPUT_BYTES, metavar="N",
+                        help=f"stop with an error once the OpenMetrics text for promtool would pass N bytes "
+                             f"(default {MAX_OUTPUT_BYTES}, 16 GiB: about 6 M steps logging 3 keys)")
+
+
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of bytes: {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
         stale = remove_stale(out)
-        with workspace(out) as work, BlockBuilder(work, promtool) as builder:
+        with workspace(out) as work, BlockBuilder(work, promtool, args.max_output_bytes) as builder:
             runs = write_openmetrics(reader, builder)
             builder.finish()
             samples = sum(samples for _, samples in runs)
@@ -82,17 +98,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> list[tuple[Coverage, int]]:
+def write_openmetrics(reader: Reader, builder: "BlockBuilder") -> list[tuple[Coverage, int]]:
     """Stream the reader's lines into the builder; (what was written, samples) for each run."""
     from .openmetrics import RunSeries
     series: dict[tuple[str, str, str], RunSeries] = {}
     spans: dict[tuple[str, str, str], list] = {}  # key -> [steps, first time, last time]
-    problems = getattr(reader, "problems", None)
+    problems = reader.problems
+    consumed = 0
     for run, line in reader:
         state = series.get(run.key)
         if state is None:
             state = series[run.key] = RunSeries(run)
             spans[run.key] = [0, line["time"], line["time"]]
+        state.read(reader.consumed - consumed)  # the bytes since the previous line: this run's
+        consumed = reader.consumed
         if "event" in line:
             builder.write(state.end(line), 0)
         elif state.in_order(line):
@@ -102,7 +121,7 @@ def write_openmetrics(reader: Iterable, builder: "BlockBuilder") -> list[tuple[C
             span = spans[run.key]
             span[1] = line["time"] if span[0] == 0 else min(span[1], line["time"])
             span[0], span[2] = span[0] + 1, max(span[2], line["time"])
-        elif problems is not None:
+        else:
             problems.add("repeated or out-of-order step line", f"{run.name} step {line['step']}")
     return [(Coverage(*key, *spans[key]), state.samples) for key, state in series.items()]
 
@@ -113,32 +132,41 @@ class BlockBuilder:
     As a context manager it stops a promtool still running when the block is left early.
     """
 
-    def __init__(self, work: Path, promtool: str) -> None:
+    def __init__(self, work: Path, promtool: str, max_bytes: int = MAX_OUTPUT_BYTES) -> None:
         self.work = work
         self.promtool = promtool
+        self.max_bytes = max_bytes
+        self.written = 0  # bytes of OpenMetrics text, all chunks
         self.blocks_dir = work / "blocks"
         self.blocks_dir.mkdir()
         self._chunk_number = 0
         self._chunk = None
         self._chunk_path: Path | None = None
-        self._chunk_samples = 0
+        self._chunk_samples = self._chunk_bytes = 0
         self._running: tuple[subprocess.Popen, Path] | None = None
 
     def write(self, text: str, samples: int) -> None:
+        """Append samples to the current chunk; raises ReplayError past max_bytes in all."""
+        data = text.encode("utf-8", "replace")
+        self.written += len(data)
+        if self.written > self.max_bytes:
+            raise ReplayError(f"the replay would write more than --max-output-bytes {self.max_bytes} "
+                              f"bytes of OpenMetrics text: raise the bound, or replay fewer records at once")
         if self._chunk is None:
             self._chunk_number += 1
             self._chunk_path = self.work / f"chunk-{self._chunk_number}.om"
-            self._chunk = open(self._chunk_path, "w", encoding="utf-8", buffering=1 << 20)
-            self._chunk_samples = 0
-        self._chunk.write(text)
+            self._chunk = open(self._chunk_path, "wb", buffering=1 << 20)
+            self._chunk_samples = self._chunk_bytes = 0
+        self._chunk.write(data)
         self._chunk_samples += samples
-        if self._chunk_samples >= CHUNK_SAMPLES:
+        self._chunk_bytes += len(data)
+        if self._chunk_samples >= CHUNK_SAMPLES or self._chunk_bytes >= CHUNK_BYTES:
             self._close_chunk()
 
     def _close_chunk(self) -> None:
         if self._chunk is None:
             return
-        self._chunk.write("# EOF\n")
+        self._chunk.write(b"# EOF\n")
         self._chunk.close()
         self._chunk = None
         self._wait()

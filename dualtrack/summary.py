@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer_hook.contract import START_PROCESS_KEYS
+
 from .records import Run, number
 
 MAX_BUCKETS = 1500
@@ -118,7 +120,7 @@ class RunSummary:
         run, end = self.run, self.run.end
         facts = {"job": run.job, "run": run.run, "rank": run.rank, "instance": run.instance,
                  "record format": str(run.format), "steps in record": str(run.steps)}
-        for key in ("world_size", "local_rank", "pid"):
+        for key in START_PROCESS_KEYS:
             if key in run.start:
                 facts[key.replace("_", " ")] = str(run.start[key])
         if self.first_time is not None:

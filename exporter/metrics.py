@@ -68,7 +68,7 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_remapped_rows_failure", "1 if a row remapping failed, else 0."),
     _c("nvml_gpu_xid_errors_total", "XID errors reported by the driver, every occurrence counted.", "xid"),
     _g("nvml_gpu_process_memory_used_bytes", "Device memory used by a compute process, in bytes.",
-       "pid", "process", "container_id", "pod_uid", "slurm_job_id"),
+       "pid", "process", "container_id", "pod_uid", "slurm_job_id", "pid_namespace", "namespace_pid"),
     _g("nvml_gpu_sm_active_ratio", "Fraction of SMs busy over the last GPM window (Hopper+)."),
     _g("nvml_gpu_tensor_active_ratio", "Fraction of time tensor cores were active over the last GPM window (Hopper+)."),
     _g("nvml_gpu_dram_active_ratio", "Fraction of DRAM bandwidth used over the last GPM window (Hopper+)."),

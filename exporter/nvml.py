@@ -3,8 +3,10 @@
 The NVML library is an injected module object: the real `pynvml` by default, the simulated one from
 `exporter.simulated` only under `--simulate`. Every NVML error is classified here, once:
 
-* NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
-  driver lacks the reading. It is remembered per device so it is never asked again.
+* NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function, or nvidia-ml-py >= 12.560's
+  NVMLLibraryMismatchError, a plain Exception it raises where the driver lacks the versioned entry point
+  it calls, as R470/R510 lack nvmlDeviceGetComputeRunningProcesses_v3) -> `Absent`: the GPU or driver
+  lacks the reading. It is remembered per device so it is never asked again.
 * GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same GPU
   (nvmlDeviceGetMemoryInfo on the GPU itself, also for a call on one of its MIG devices) fails the
   same way too; otherwise one sensor is broken, not the GPU, and the error is a `CallFailed` like any
@@ -13,6 +15,10 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 * an AttributeError raised inside the binding is a bug (of the binding or of ours): logged with its
   traceback once per function, then counted as `CallFailed("binding_error")`.
 * anything else -> `CallFailed(error)`: one failed reading, counted by the caller.
+
+Text (driver version, names, UUIDs, serials, a struct's bus id...) is never trusted to be UTF-8:
+pynvml decodes it strictly and raises UnicodeDecodeError, so `invoke` answers it decoded with U+FFFD
+replacements, and so do `text_field` for struct fields and `as_text` for the bytes older bindings give.
 
 Constants newer than the oldest supported binding are read through `constant()`, which falls back
 to their nvml.h value (NEWER_CONSTANTS): an old nvidia-ml-py then still starts.
@@ -88,6 +94,19 @@ def as_text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def text_field(struct: Any, name: str) -> str:
+    """A text field of an NVML struct as str; pynvml's structs decode it strictly when it is read."""
+    try:
+        return as_text(getattr(struct, name))
+    except UnicodeDecodeError as exc:
+        return _replaced(exc)
+
+
+def _replaced(exc: UnicodeDecodeError) -> str:
+    """The text whose strict decoding failed, decoded with U+FFFD for the bytes that are not UTF-8."""
+    return exc.object.decode("utf-8", errors="replace")
+
+
 class Nvml:
     """An initialised NVML library plus the error policy above."""
 
@@ -99,6 +118,8 @@ class Nvml:
         # drivers) or the scope (a link the GPU does not have): absent for that field, as NOT_SUPPORTED.
         self._absent_field = self._absent | {lib.NVML_ERROR_INVALID_ARGUMENT}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
+        # nvidia-ml-py >= 12.560 only: `except ()` catches nothing with an older binding
+        self._mismatch = tuple(filter(None, [getattr(lib, "NVMLLibraryMismatchError", None)]))
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.value_types = value_types(lib)
@@ -148,6 +169,10 @@ class Nvml:
             return function(*args, **kwargs)
         except self.lib.NVMLError as exc:
             raise self.classify(exc) from exc
+        except UnicodeDecodeError as exc:  # the binding decodes text strictly; drivers do not promise UTF-8
+            return _replaced(exc)
+        except self._mismatch as exc:  # the driver lacks the entry point this binding calls
+            raise Absent("function_not_found") from exc
         except AttributeError as exc:  # raised inside the binding: a bug, not an absent reading
             if name not in self._binding_bugs:
                 self._binding_bugs.add(name)
@@ -210,7 +235,7 @@ class Device:
         device = cls(nvml, index, handle, uuid=as_text(nvml.call("nvmlDeviceGetUUID", handle)))
         device.name = as_text(device.optional("nvmlDeviceGetName") or "")
         pci = device.optional("nvmlDeviceGetPciInfo_v3")
-        device.pci_bus_id = as_text(pci.busId) if pci is not None else ""
+        device.pci_bus_id = text_field(pci, "busId") if pci is not None else ""
         mig = device.optional("nvmlDeviceGetMigMode")
         device.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
         return device

@@ -1,6 +1,7 @@
 """The `--web.config.file`: TLS and basic auth in the Prometheus exporter-toolkit format.
 
-See https://github.com/prometheus/exporter-toolkit/blob/master/docs/web-configuration.md. Supported:
+See https://github.com/prometheus/exporter-toolkit/blob/master/docs/web-configuration.md (the format
+as of exporter-toolkit v0.17.1; its `rate_limit` is not supported). Supported:
 `tls_server_config` (cert_file/key_file or inline cert/key, client_auth_type, client_ca_file or
 inline client_ca, client_allowed_sans, min_version, max_version, prefer_server_cipher_suites),
 `http_server_config` (headers; http2 is accepted, HTTP/1.1 is served) and `basic_auth_users`

@@ -63,6 +63,7 @@ LEAK_ALERT_AFTER = 41 * 60
 LEAK_MINUTES = 120  # the simulated leak fills the GPU in 2 h, so it still grows when the alert fires
 TRAINING_DASHBOARD = "dualtrack-training-run"
 DEFAULT_RECORDS = "dualtrack-records"  # the hook's and `dualtrack report`'s default directory
+GPU_PROCESSES = "simulated-gpu-processes"  # in the workdir: which run's process each simulated GPU runs
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,14 @@ def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uui
                    env=env)
 
 
+def list_gpu_processes(path: Path, trainings: list[Service]) -> None:
+    """Simulated GPU i runs the i-th run's process (the exporter's --simulate.processes file), as
+    NVML would list it: the per-process series then join their runs, with no co-tenant."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(f"{gpu} {training.proc.pid}\n" for gpu, training in enumerate(trainings)))
+    partial.replace(path)  # the exporter reads it at every sample: never half written
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     parser.add_argument("--explode-after", type=float, default=EXPLODE_AFTER, metavar="SECONDS",
@@ -380,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         webhook = processes.WebhookReceiver(on_payload=printer).start()
         exporter_args = [] if real_gpus else [
             "--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}",
-            f"--simulate.leak-minutes={LEAK_MINUTES}"]
+            f"--simulate.leak-minutes={LEAK_MINUTES}", f"--simulate.processes={workdir / GPU_PROCESSES}"]
+        if not real_gpus:
+            list_gpu_processes(workdir / GPU_PROCESSES, [])  # none until the runs start (a reused workdir's are gone)
         services = {"exporter": up(processes.exporter(workdir, exporter_args, port=port_for("exporter")))}
         log("exporter reads " + ("real GPUs through NVML" if real_gpus else
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
@@ -410,9 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         if binary:
             services["grafana"] = up(grafana(binary, workdir, provisioning, grafana_port, password))
             printer.grafana_url = services["grafana"].url
-        for index, (run, uuid) in enumerate(zip(runs, uuids)):
-            up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None,
-                                records))
+        trainings = [up(training_service(workdir, run, services["pushgateway"].url, uuid,
+                                         index % gpus if gpus else None, records))
+                     for index, (run, uuid) in enumerate(zip(runs, uuids))]
+        if not real_gpus:
+            list_gpu_processes(workdir / GPU_PROCESSES, trainings)
         printer.prometheus_url = services["prometheus"].url
         printer.alerts_url = alerts_page(printer.prometheus_url)
         print_summary(services, printer.alerts_url, password, workdir, records, runs, real_gpus)

@@ -19,11 +19,26 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "fine-tune-spike")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
+#: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
+#: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
+#: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
+#: process of no run in the parent's other GPU instance. In "gpu-lost", the last rank's GPU
+#: is lost at FAULT_AT (the exporter drops its series, counts the loss and XID 79) and the rank fails
+#: LOST_FAIL seconds later.
+LOST_FAIL = 30.0
 #: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
 OOM_AT = 3000.0
+#: Each rank trains in a container of its own: pid CONTAINER_PID in PID namespace container_namespace(rank),
+#: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE).
+CONTAINER_PID = 7
+HOST_NAMESPACE = 4026531836
+
+
+def container_namespace(rank: int) -> int:
+    return 4026532500 + rank
 
 
 @dataclass
@@ -38,10 +53,18 @@ class Rank:
     loss_scale: float = 65536.0
     ooms: int = 0
     memory_full: bool = False
+    lost: bool = False
 
 
 def uuid_of(run: str, rank: int) -> str:
+    """The uuid of the GPU the rank's exporter series carry (a MIG rank's parent GPU)."""
     return f"GPU-{zlib.crc32(run.encode()):08x}-{rank:04d}-4000-8000-{rank:012d}"
+
+
+def hook_uuid_of(scenario: str, run: str, rank: int, ranks: int) -> str:
+    """The uuid the rank's hook reports: its MIG instance's in the "mig" scenario's last rank."""
+    uuid = uuid_of(run, rank)
+    return f"MIG-{uuid[4:]}" if scenario in ("mig", "mig-oom") and rank == ranks - 1 else uuid
 
 
 def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
@@ -52,9 +75,11 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     if scenario == "thermal" and after:
         state.step_seconds = 0.8  # synchronous training: every rank waits for the throttled GPU
         state.thermal = faulty
-    elif scenario == "xid" and faulty:
+    elif scenario in ("xid", "mig") and faulty:
         state.nonfinite_from = FAULT_AT + XID_LEAD
         state.failed_at = FAULT_AT + XID_LEAD + 60
+    elif scenario == "gpu-lost" and faulty:
+        state.lost, state.failed_at = after, FAULT_AT + LOST_FAIL
     elif scenario == "co-tenant" and after and faulty:
         state.step_seconds, state.co_tenant = 1.0, True
     elif scenario == "starving" and after:
@@ -66,7 +91,7 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
     elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
         state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
-    elif scenario == "model" and rank == ranks - 1:
+    elif scenario in ("model", "mig-oom") and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
     return state
@@ -77,7 +102,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
     """Write the run's samples (time-ordered per series) to `out`; returns the number of samples."""
     samples = 0
     for rank in range(ranks):
-        uuid = uuid_of(run, rank)
+        uuid, hook_uuid = uuid_of(run, rank), hook_uuid_of(scenario, run, rank, ranks)
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
         gpu = f'job="dualtrack-exporter",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
@@ -113,8 +138,20 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f"{name}{{{train}}} {value}{ts}" if "{" not in name else f"{name} {value}{ts}")
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
-            lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{uuid}"}} 1{ts}')
-            lines.append(f'training_process_info{{{train},pid="{1000 + rank}",hostname="{host}"}} 1{ts}')
+            lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')
+            lines.append(f'training_process_info{{{train},pid="{CONTAINER_PID}",hostname="{host}",'
+                         f'pid_namespace="{container_namespace(rank)}"}} 1{ts}')
+            # What rules/recording.yml records: the rank's exporter GPU (a MIG instance's parent).
+            mig = f',gpu_instance="1",mig_uuid="{hook_uuid}"' if hook_uuid != uuid else ""
+            lines.append(f'job_run_rank_gpu:training_gpu_info:nvml{{{train},gpu="{rank % 8}",uuid="{uuid}"{mig}}} 1{ts}')
+            lines.append(f"nvml_gpu_lost{{{gpu}}} {int(now.lost)}{ts}")
+            if now.lost:  # the exporter drops a lost GPU's series
+                lines.append(f"nvml_exporter_gpu_lost_total{{{gpu}}} 1{ts}")
+                lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
+                at += scrape
+                continue
+            if mig:
+                lines.append(f'nvml_gpu_mig_info{{{gpu},gpu_instance="1",mig_uuid="{hook_uuid}"}} 1{ts}')
             thermal += scrape if now.thermal else 0.0
             idle += scrape * now.wait_share
             for reason in THROTTLE_REASONS:
@@ -122,18 +159,26 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            used = 79 * 2**30 if now.memory_full else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            if mig:
+                lines.append(f'nvml_gpu_mig_memory_used_bytes{{{gpu},gpu_instance="1"}} '
+                             f'{(39.5 if now.memory_full else 20) * 2**30}{ts}')
+                lines.append(f'nvml_gpu_mig_memory_total_bytes{{{gpu},gpu_instance="1"}} {40 * 2**30}{ts}')
             lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {used}{ts}")
             lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
-            processes = [(str(1000 + rank), "python3", 61 * 2**30)]
+            # NVML names the host pid; the exporter adds its PID namespace and its pid in it
+            processes = [(str(1000 + rank), "python3", 61 * 2**30, container_namespace(rank), CONTAINER_PID)]
+            if mig:  # a server in the parent's other GPU instance: isolated from the rank's, no co-tenant
+                processes.append(("4343", "tritonserver", 10 * 2**30, HOST_NAMESPACE, 4343))
             if now.co_tenant:
-                processes.append(("4242", "stress-ng", 12 * 2**30))
-            for pid, name, used in processes:
+                processes.append(("4242", "stress-ng", 12 * 2**30, HOST_NAMESPACE, 4242))
+            for pid, name, used, namespace, inner in processes:
                 lines.append(f'nvml_gpu_process_memory_used_bytes{{{gpu},pid="{pid}",process="{name}",'
-                             f'container_id="",pod_uid="",slurm_job_id=""}} {used}{ts}')
-            if scenario == "xid" and rank == ranks - 1 and at >= FAULT_AT:
+                             f'container_id="",pod_uid="",slurm_job_id="",pid_namespace="{namespace}",'
+                             f'namespace_pid="{inner}"}} {used}{ts}')
+            if scenario in ("xid", "mig") and rank == ranks - 1 and at >= FAULT_AT:
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
             at += scrape
         out.write("\n".join(lines) + "\n")

@@ -43,6 +43,17 @@ def slow_loader(x: torch.Tensor, y: torch.Tensor, batch: int, delay: float = 0.0
     return DataLoader(Slow(x, y), batch_size=batch)
 
 
+def gpu_fp16_on_cpu(accelerator: Any, init_scale: float = 2.0 ** 20) -> torch.amp.GradScaler:
+    """What Accelerate sets up for mixed_precision="fp16" on a GPU, on this CPU-only machine (where
+    it sets up nothing): a torch GradScaler (here on CPU) and native AMP, so that prepare() runs the
+    model's forward in fp16 autocast and unscale_gradients() unscales. Call before prepare().
+
+    The scale starts high (it overflows, backs off, grows every 2 steps and overflows again)."""
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    accelerator.native_amp = True
+    return accelerator.scaler
+
+
 class DeepSpeedEngine:
     """What the integrations use of `deepspeed.runtime.engine.DeepSpeedEngine` (DeepSpeed itself does
     not run on this CPU-only machine): `engine.step()` computes the norm of the gradients over all

@@ -12,7 +12,12 @@ A plan file, as `python -m tests.faulty_exporter --faults=FILE` and `FaultyNVML`
 
 `devices` changes what a GPU has (exporter.simulated.DeviceTraits); `at`/`until` are seconds since
 start; `times` caps how often a rule fires; `error` is a pynvml error class suffix
-(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events.
+(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events. `answer` (bytes, from
+Python only) is what the driver writes for a text function (names, versions, UUIDs), or into the
+struct field `answer_field` (busId): it goes through pynvml's own decoding, which raises
+UnicodeDecodeError on invalid UTF-8 as the real binding does.
+(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events. A registration for
+events that fails with "Unknown" leaves its event set undefined, as nvml.h says: waits on it fail.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ class Fault:
     error: str | None = None
     hang: float = 0.0
     xid: int | None = None
+    answer: bytes | None = None
+    answer_field: str | None = None
     at: float = 0.0
     until: float = math.inf
     times: int | None = None
@@ -91,7 +98,7 @@ class FaultyNVML(SimulatedNVML):
         super()._enter(function, gpu)
         t = self._t()
         for fault in self.faults:
-            if fault.active(t) and fault.matches_call(function, gpu):
+            if fault.answer is None and fault.active(t) and fault.matches_call(function, gpu):
                 fault.fired += 1
                 if fault.hang:
                     time.sleep(fault.hang)
@@ -99,6 +106,24 @@ class FaultyNVML(SimulatedNVML):
                     self.fall_off_bus(gpu)
                 if fault.error:
                     raise getattr(pynvml, f"NVMLError_{fault.error}")()
+
+    def _leave(self, function: str, gpu: int | None, result: Any) -> Any:
+        t = self._t()
+        for fault in self.faults:
+            if fault.answer is not None and fault.active(t) and fault.matches_call(function, gpu):
+                fault.fired += 1
+                if fault.answer_field is None:
+                    return pynvml.convertStrBytes(lambda: fault.answer)()
+                setattr(result, fault.answer_field, fault.answer)  # a pynvml struct: decoded when read
+                return result
+        return result
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        try:
+            super().nvmlDeviceRegisterEvents(handle, event_types, event_set)
+        except pynvml.NVMLError_Unknown:  # nvml.h: the set is then undefined and must be freed
+            self.undefine_event_set(event_set)
+            raise
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
         for fault in self.faults:

@@ -4,23 +4,28 @@ No Docker engine is needed: `docker-compose config -q` only parses and cross-che
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 from deploy.compose import make_secrets
+from tests.containers import engine
 from stack.processes import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
 SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana", "janitor"}
-PASSWORD = "GRAFANA_ADMIN_PASSWORD"
 GID = "DUALTRACK_SECRETS_GID"
 SECRETS = "./deploy/compose/secrets"
 
@@ -59,7 +64,7 @@ def docker_compose(tmp_path):
         pytest.skip("docker-compose not installed (scripts/setup --test installs it)")
     empty = tmp_path / "empty.env"
     empty.touch()
-    base = {k: v for k, v in os.environ.items() if k not in (PASSWORD, GID, "DUALTRACK_BIND")}
+    base = {k: v for k, v in os.environ.items() if k not in (GID, "DUALTRACK_BIND")}
 
     def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         return subprocess.run([binary, "--env-file", str(empty), "-f", str(COMPOSE), *args],
@@ -74,25 +79,47 @@ def test_compose_spec_schema():
 
 
 def test_docker_compose_config_accepts_the_file(docker_compose):
-    result = docker_compose("config", "-q", env={PASSWORD: "not-a-real-password", GID: "2300"})
+    result = docker_compose("config", "-q", env={GID: "2300"})
     assert result.returncode == 0, result.stderr
 
 
-def test_grafana_password_has_no_default(docker_compose):
-    result = docker_compose("config", "-q", env={GID: "2300"})
-    assert result.returncode != 0
-    assert PASSWORD in result.stderr
-    password = services()["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
-    assert password.startswith("${" + PASSWORD + ":?"), password
-    assert services()["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+def test_no_password_in_any_containers_environment(docker_compose):
+    """Every user of a container (and, through /proc, of its PID namespace) can read its environment:
+    passwords are files. Grafana's admin password is GF_SECURITY_ADMIN_PASSWORD__FILE, from make_secrets."""
+    rendered = yaml.safe_load(docker_compose("config", env={GID: "2300"}).stdout)["services"]
+    for name, service in rendered.items():
+        for key, value in (service.get("environment") or {}).items():
+            assert not re.search(r"(PASSWORD|TOKEN|SECRET)$", key), (name, key)
+            assert not (key.endswith("__FILE") or key.endswith("_FILE")) or value.startswith("/etc/"), (name, key)
+        command = " ".join(map(str, (service.get("entrypoint") or []) + (service.get("command") or [])))
+        assert "PASSWORD=" not in command and "$(cat" not in command, (name, command)
+    grafana = services()["grafana"]
+    password_file = grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    assert password_file == f"/etc/dualtrack/secrets/{make_secrets.GRAFANA_ADMIN}.password"
+    assert password_file in {target for _, target, _ in mounts(grafana)}
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    janitor = services()["janitor"]
+    assert "--pushgateway-password-file=/etc/dualtrack/secrets/hook.password" in janitor["entrypoint"]
+
+
+def test_the_janitor_and_the_exporter_run_as_different_users():
+    """The exporter shares the host's PID namespace: as the janitor's uid it could read the janitor's
+    /proc/<pid>/environ and memory. Same image, two users made by the Dockerfile."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    exporter_uid = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE).group(1)
+    janitor_uid, janitor_gid = services()["janitor"]["user"].split(":")
+    assert "user" not in services()["exporter"] and janitor_uid != exporter_uid and janitor_gid != exporter_uid
+    made = dict(re.findall(r"useradd .*--uid (\d+) .* ([\w-]+)\s*(?:\\|$)", dockerfile, re.MULTILINE))
+    assert {exporter_uid, janitor_uid} <= set(made), made
+    assert services()["janitor"]["build"] == services()["exporter"]["build"]
 
 
 def test_every_service_reads_its_secrets_through_the_group_make_secrets_gave_them(docker_compose):
     """Keys and passwords are 0640 with make_secrets.py's --group: a container without that group
     (its own user is nobody, grafana or uid 10001) could not read them and would not start."""
-    result = docker_compose("config", "-q", env={PASSWORD: "x"})
+    result = docker_compose("config", "-q", env={})
     assert result.returncode != 0 and GID in result.stderr, result.stderr
-    rendered = yaml.safe_load(docker_compose("config", env={PASSWORD: "x", GID: "2300"}).stdout)["services"]
+    rendered = yaml.safe_load(docker_compose("config", env={GID: "2300"}).stdout)["services"]
     for name, service in services().items():
         if any(source.startswith(SECRETS + "/") for source, _, _ in mounts(service)):
             assert [str(group) for group in rendered[name].get("group_add", [])] == ["2300"], name
@@ -105,13 +132,12 @@ def published_ports(rendered: str) -> list[tuple[str, str, str]]:
 
 
 def test_ports_bind_to_localhost_unless_opted_out(docker_compose):
-    published = published_ports(docker_compose("config", env={PASSWORD: "x", GID: "2300"}).stdout)
+    published = published_ports(docker_compose("config", env={GID: "2300"}).stdout)
     assert {name for name, _, _ in published} == SERVICES - {"janitor"}  # the janitor listens on nothing
     assert {ip for _, ip, _ in published} == {"127.0.0.1"}, published
     host_ports = [port for _, _, port in published]
     assert len(host_ports) == len(set(host_ports)), host_ports
-    opened = published_ports(docker_compose("config", env={PASSWORD: "x", GID: "2300",
-                                                           "DUALTRACK_BIND": "0.0.0.0"}).stdout)
+    opened = published_ports(docker_compose("config", env={GID: "2300", "DUALTRACK_BIND": "0.0.0.0"}).stdout)
     assert {ip for _, ip, _ in opened} == {"0.0.0.0"}
 
 
@@ -121,18 +147,77 @@ def test_every_published_port_is_bound_through_the_variable():
             assert port.startswith("${DUALTRACK_BIND:-127.0.0.1}:"), (name, port)
 
 
-def test_images_are_pinned():
-    for name, service in services().items():
-        if "build" in service:
+DIGEST = r"@sha256:[0-9a-f]{64}"
+BY_TAG_ONLY = {"grafana"}  # no digest recorded yet (docs/security.md says so)
+
+
+def test_images_are_pinned_by_digest_and_listed_in_the_docs():
+    """Each image by version tag and digest (the base image too); docs/security.md lists every digest;
+    the container test runs stand-ins under the same names by tag (no registry: no upstream digest)."""
+    security = (REPO / "docs" / "security.md").read_text()
+    override = yaml.safe_load((REPO / "tests" / "containers" / "compose.override.yml").read_text())["services"]
+    pinned = {name: service["image"] for name, service in services().items() if "image" in service}
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    for name, image in [*pinned.items(), ("Dockerfile", base)]:
+        tagged = re.sub(DIGEST + "$", "", image)
+        assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)*(-slim)?", tagged), f"{name}: {image} has no version tag"
+        if name in BY_TAG_ONLY:
+            assert tagged == image and f"`{image}`" in security, name
             continue
-        image = service["image"]
-        assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", image), f"{name}: {image} is not pinned"
+        assert re.fullmatch(r"[\w./-]+:[\w.-]+" + DIGEST, image), f"{name}: {image} is not pinned by digest"
+        assert f"`{image}`" in security, f"{name}: docs/security.md does not list {image}"
+        stand_in = override[name]["image"] if name in override else override["exporter"]["build"]["args"]["PYTHON_IMAGE"]
+        assert stand_in == tagged, (name, stand_in)
+        assert f"docker.io/{'library/' if '/' not in tagged else ''}{tagged}" in engine.IMAGES, name
+    assert set(override) - {"exporter", "janitor", "training"} == set(pinned) - BY_TAG_ONLY - {"grafana"}
     assert services()["grafana"]["image"].startswith("grafana/grafana:11.")
 
 
+def installed_requirements(requirement: str, seen: dict[str, str]) -> dict[str, str]:
+    """Every distribution `requirement` pulls in (as installed here), by canonical name, with its floor."""
+    parsed = Requirement(requirement)
+    name = canonicalize_name(parsed.name)
+    if name not in seen:
+        seen[name] = str(parsed.specifier)
+        for sub in importlib.metadata.distribution(parsed.name).requires or []:
+            wanted = Requirement(sub)
+            if wanted.marker is None or any(wanted.marker.evaluate({"extra": e}) for e in parsed.extras or {""}):
+                installed_requirements(sub, seen)
+    return seen
+
+
+def test_the_images_python_packages_are_all_pinned_by_the_constraints_file():
+    """The Dockerfile installs ".[kubernetes]" with -c deploy/constraints.txt: every package that needs
+    is pinned there (==), at a version that meets pyproject.toml's floor. The container test builds it."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r'^COPY deploy/constraints.txt \./constraints.txt$', dockerfile, re.MULTILINE)
+    assert re.search(r'^RUN pip install -c constraints.txt "\.\[kubernetes\]"', dockerfile, re.MULTILINE)
+    pins = {}
+    for line in (REPO / "deploy" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            assert len(requirement.specifier) == 1 and next(iter(requirement.specifier)).operator == "==", line
+            pins[canonicalize_name(requirement.name)] = next(iter(requirement.specifier)).version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needed: dict[str, str] = {}
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["kubernetes"]]:
+        installed_requirements(requirement, needed)
+    assert set(needed) <= set(pins), f"not pinned: {sorted(set(needed) - set(pins))}"
+    for name, floor in needed.items():
+        assert SpecifierSet(floor).contains(pins[name], prereleases=True), (name, floor, pins[name])
+
+
+def test_env_example_suggests_a_group_of_its_own_for_the_secrets():
+    """Not the user's primary group (often "users", shared by every local account): a dedicated one."""
+    example = (REPO / ".env.example").read_text()
+    for text in (example, (REPO / "README.md").read_text(), (REPO / "docs" / "security.md").read_text()):
+        assert "id -g" not in text
+        assert "groupadd --system dualtrack-secrets" in text and "--group dualtrack-secrets" in text
+    assert 'DUALTRACK_SECRETS_GID=$(getent group dualtrack-secrets | cut -d: -f3)' in example
+
+
 def test_every_bind_mount_exists_in_the_repo_and_is_read_only():
-    made = {f"{user}.password" for users in make_secrets.USERS.values() for user in users}
-    made |= {f"{service}-web.yml" for service in make_secrets.SERVICES} | {"ca.crt", "tls.crt", "tls.key"}
+    made = set(make_secrets.FILES)
     found = [(name, source, read_only) for name, service in services().items()
              for source, _, read_only in mounts(service) if source.startswith(".")]
     assert len(found) >= 5
@@ -196,6 +281,9 @@ def test_exporter_gets_gpus_host_pids_and_no_privileges():
     assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
     assert "no-new-privileges:true" in exporter["security_opt"]
     assert "privileged" not in exporter
+    # the kernel log's XIDs: /dev/kmsg read-only and CAP_SYSLOG, which Docker gives to uid 0 only
+    assert exporter["devices"] == ["/dev/kmsg:/dev/kmsg:r"] and exporter["cap_add"] == ["SYSLOG"]
+    assert exporter["user"] == "0:0"
 
 
 def test_keys_debian_docker_compose_rejects_are_absent():

@@ -23,6 +23,7 @@ import pytest
 import requests
 import yaml
 
+from exporter.simulated import simulated_uuid
 from stack.processes import REPO, wait_until
 from tests.containers.engine import CACHE, Podman, ensure_images, missing_tools
 
@@ -35,6 +36,7 @@ OVERRIDE = REPO / "tests" / "containers" / "compose.override.yml"
 SERVICES = ("exporter", "pushgateway", "janitor", "prometheus", "alertmanager")  # all but Grafana
 HEALTHCHECKED = ("exporter", "pushgateway", "prometheus", "alertmanager")
 FIGURES = CACHE / "figures.json"
+PIDNS_RUN = f"containers-pidns-{os.urandom(3).hex()}"  # the training container's run (compose.override.yml)
 
 
 def _tree_copy(destination: Path) -> Path:
@@ -57,8 +59,16 @@ class Stack:
         self.secrets = tree / "deploy" / "compose" / "secrets"
         self.ca = str(self.secrets / "ca.crt")
         self.env = {**podman.env, "DUALTRACK_BIND": BIND, "COMPOSE_PROJECT_NAME": PROJECT,
-                    "GRAFANA_ADMIN_PASSWORD": os.urandom(8).hex(),  # compose evaluates it even for a left-out service
-                    "DUALTRACK_SECRETS_GID": str(SECRETS_GID)}
+                    "DUALTRACK_SECRETS_GID": str(SECRETS_GID),
+                    "DUALTRACK_CI_RUN": PIDNS_RUN, "DUALTRACK_CI_GPU_UUID": simulated_uuid(0)}
+        self.gpu_processes = tree / "ci-processes" / "gpu-processes"  # the exporter's --simulate.processes
+
+    def list_gpu_processes(self, *pids: int) -> None:
+        """Simulated GPU 0 runs these host PIDs (read by the exporter at every sample)."""
+        partial = self.gpu_processes.with_name("gpu-processes.tmp")
+        partial.write_text("".join(f"0 {pid}\n" for pid in pids))
+        partial.chmod(0o644)
+        partial.replace(self.gpu_processes)
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f", str(OVERRIDE), *args],
@@ -127,6 +137,8 @@ def stack(tmp_path_factory):
                     "--group", str(SECRETS_GID)],
                    check=True, capture_output=True)
     stack = Stack(podman, tree)
+    stack.gpu_processes.parent.mkdir(mode=0o755)
+    stack.list_gpu_processes()  # none until the test starts its training container
     try:
         podman.start()
         podman.remove_build_leftovers()  # of a run that was killed
@@ -135,7 +147,7 @@ def stack(tmp_path_factory):
         _figure(base_images_s=round(time.monotonic() - started))
         stack.compose("down", "-v", "--remove-orphans", check=False)  # what a killed earlier run left
         started = time.monotonic()
-        stack.compose("build", "exporter", "janitor")
+        stack.compose("build", "exporter", "janitor", "training")
         _figure(image_build_s=round(time.monotonic() - started))
         ready = {}
 
@@ -190,6 +202,10 @@ def test_exporter_serves_gpu_series_over_tls_with_basic_auth(stack):
     response = stack.get(9942, "/metrics", user="prometheus")
     assert response.status_code == 200
     assert 'nvml_gpu_info{' in response.text and "nvml_gpu_utilization" in response.text
+    # the kernel log (/dev/kmsg) opens with the compose file's rights: no "kernel_log_..." error
+    assert 'nvml_exporter_errors_total{collector="xid"' not in response.text
+    logs = stack.podman("logs", stack.container("exporter")["Id"], check=False)
+    assert "cannot read the kernel log" not in logs.stdout + logs.stderr
     assert requests.get(stack.url(9942) + "/metrics", verify=stack.ca, timeout=10).status_code == 401
     with pytest.raises(requests.exceptions.SSLError):  # TLS, with the certificate of the stack's CA
         requests.get(stack.url(9942) + "/metrics", timeout=10)
@@ -240,6 +256,62 @@ def test_janitor_runs_and_authenticates(stack):
     once = stack.podman("exec", stack.container("janitor")["Id"], *entrypoint, "--once", check=False, timeout=120)
     assert once.returncode == 0, once.stdout + once.stderr  # 1 when the groups could not be read (401, TLS)
     assert stack.password("hook") not in once.stdout + once.stderr + logs
+
+
+def test_the_janitor_and_the_exporter_run_as_different_users_without_passwords_in_their_environment(stack):
+    """The exporter has the host's PID namespace: it must not share the janitor's uid, and no
+    container's environment may hold a password (both read theirs from files)."""
+    uids = {}
+    for service in ("exporter", "janitor"):
+        container = stack.container(service)
+        uids[service] = stack.podman("exec", container["Id"], "id", "-u").stdout.strip()
+        environment = "\n".join(container["Config"]["Env"])
+        assert stack.password("hook") not in environment and stack.password("healthcheck") not in environment
+        assert "PASSWORD=" not in environment, (service, environment)
+    # the exporter is uid 0 with CAP_SYSLOG alone (the kernel log's XIDs; docker-compose.yml says why): a
+    # capability-less root cannot read the environment of the janitor (another uid) nor of any process
+    # holding a capability it lacks
+    assert uids == {"exporter": "0", "janitor": "10002"}
+
+
+def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a_co_tenant(stack):
+    """The training container has its own PID namespace: its hook reports pid 1 there, NVML the host
+    PID. The exporter (pid: host, uid 0 with CAP_SYSLOG alone) reads the process's namespace and PID in
+    it, and the rules join it to its run: no co_tenant. A host process put on that GPU (root's
+    `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
+    named co_tenant by the rules and by explain's query."""
+    from dualtrack.explain import co_tenants
+    from tests.test_pid_namespace_e2e import evaluated_since
+
+    stack.compose("up", "-d", "--no-deps", "training")
+    trainer = stack.container("training")["State"]["Pid"]  # its PID 1, as the host numbers it
+    namespace = str(os.stat(f"/proc/{trainer}/ns/pid").st_ino)
+    assert namespace != str(os.stat("/proc/self/ns/pid").st_ino)
+    stack.list_gpu_processes(trainer)
+    uuid = simulated_uuid(0)
+    joined = (f'nvml_gpu_process_memory_used_bytes{{uuid="{uuid}"}} * on (pid_namespace, namespace_pid) group_left (run) '
+              f'label_join(training_process_info{{run="{PIDNS_RUN}"}}, "namespace_pid", "", "pid")')
+    [process] = wait_until(lambda: stack.query(joined), 150, interval=1, what="the training's GPU process joined to its run")
+    assert (process["metric"]["pid"], process["metric"]["pid_namespace"], process["metric"]["namespace_pid"]) == (
+        str(trainer), namespace, "1")
+    seen = time.time()
+    wait_until(lambda: evaluated_since(stack.get(9090, "/api/v1/rules"), "dualtrack-explain.rules", seen), 60, interval=1,
+               what="an evaluation of the explain rules with the joined process")
+    assert stack.query(f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}"}}') == []
+    assert stack.query(co_tenants(f'uuid="{uuid}"', "5m")) == []
+
+    neighbour = subprocess.Popen(["sleep", "600"])
+    try:
+        stack.list_gpu_processes(trainer, neighbour.pid)
+        wait_until(lambda: stack.query(f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}",cause="co_tenant"}}'),
+                   150, interval=1, what="the co_tenant cause of the training container's run")
+        named = stack.query(co_tenants(f'uuid="{uuid}"', "5m"))
+        assert [(s["metric"]["pid"], s["metric"]["process"]) for s in named] == [(str(neighbour.pid), "sleep")]
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        stack.list_gpu_processes()
+        stack.compose("stop", "training", check=False)
 
 
 def test_no_container_restarted(stack):

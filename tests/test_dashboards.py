@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -180,6 +181,20 @@ def dashboard(request) -> dict:
 
 def test_both_dashboards_are_shipped():
     assert {p.name for p in DASHBOARDS} >= {"training-run.json", "gpu-fleet.json"}
+
+
+def test_committed_dashboards_are_what_the_generator_builds(tmp_path):
+    """dashboards/*.json are built by dashboards/generate.py (Grafana's typed builders): a hand edit of the
+    JSON, or a generator change without the rebuilt JSON, fails here."""
+    check = subprocess.run([sys.executable, str(REPO / "dashboards" / "generate.py"), "--check"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    edited = tmp_path / "dashboards"
+    shutil.copytree(REPO / "dashboards", edited)
+    (edited / "gpu-fleet.json").write_text((edited / "gpu-fleet.json").read_text().replace("Hottest GPU", "Hot GPU"))
+    stale = subprocess.run([sys.executable, str(edited / "generate.py"), "--check"], capture_output=True, text=True,
+                           timeout=120)
+    assert stale.returncode == 1 and "gpu-fleet.json" in stale.stderr and "training-run" not in stale.stderr
 
 
 def test_dashboard_matches_grafana_schema(dashboard):

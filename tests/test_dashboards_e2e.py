@@ -22,9 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
 from tests.exporter_support import faulty_exporter
+from tests.process_support import children
 from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
                                    label_values_args, load, metric_names, queries, query_variables,
                                    recording_rule_names, substitute)
+from tests.test_exporter_processes import UNSHARE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -35,9 +37,8 @@ BUILTINS = {"__rate_interval": "5s", "__interval": "1s", "__range": "1m"}
 # Used by the dashboards but absent on the simulated H100s, with the reason.
 NOT_ON_H100 = {"nvml_gpu_retired_pages_total": "pre-Ampere GPUs retire pages; H100s remap rows"}
 # Queries that need a real GPU: the hook reads the CUDA caching allocator only where CUDA is
-# initialised, and a simulated GPU lists the exporter's own pid as its process, never the run's.
+# initialised.
 NEEDS_REAL_GPU = {
-    "Infra · GPU memory of the run's processes A": "training_process_info joined on the run's pid",
     "Model · CUDA memory allocated vs reserved A": "training_cuda_memory_allocated_bytes",
     "Model · CUDA memory allocated vs reserved B": "training_cuda_memory_reserved_bytes",
     "Model · Allocator retries and OOMs A": "training_cuda_alloc_retries_total",
@@ -62,8 +63,10 @@ class Stack:
         self.pgw = self._start(processes.pushgateway(self.workdir))
         faults = self.workdir / "faults.json"
         faults.write_text(json.dumps(FAULT_PLAN))
+        gpu_processes = self.workdir / "gpu-processes"  # GPU 0 runs RUN's process (GPU 1, in MIG mode, hides its)
         self.exporter = self._start(faulty_exporter(
-            self.workdir, ["--simulate=demo", "--simulate.gpus=2", "--sample-interval=0.2", f"--faults={faults}"]))
+            self.workdir, ["--simulate=demo", "--simulate.gpus=2", "--sample-interval=0.2", f"--faults={faults}",
+                           f"--simulate.processes={gpu_processes}"]))
         config = processes.render_prometheus_config(
             self.workdir, {processes.EXPORTER_JOB: [self.exporter.address],
                            processes.PUSHGATEWAY_JOB: [self.pgw.address]},
@@ -79,15 +82,19 @@ class Stack:
                              "--record-path", str(self.workdir / "record-mig.jsonl")],
             0, self.workdir / "training-mig.log", ready_path=None,
             env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
-        # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step).
-        self._start(processes.Service(
-            "training", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
+        # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step). In a
+        # PID namespace of its own, as in a container: the run's process panel joins it on the pair
+        # (its namespace, its pid there), not on the host pid NVML lists.
+        training = self._start(processes.Service(
+            "training", [*UNSHARE, sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
                          "--job", JOB, "--run", RUN, "--steps", "0", "--step-time", "0.05",
                          "--push-interval", "0.5", "--input-bound", "40:80", "--data-delay", "0.05",
                          "--explode-at", "150", "--grad-scaler", "--gpu-uuid", self.uuid,
                          "--record-path", str(self.workdir / "record.jsonl")],
             0, self.workdir / "training.log", ready_path=None,
             env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
+        [self.trainer] = processes.wait_until(lambda: children(training.proc.pid), 10, what="the training unshare forked")
+        gpu_processes.write_text(f"0 {self.trainer}\n")
         return self
 
     def _start(self, service: processes.Service) -> processes.Service:
@@ -95,6 +102,8 @@ class Stack:
         return service.start()
 
     def stop(self) -> None:
+        if any(s.name == "training" and s.running() for s in self.services):  # so its child runs too
+            os.kill(self.trainer, signal.SIGKILL)  # unshare --fork ignores SIGTERM; it exits with its child
         for service in reversed(self.services):  # the training run first
             service.stop()
 
@@ -274,7 +283,7 @@ def test_a_gpu_belongs_to_the_run_only_while_the_run_is_live_on_it(stack):
     assert processes.query(stack.prom.url, expr)
     training = next(s for s in stack.services if s.name == "training")
     ended = time.time()
-    training.proc.send_signal(signal.SIGINT)  # the run closes its monitor: state leaves "running"
+    os.kill(stack.trainer, signal.SIGINT)  # the run closes its monitor: state leaves "running" (unshare then exits)
     training.proc.wait(30)
     processes.wait_until(lambda: not processes.query(stack.prom.url, expr), 30, interval=0.5,
                          what="the ended run's Infra panel to empty")

@@ -19,8 +19,11 @@ import pytest
 import requests
 import yaml
 
+from exporter.simulated import simulated_uuid
+from stack.demo import sweep
 from stack.processes import REPO, query, wait_for_series, wait_until
 from tests.process_support import alive, children
+from tests.test_pid_namespace_e2e import evaluated_since
 
 pytestmark = pytest.mark.e2e
 
@@ -100,6 +103,18 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     assert {r["metric"]["run"] for r in runs} == {"healthy-lr1e-2", "inputbound-workers0", "explode-lr3e-2",
                                                   "leak-bs128"}
     assert query(prometheus, 'up{job="dualtrack-exporter"} == 1')
+    # Simulated GPU i runs run i's process, as NVML would list it: each joins its run (the rules',
+    # explain's and the run dashboard's join), and no alert reads co_tenant as its infra cause.
+    joined = wait_for_series(prometheus, 'nvml_gpu_process_memory_used_bytes * on (pid_namespace, namespace_pid) '
+                             'group_left (run) label_join(training_process_info{job="demo"}, "namespace_pid", "", "pid")',
+                             timeout=60, predicate=lambda result: len(result) == 4)
+    assert {s["metric"]["run"]: s["metric"]["uuid"] for s in joined} == {
+        run.name: simulated_uuid(gpu) for gpu, run in enumerate(sweep(2))}
+    seen = time.time()
+    wait_until(lambda: evaluated_since(requests.get(prometheus + "/api/v1/rules", timeout=5),
+                                               "dualtrack-explain.rules", seen), 60,
+               what="an evaluation of the explain rules with the joined processes")
+    assert query(prometheus, 'job_run_rank:training_infra_cause:score{job="demo",cause="co_tenant"}') == []
 
     first = wait_for_output(log, FIRST_ALERT.pattern, 150)
     seconds = time.monotonic() - started

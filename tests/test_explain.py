@@ -12,6 +12,7 @@ import time
 import pytest
 import yaml
 
+from dualtrack import explain as explain_module
 from dualtrack.cli import main
 from stack import processes
 from stack.processes import REPO
@@ -68,12 +69,46 @@ def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
     event = nonfinite[0]
     assert event["rank"] == "1" and event["gpu_uuid"] == support.uuid_of("xid", 1)
     assert event["time"] == prometheus["base"] + support.FAULT_AT + support.XID_LEAD
-    assert kinds(event) == ["xid"] and "XID 79 (GPU fell off the bus)" in event["causes"][0]["evidence"]
-    assert "45 s after XID 79 (GPU fell off the bus) on that GPU; no other rank affected: hardware, not the model" \
+    assert kinds(event) == ["xid"] and "XID 79 (GPU has fallen off the bus)" in event["causes"][0]["evidence"]
+    assert "45 s after XID 79 (GPU has fallen off the bus) on that GPU; no other rank affected: hardware, not the model" \
         in event["sentence"]
     failed = [e for e in events if e["kind"] == "failed"]
     assert [e["rank"] for e in failed] == ["1"] and kinds(failed[0]) == ["xid"]
     assert {e["kind"] for e in events} == {"nonfinite", "failed"}  # the failed rank is no slowdown
+
+
+def test_nan_on_a_mig_instance_after_xid_79_on_its_parent_gpu(prometheus, capsys):
+    found = timeline(prometheus, "mig", capsys)
+    mig, parent = support.hook_uuid_of("mig", "mig", 1, 2), support.uuid_of("mig", 1)
+    assert mig.startswith("MIG-") and found["gpus"]["1"] == mig and found["parent_gpus"] == {"1": parent}
+    (event,) = [e for e in found["events"] if e["kind"] == "nonfinite"]
+    assert event["rank"] == "1" and event["gpu_uuid"] == mig
+    assert kinds(event) == ["xid"] and f"XID 79 (GPU has fallen off the bus) on {parent}" in event["causes"][0]["evidence"]
+    assert (f"45 s after XID 79 (GPU has fallen off the bus) on its MIG instance's parent GPU ({parent}); no other rank "
+            "affected: hardware, not the model") in event["sentence"]
+    code, out, _ = explain(prometheus, "mig", capsys)
+    assert code == 0 and f"rank 1 {mig} (on {parent})" in out.splitlines()[0]
+
+
+def test_an_oom_on_a_mig_instance_reads_the_instance_memory(prometheus, capsys):
+    events = timeline(prometheus, "mig-oom", capsys)["events"]
+    (oom,) = [e for e in events if e["kind"] == "oom"]
+    parent = support.uuid_of("mig-oom", 1)
+    assert oom["rank"] == "1" and kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
+    assert oom["causes"][0]["evidence"] == f"{parent} GPU instance 1 memory 99% full"
+    assert f"with 99% of the memory of GPU instance 1 used on its MIG instance's parent GPU ({parent})" in oom["sentence"]
+    # The server in the parent's other GPU instance is isolated from rank 1's: no co-tenant.
+    assert "co_tenant" not in {kind for event in events for kind in kinds(event)}
+
+
+def test_a_lost_gpu_is_the_first_cause(prometheus, capsys):
+    (event,) = timeline(prometheus, "gpu-lost", capsys)["events"]
+    assert event["kind"] == "failed" and event["rank"] == "1"
+    assert kinds(event) == ["gpu_lost", "xid"] and event["causes"][0]["score"] == 0.99
+    assert f"{support.uuid_of('gpu-lost', 1)} lost (stopped answering NVML)" in event["causes"][0]["evidence"]
+    assert event["sentence"].endswith(
+        "failed on rank 1 (%s) 30 s after a GPU loss on that GPU (it stopped answering NVML): hardware, not the model"
+        % support.uuid_of("gpu-lost", 1))
 
 
 def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
@@ -157,6 +192,26 @@ def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_times_that_are_not_finite_get_one_line(prometheus, capsys):
+    for flag, value in (("--since", "-inf"), ("--until", "inf"), ("--since", "nan"), ("--until", "1e999"),
+                        ("--since", "9" * 400 + "d")):
+        assert main(["explain", "healthy", "--prometheus", prometheus["url"], f"{flag}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} " in err and "not a finite time" in err, err
+
+
+def test_control_characters_in_labels_are_escaped_in_the_text():
+    hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m"
+    found = explain_module.Timeline(
+        f"r{hostile}", f"j{hostile}", 0.0, 60.0, {"0": f"GPU-{hostile}"},
+        [explain_module.Event("straggler", 7, 30.0, "0", f"GPU-{hostile}", "stepped at 50% of the run's median rate",
+                              causes=[explain_module.Cause("co_tenant", f"process {hostile}\nfake line", 0.7)],
+                              sentence=f"step 7: ... ({hostile})")])
+    text = explain_module.render_text(found)
+    assert not any(c in text for c in "\x1b\x07\x9b") and text.count("\n") == 2
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\x9b31m" in text and "\\nfake line" in text
 
 
 def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsys):

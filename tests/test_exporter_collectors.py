@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
-from exporter.simulated import H, DeviceTraits
+from exporter.simulated import H, DeviceTraits, simulated_uuid
 from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
 
@@ -309,6 +309,22 @@ def test_boundary_remembers_unsupported_and_maps_errors():
     lib.faults.append(Fault(function="*", gpu=0, error="GpuIsLost"))
     with pytest.raises(GpuLost):
         device.call("nvmlDeviceGetTemperature", H.NVML_TEMPERATURE_GPU)
+
+
+def test_nvml_text_that_is_not_utf8_is_replaced_never_raised():
+    """Driver version, GPU name, UUID and PCI bus id in invalid UTF-8 (pynvml raises on decoding them)."""
+    faults = [Fault(function="nvmlSystemGetDriverVersion", answer=b"550.54\xc3"),
+              Fault(gpu=1, function="nvmlDeviceGetName", answer=b"NVIDIA \xff\xfe H100"),
+              Fault(gpu=0, function="nvmlDeviceGetUUID", answer=b"GPU-\x80bad"),
+              Fault(gpu=1, function="nvmlDeviceGetPciInfo_v3", answer=b"00000000:\xc0\xaf:00.0", answer_field="busId")]
+    rig = Rig(gpus=2, faults=faults)
+    rig.step()
+    info = {labels["gpu"]: labels for labels in rig.series("nvml_gpu_info")}
+    assert info["1"]["name"] == "NVIDIA \ufffd\ufffd H100" and info["1"]["uuid"] == simulated_uuid(1)
+    assert info["1"]["pci_bus_id"] == "00000000:\ufffd\ufffd:00.0"
+    assert info["0"]["uuid"] == "GPU-\ufffdbad" and info["0"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert rig.series("nvml_driver_info")[0]["driver_version"] == "550.54\ufffd"
+    assert rig.series("nvml_exporter_errors_total") == []
 
 
 def test_gpu_that_cannot_be_opened_at_start_is_skipped_not_fatal():

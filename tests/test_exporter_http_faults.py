@@ -20,11 +20,14 @@ from typing import Callable, Iterator
 import prometheus_client
 import pytest
 import requests
+import requests.adapters
 
-from exporter.web import HEADER_TIMEOUT, WebServer
+from exporter.web import WebServer
+from exporter.webtransport import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from stack import processes
 from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
+from tests.certs import bcrypt_hash
 
 pytestmark = pytest.mark.fault
 
@@ -144,27 +147,121 @@ def test_slow_clients_are_cut_off_and_others_served_meanwhile(daemon):
     assert daemon.running()
 
 
-def test_connections_over_the_cap_are_refused_until_slots_free_up():
-    """Past max_connections new connections are closed at once; service resumes when the holders time out."""
+def connect_from(source: str, port: int) -> socket.socket:
+    """A TCP connection to 127.0.0.1:`port` from the loopback address `source` (all of 127/8 is local)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed (or reset) this idle connection."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def get_from(source: str, port: int, path: str = "/metrics", **kwargs) -> requests.Response:
+    """GET 127.0.0.1:`port``path` with requests, from the loopback address `source`."""
+    scheme = "https" if "verify" in kwargs else "http"
+    with requests.Session() as session:
+        adapter = SourceAddressAdapter(source)
+        session.mount(f"{scheme}://", adapter)
+        return session.get(f"{scheme}://127.0.0.1:{port}{path}", timeout=5, **kwargs)
+
+
+class SourceAddressAdapter(requests.adapters.HTTPAdapter):
+    """A requests adapter whose connections leave from a given local address."""
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, source_address=(self._source, 0), **kwargs)
+
+
+def test_idle_sockets_from_one_client_past_every_cap_keep_no_one_out(daemon):
+    """200 idle sockets from 127.0.0.1 (128 slots): scrapes from 127.0.0.2, and from 127.0.0.1 itself, answered."""
+    idle = [connect_from("127.0.0.1", daemon.port) for _ in range(MAX_CONNECTIONS + 72)]
+    try:
+        # The accept loop has handled every socket once those past the caps are closed (at least 72).
+        wait_until(lambda: sum(map(closed_by_server, idle)) >= len(idle) - MAX_CONNECTIONS, timeout=30,
+                   what="the accept loop to handle every idle socket")
+        answered = [get_from("127.0.0.2", daemon.port).status_code for _ in range(16)]
+        assert answered == [200] * 16
+        assert get_from("127.0.0.1", daemon.port).status_code == 200  # the idle client's own scrape too
+        assert sum(not closed_by_server(sock) for sock in idle) <= MAX_CONNECTIONS_PER_CLIENT
+    finally:
+        for sock in idle:
+            sock.close()
+    assert daemon.running()
+
+
+def test_waiting_connections_make_room_before_tls_and_auth(pki, tmp_path):
+    """Cap 8, 4 per client, TLS and basic auth: idle sockets from two addresses fill every slot; a third
+    client is served all the same (its connection takes the slot of the longest waiting socket of a
+    client holding the most), and a fifth socket from one address takes one of its own four."""
+    config = tmp_path / "web.yml"
+    config.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+                      f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=4)}'\n")
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
-    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics", web_config=None,
-                       ready=lambda: True, header_timeout=1.0, max_connections=8)
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
+                       web_config=load_web_config(str(config)), ready=lambda: True, header_timeout=60.0,
+                       max_connections=8, max_connections_per_client=4)
     server.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    holders = [socket.create_connection(server.server_address, timeout=5) for _ in range(8)]
+    port = server.server_address[1]
+    first = [connect_from("127.0.0.1", port) for _ in range(5)]
+    second = [connect_from("127.0.0.3", port) for _ in range(4)]
     try:
-        # The 9th is closed unanswered once the accept thread has handed all 8 to their threads
-        # (well before their 1 s header timeout frees the slots again).
-        wait_until(lambda: exchange(server.server_address[1], b"GET /metrics HTTP/1.1\r\n\r\n") == b"",
-                   timeout=0.8, what="a connection over the cap closed unanswered")
-        started = time.monotonic()
-        wait_until(lambda: requests.get(url + "/metrics", timeout=2).status_code == 200, timeout=5,
-                   what="a free connection slot")
-        assert time.monotonic() - started < 4  # header timeout 1 s + lingering close up to 1 s
+        wait_until(lambda: closed_by_server(first[0]), timeout=10, what="the 5th socket from one client to take "
+                   "the slot of its 1st")
+        response = get_from("127.0.0.2", port, auth=("prom", "pw"), verify=str(pki.ca_cert))
+        assert response.status_code == 200 and "nvml_up 1.0" in response.text
+        wait_until(lambda: closed_by_server(first[1]), timeout=10, what="the longest waiting socket to make room")
+        assert not any(map(closed_by_server, first[2:] + second))
     finally:
-        for sock in holders:
+        for sock in first + second:
             sock.close()
+        server.shutdown()
+
+
+def test_connections_serving_a_request_keep_their_slots():
+    """When every slot is serving a request, a new connection is closed unanswered until one finishes."""
+    gate, entered = threading.Event(), threading.Semaphore(0)
+
+    def ready() -> bool:  # /-/ready runs in the connection's own thread: the request holds its slot
+        entered.release()
+        return gate.wait(30)
+
+    registry = prometheus_client.CollectorRegistry()
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics", web_config=None,
+                       ready=ready, max_connections=8, max_connections_per_client=4)
+    server.start()
+    port = server.server_address[1]
+    results: list[int] = []
+    probes = [threading.Thread(target=lambda source=source: results.append(get_from(source, port, "/-/ready").status_code))
+              for source in ["127.0.0.1"] * 4 + ["127.0.0.3"] * 4]
+    try:
+        for probe in probes:
+            probe.start()
+        for _ in probes:
+            assert entered.acquire(timeout=30)
+        assert exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""
+        gate.set()
+        for probe in probes:
+            probe.join(30)
+        assert results == [200] * 8
+        wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200,
+                   timeout=10, what="a free slot once the requests are answered")
+    finally:
+        gate.set()
         server.shutdown()
 
 

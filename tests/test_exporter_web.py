@@ -319,7 +319,9 @@ def test_daemon_with_tls_and_basic_auth(start_service, pki, tmp_path, password_h
     ok = requests.get(service.url + "/gpu-metrics", auth=service.auth, verify=ca, timeout=5)
     assert ok.status_code == 200 and 'nvml_gpu_info{' in ok.text and 'simulated="true"' in ok.text
     assert requests.get(service.url + "/metrics", auth=service.auth, verify=ca, timeout=5).status_code == 404
-    for auth in (("prometheus", "wrong"), ("admin", PASSWORD), None):
+    # passwords past bcrypt's 72 bytes (bcrypt 5 raises on them), for a known and an unknown user
+    for auth in (("prometheus", "wrong"), ("admin", PASSWORD), None, ("prometheus", PASSWORD + "x" * 80),
+                 ("admin", "y" * 73)):
         denied = requests.get(service.url + "/gpu-metrics", auth=auth, verify=ca, timeout=5)
         assert denied.status_code == 401 and "nvml_" not in denied.text
     plain = requests.get(f"http://{service.address}/gpu-metrics", auth=service.auth, timeout=5)

@@ -238,7 +238,7 @@ DROPPED = {"not_numeric": 4, "out_of_range": 1, "not_scalar": 1, "unreadable": 2
 def test_hostile_values_keys_and_labels_never_crash(pgw, tmp_path, caplog):
     run = run_id("values")
     config = {"quote": 'a "quoted" value', "newline": "line1\nline2", "unicode": "学习率 ✓",
-              "nested": {"list": [1, 2]}, "bad key\n\"x\"": 1, "job": "shadow"}
+              "nested": {"list": [1, 2]}, "bad name\n\"x\"": 1, "job": "shadow"}
     caplog.set_level(logging.WARNING, logger="trainer_hook")
     with TrainingMonitor(job="faults", run=run, pushgateway=pgw.url, push_interval=0.2, config=config,
                          record_path=tmp_path / "r.jsonl") as monitor:
@@ -259,7 +259,7 @@ def test_hostile_values_keys_and_labels_never_crash(pgw, tmp_path, caplog):
     assert pushed_value(pgw.url, "training_huge", run) == 1e308
     assert math.isnan(pushed_value(pgw.url, "training_nan", run))
     info = pushed_value(pgw.url, "training_run_info", run, quote='a "quoted" value', newline="line1 line2",
-                        unicode="学习率 ✓", nested_list="[1, 2]", bad_key_x="1", config_job="shadow")
+                        unicode="学习率 ✓", nested_list="[1, 2]", bad_name_x="1", config_job="shadow")
     assert info == 1
     dropped_warnings = [r for r in caplog.records if "not kept" in r.getMessage()]
     assert len(dropped_warnings) == len(HOSTILE) - len(KEPT) + 2  # once per key (+ samples=, the list)

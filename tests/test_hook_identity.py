@@ -134,12 +134,14 @@ def test_identity_is_exported_and_the_local_rank_names_the_gpu(tmp_path, bare_en
     labels = 'rank="7",run="501"'
     assert f"training_world_size{{{labels}}} 8.0" in text
     assert f"training_local_rank{{{labels}}} 3.0" in text
-    assert f'training_process_info{{hostname="{os.uname().nodename}",pid="{os.getpid()}",{labels}}} 1.0' in text
+    namespace = os.stat("/proc/self/ns/pid").st_ino  # what the exporter reads of this pid
+    assert (f'training_process_info{{hostname="{os.uname().nodename}",pid="{os.getpid()}",'
+            f'pid_namespace="{namespace}",{labels}}} 1.0') in text
     assert f'training_gpu_info{{gpu="3",{labels},uuid="GPU-11111111-2222-3333-4444-555555555555"}} 1.0' in text
     _, events = record_lines(tmp_path / "identity-501-rank7.jsonl")
     start = events[0]
     assert (start["format"], start["run"], start["rank"], start["local_rank"], start["world_size"],
-            start["pid"]) == (2, "501", 7, 3, 8, os.getpid())
+            start["pid"], start["pid_namespace"]) == (2, "501", 7, 3, 8, os.getpid(), str(namespace))
 
 
 TORCHRUN_SCRIPT = """

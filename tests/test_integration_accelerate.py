@@ -9,7 +9,8 @@ import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
 from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import DeepSpeedEngine, SyncCounter, final_pushed, slow_loader  # noqa: E402
+from tests.integration_support import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+                                      gpu_fp16_on_cpu, slow_loader)
 from trainer_hook.integrations.accelerate import DualtrackTracker  # noqa: E402
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
@@ -101,3 +102,51 @@ def test_under_deepspeed_the_grad_norm_is_the_engines_global_one(tmp_path):
     accelerator.end_training()
     steps, _ = record_lines(tmp_path / "r.jsonl")
     assert [line["values"].get("grad_norm") for line in steps] == pytest.approx(engine.norms, rel=1e-6)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one AcceleratorState per process, and an fp16 one cannot follow an fp32 one:
+    reset it around the test (as the Trainer does when it starts)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adamw-fused"])
+def test_fp16_overflows_are_skipped_steps_not_nonfinite_ones(tmp_path, fused, fresh_accelerator_state):
+    """Accelerate's GradScaler skips the overflowing steps; a fused optimizer is stepped anyway and
+    skips inside (where accelerate's own optimizer_step_was_skipped says False): the tracker counts
+    every skip from the scaler's found_inf, and the inf grad norm of a skipped step is no fault."""
+    tracker = DualtrackTracker(job="acc-test", run=run_id("acc-fp16"), pushgateway=False,
+                               record_path=tmp_path / "r.jsonl")
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="fp16", log_with=[tracker])
+    scaler = gpu_fp16_on_cpu(accelerator)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.01))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.init_trackers("accelerate-test")
+    x, y = torch.randn(BATCH, 16), torch.randn(BATCH, 1)
+    skipped, norms, scales = [], [], []
+    for step in range(10):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+        scale = scaler.get_scale()
+        optimizer.step()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+        skipped.append(scales[-1] < scale)
+        accelerator.log({"loss": loss.detach()}, step=step)
+    accelerator.end_training()
+    assert 2 <= sum(skipped) < 10
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert [line.get("skipped") == "overflow" for line in steps] == skipped
+    assert not [line for line in steps if "nonfinite" in line]
+    assert [line["loss_scale"] for line in steps] == scales
+    assert ([line["values"]["grad_norm"] for line, s in zip(steps, skipped) if not s]
+            == pytest.approx([n for n, s in zip(norms, skipped) if not s], rel=1e-6))

@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
 from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import DeepSpeedEngine, SyncCounter, final_pushed  # noqa: E402
+from tests.integration_support import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+                                      gpu_fp16_on_cpu)
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1
@@ -27,8 +28,9 @@ class SlowLogging(transformers.TrainerCallback):
 
 
 def make_trainer(tmp_path, callbacks, *, load_delay: float = 0.0, nan_step: int | None = None,
-                 logging_steps: int = 1, max_grad_norm: float = 1.0) -> transformers.Trainer:
-    """A 1-layer GPT-2 trained for STEPS steps; the batch of `nan_step` has no label (loss 0/0 = NaN)."""
+                 logging_steps: int = 1, max_grad_norm: float = 1.0, **arguments) -> transformers.Trainer:
+    """A 1-layer GPT-2 trained for STEPS steps; the batch of `nan_step` has no label (loss 0/0 = NaN).
+    `arguments`: more TrainingArguments."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=SEQ,
                                      bos_token_id=0, eos_token_id=0)
@@ -46,7 +48,7 @@ def make_trainer(tmp_path, callbacks, *, load_delay: float = 0.0, nan_step: int 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=BATCH,
         learning_rate=1e-3, logging_steps=logging_steps, report_to="none", save_strategy="no",
-        use_cpu=True, disable_tqdm=True, max_grad_norm=max_grad_norm)
+        use_cpu=True, disable_tqdm=True, max_grad_norm=max_grad_norm, **arguments)
     return transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
                                 train_dataset=rows, data_collator=collate, callbacks=callbacks)
 
@@ -158,3 +160,37 @@ def test_without_a_global_norm_zero_gradients_export_no_grad_norm_and_say_why_on
     assert len(steps) == STEPS and not any("grad_norm" in line["values"] for line in steps)
     warnings = [r.getMessage() for r in caplog.records if "grad_norm is not reported" in r.getMessage()]
     assert len(warnings) == 1 and "no parameter holds a gradient" in warnings[0], warnings
+
+
+class ScaleDrops(transformers.TrainerCallback):
+    """Which optimizer steps the GradScaler skipped: those after which its scale dropped."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler, self.skipped, self.scale = scaler, [], 0.0
+
+    def on_pre_optimizer_step(self, *args, **kwargs) -> None:
+        self.scale = self.scaler.get_scale()
+
+    def on_optimizer_step(self, *args, **kwargs) -> None:
+        self.skipped.append(self.scaler.get_scale() < self.scale)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_fp16_overflows_are_skipped_steps_not_nonfinite_ones(tmp_path, optim):
+    """fp16 on a GPU: the Trainer's GradScaler skips the steps that overflow while it calibrates its
+    scale. The default fused AdamW is stepped anyway and skips inside (accelerate's own
+    optimizer_step_was_skipped says False): every skip is counted, none is a non-finite step."""
+    callback = DualtrackCallback(job="hf-test", run=run_id("hf-fp16"), pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
+    trainer = make_trainer(tmp_path, [callback], fp16=True, optim=optim)
+    drops = ScaleDrops(gpu_fp16_on_cpu(trainer.accelerator, init_scale=2.0 ** 17))
+    trainer.add_callback(drops)
+    trainer.train()
+    assert 1 <= sum(drops.skipped) < STEPS
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert [line.get("skipped") == "overflow" for line in steps] == drops.skipped
+    assert not [line for line in steps if "nonfinite" in line]
+    history = {entry["step"]: entry for entry in trainer.state.log_history if "grad_norm" in entry}
+    for line, skipped in zip(steps, drops.skipped):  # unscaled: the Trainer's own figure
+        if not skipped:
+            assert line["values"]["grad_norm"] == pytest.approx(history[line["step"]]["grad_norm"], rel=1e-6)

@@ -109,3 +109,49 @@ def test_pytorch_lightning_import_name_without_clipping_and_no_device_sync(tmp_p
     assert [line["batch_id"] for line in steps] == [
         {"epoch": 0, "batch_idx": ACCUMULATE * step} for step in range(STEPS)]
     assert events[-1]["state"] == "finished"
+
+
+class ScaledRegression(module_class("lightning.pytorch")):
+    """The regression in "16-mixed": notes, before each optimizer step, the scale and the true
+    (unscaled) grad norm; after it, whether the scaler skipped it (its scale dropped)."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused, self.skipped, self.scale = fused, [], 0.0
+
+    def configure_optimizers(self):
+        if self.fused:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.scale = self.trainer.precision_plugin.scaler.get_scale()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()]).item()
+        self.norms.append(norm / self.scale if self.fused else norm)  # Lightning unscaled the unfused
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.skipped.append(self.trainer.precision_plugin.scaler.get_scale() < self.scale)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adamw-fused"])
+def test_fp16_overflows_are_skipped_steps_with_an_unscaled_grad_norm(tmp_path, fused):
+    """precision="16-mixed" as on a GPU (Lightning's own MixedPrecision plugin, given a CPU
+    GradScaler: Lightning turns "16-mixed" on a CPU into bf16): every overflow is a skipped step,
+    never a non-finite one; a fused optimizer's norm, still scaled before its step, is unscaled."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    callback = DualtrackCallback(job="pl-test", run="fp16", pushgateway=False,
+                                 record_path=tmp_path / "r.jsonl")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=2)
+    model = ScaledRegression(fused)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    trainer.fit(model, loader())
+    assert 2 <= sum(model.skipped) < 10
+    steps, _ = record_lines(tmp_path / "r.jsonl")
+    assert [line.get("skipped") == "overflow" for line in steps] == model.skipped
+    assert not [line for line in steps if "nonfinite" in line]
+    assert ([line["values"]["grad_norm"] for line, s in zip(steps, model.skipped) if not s]
+            == pytest.approx([n for n, s in zip(model.norms, model.skipped) if not s], rel=1e-5))

@@ -2,6 +2,7 @@
 live run or another job's group; survives an unreachable Pushgateway and malformed groups."""
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import subprocess
@@ -165,6 +166,7 @@ def test_daemon_keeps_running_while_the_pushgateway_is_down_and_then_cleans_up(t
     (["--interval=0"], "--interval and --timeout must be longer than 0"),
     (["--pushgateway=ftp://h"], "must be an http(s) URL"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--pushgateway-password-file=/nonexistent/hook.password"], "'/nonexistent/hook.password': No such file"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     result = subprocess.run([sys.executable, "-m", "dualtrack", "janitor", *args], capture_output=True, text=True,
@@ -200,12 +202,38 @@ def test_authenticates_with_the_hooks_environment(secure_pgw, pki, monkeypatch, 
                          and run not in secure_runs(), 10, what="the janitor deleting through TLS and basic auth")
 
 
+def test_the_password_can_come_from_a_file_instead_of_the_environment(secure_pgw, pki, monkeypatch, tmp_path):
+    password_file = tmp_path / "hook.password"
+    password_file.write_text(PASSWORD + "\n")
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_CA_FILE", str(pki.ca_cert))
+    monkeypatch.delenv("DUALTRACK_PUSHGATEWAY_PASSWORD", raising=False)
+    monkeypatch.delenv("DUALTRACK_PUSHGATEWAY_USERNAME", raising=False)
+    assert janitor(secure_pgw.url, f"--pushgateway-password-file={password_file}") == 2  # which user?
+    monkeypatch.setenv("DUALTRACK_PUSHGATEWAY_USERNAME", USER)
+    assert janitor(secure_pgw.url, f"--pushgateway-password-file={password_file}", "--timeout=5s") == 0
+
+
+def test_pushed_label_values_are_logged_with_control_characters_escaped(pgw, caplog):
+    """A run label with a newline and terminal escapes: the janitor's log line shows them escaped."""
+    caplog.set_level(logging.INFO, logger="dualtrack.janitor")
+    evil = "forged\n2026-01-01 INFO janitor: deleted everything\x1b[2J\r"
+    encoded = base64.urlsafe_b64encode(evil.encode()).decode()
+    pushed = requests.put(f"{pgw.url}/metrics/job/jan/run@base64/{encoded}/rank/0", timeout=5,
+                          data="# TYPE training_run_state gauge\ntraining_run_state{state=\"finished\"} 1\n")
+    assert pushed.status_code in (200, 202), pushed.text
+    processes.wait_until(lambda: janitor(pgw.url, "--finished-retention=0.1s", "--dry-run") == 0
+                         and "would delete" in caplog.text, 10, what="a dry-run pass")
+    line = next(record.getMessage() for record in caplog.records if "would delete" in record.getMessage())
+    assert "run=forged\\n2026-01-01 INFO janitor: deleted everything\\x1b[2J\\r" in line
+    assert not any(char in line for char in "\n\r\x1b")
+
+
 def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
     services = yaml.safe_load((processes.REPO / "docker-compose.yml").read_text())["services"]
     janitor = services["janitor"]
-    assert "exec dualtrack janitor" in janitor["entrypoint"][2]
+    assert janitor["entrypoint"][:2] == ["dualtrack", "janitor"]
     assert janitor["environment"]["DUALTRACK_PUSHGATEWAY"] == "https://pushgateway:9091"  # TLS + basic auth
-    assert "cat /etc/dualtrack/secrets/hook.password" in janitor["entrypoint"][2]
+    assert "--pushgateway-password-file=/etc/dualtrack/secrets/hook.password" in janitor["entrypoint"]
     store = next(arg.split("=", 1)[1] for arg in services["pushgateway"]["command"]
                  if arg.startswith("--persistence.file="))
     assert any(isinstance(volume, str) and volume.startswith("pushgateway-data:")

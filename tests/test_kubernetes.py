@@ -142,7 +142,7 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
-    assert "hostPID" not in spec and "runtimeClassName" not in spec and "volumes" not in spec
+    assert "hostPID" not in spec and "runtimeClassName" not in spec and spec["volumes"] == []
     container, = spec["containers"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
@@ -150,20 +150,25 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
     assert set(container["resources"]) == {"requests", "limits"}
 
 
-def test_components_add_the_runtime_class_host_pid_and_pod_attribution():
+def test_components_add_the_runtime_class_host_pid_pod_attribution_and_the_kernel_log():
     enforce = "pod-security.kubernetes.io/enforce"
     assert find("Namespace", "dualtrack")["metadata"]["labels"][enforce] == "baseline"
-    for component in ("host-pid", "pod-attribution"):  # hostPID and hostPath are not "baseline"
+    for component in ("host-pid", "pod-attribution", "kernel-log"):  # hostPID and hostPath are not "baseline"
         assert find("Namespace", "dualtrack", with_components(component))["metadata"]["labels"][enforce] == \
             "privileged"
     spec = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
     container, = spec["containers"]
     assert "--collector.podresources" in container["args"]
-    mount, = container["volumeMounts"]
-    volume, = spec["volumes"]
-    assert mount["readOnly"] and mount["mountPath"] == volume["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
-    assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["capabilities"]
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume["hostPath"] for volume in spec["volumes"]}
+    assert set(mounts) == set(volumes) == {"pod-resources", "kmsg"} and all(m["readOnly"] for m in mounts.values())
+    assert mounts["pod-resources"]["mountPath"] == volumes["pod-resources"]["path"] == "/var/lib/kubelet/pod-resources"
+    # /dev/kmsg needs CAP_SYSLOG, which Kubernetes gives to uid 0 only: that one capability, nothing else
+    assert mounts["kmsg"]["mountPath"] == volumes["kmsg"]["path"] == "/dev/kmsg"
+    assert volumes["kmsg"]["type"] == "CharDevice" and spec["securityContext"]["runAsUser"] == 0
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]}}
 
 
 def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_environment():
@@ -178,13 +183,23 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     monitor = find("ServiceMonitor", "pushgateway")["spec"]["endpoints"][0]
     assert monitor["honorLabels"] is True and monitor["scheme"] == "https" and "basicAuth" in monitor
 
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert deployment["containers"][0]["image"] == compose["pushgateway"]["image"]  # the same digest
+
     janitor = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    assert janitor["command"] == ["dualtrack", "janitor", "--once"]
+    pod = find("CronJob", "dualtrack-janitor")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    password_mount = next(m for m in janitor["volumeMounts"] if m["name"] == "hook")["mountPath"]
+    assert janitor["command"] == ["dualtrack", "janitor", "--once",
+                                  f"--pushgateway-password-file={password_mount}/password"]
     env = {e["name"] for e in janitor["env"]}
     hook_names = "".join(p.read_text() for p in (REPO / "trainer_hook").glob("*.py"))
-    assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_PASSWORD",
-                   "DUALTRACK_PUSHGATEWAY_CA_FILE"}
+    # the password is a file, never in the environment; the janitor is not the exporter's uid
+    assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_CA_FILE"}
     assert all(f'"{name}"' in hook_names for name in env)  # the names the hook reads
+    exporter_pod = find("DaemonSet", "dualtrack-exporter")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] != exporter_pod["securityContext"]["runAsUser"]
+    hook_volume = next(v for v in pod["volumes"] if v["name"] == "hook")["secret"]
+    assert hook_volume["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
     service = find("Service", "pushgateway")
     url = next(e["value"] for e in janitor["env"] if e["name"] == "DUALTRACK_PUSHGATEWAY")
     assert url == f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:" \
@@ -213,10 +228,13 @@ def test_the_scaling_guide_configs_pass_promtool(tmp_path):
 
 
 def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_matches_the_mount():
+    from exporter import kernellog
     from exporter.cli import parse_args
     container = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"][
         "containers"][0]
     assert container["command"] == ["dualtrack-exporter"]
     args = parse_args(container["args"], environ={e["name"]: e["value"] for e in container["env"]})
     assert args.collector_podresources and args.web_listen_address == ":9942"
-    assert Path(args.collector_podresources_socket).parent == Path(container["volumeMounts"][0]["mountPath"])
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert Path(args.collector_podresources_socket).parent == Path(mounts["pod-resources"])
+    assert args.collector_xid_kernel_log is None and kernellog.DEFAULT_PATH == mounts["kmsg"]  # the default path

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
@@ -96,6 +97,18 @@ def test_dns_names_and_ip_addresses_become_exactly_their_san_entries(tmp_path, c
                                "DNS:prometheus", "DNS:alertmanager", "DNS:gpu-box.example.org",
                                "IP Address:10.0.0.5", "IP Address:FD00:0:0:0:0:0:0:5"]
     assert "CA:TRUE" not in text
+
+
+def test_each_daemon_accepts_only_the_users_it_needs_and_healthcheck_only_the_exporter(tmp_path):
+    make_secrets.make_secrets(tmp_path, hosts=[])
+    users = {service: set(yaml.safe_load((tmp_path / f"{service}-web.yml").read_text())["basic_auth_users"])
+             for service in make_secrets.SERVICES}
+    assert users == {"pushgateway": {"hook", "prometheus", "admin"},
+                     "prometheus": {"grafana", "prometheus", "admin"},
+                     "alertmanager": {"prometheus", "grafana", "admin"},
+                     "exporter": {"prometheus", "healthcheck"}}
+    assert (tmp_path / "grafana-admin.password").read_text().strip()  # Grafana's login: no web-config user
+    assert not any("grafana-admin" in names for names in users.values())
 
 
 @pytest.mark.parametrize("package", ["bcrypt", "yaml"])

@@ -192,7 +192,8 @@ def test_format_2_fields_become_their_live_series(tmp_path: Path) -> None:
     assert states == {"running": 0, "finished": 1, "failed": 0}
     counts = dump(out, "training_logged_value_count")
     assert [float(v) for labels, v, _ in counts if labels["key"] == "loss"] == [1, 2, 2, 2, 3, 3]  # finite only
-    assert [float(v) for labels, v, _ in counts if labels["key"] == "grad_norm"] == [1, 1, 1, 1]
+    # A key's series come at the steps that change them (the overflows of steps 1, 3, 4 do not).
+    assert [float(v) for labels, v, _ in counts if labels["key"] == "grad_norm"] == [1]
 
 
 def test_a_run_that_failed_of_an_exception_replays_its_class(tmp_path: Path) -> None:

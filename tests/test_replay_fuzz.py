@@ -1,6 +1,8 @@
 """Property-based: any record lines, any records folder, any leftovers in --out. `dualtrack replay`
 and `dualtrack report` (in-process, real promtool and matplotlib) exit with a code and at most one
-line on stderr, within a time bound, and touch nothing outside --out."""
+line on stderr, within a time bound, and touch nothing outside --out. Any answer a Prometheus (or
+what pretends to be one) sends on the wire: the client gives series or its one-line error, and
+`dualtrack explain` exits with one line at most."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +19,11 @@ from typing import Iterator
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dualtrack import prometheus
 from dualtrack.cli import main
+from dualtrack.connection import resolve
 from dualtrack.records import CLOCK_SLACK_SECONDS
+from tests import hostile_http
 
 NOW = time.time()
 #: No example may take longer (a hang fails the test instead of stalling the suite).
@@ -182,3 +187,102 @@ def test_replay_and_report_never_crash_hang_or_touch_anything_outside_out(record
             assert (out / "01BX5ZZKBKACTAV9WEVGEMMVRZ" / "meta.json").read_text() == "{}"
         for kind in ("temp-of-pid-1", "temp-garbage-owner", "temp-dead-owner"):
             assert (out / f".dualtrack-replay-{kind}").is_dir() == (kind in leftovers)
+
+
+#: Output bytes per record byte no record passes (a step line dense with one-character keys, 256-character
+#: identity labels: ~500), plus the slow series of each run's first refresh and end, which are free.
+WORST_RATIO = 600
+long_text = st.one_of(hostile_text, st.text(min_size=200, max_size=600), st.just("x" * 5000))
+dense_steps = st.fixed_dictionaries(
+    {"time": st.floats(NOW - 900, NOW), "step": st.integers(0, 10 ** 6),
+     "values": st.dictionaries(st.one_of(st.text(max_size=3), st.text(min_size=250, max_size=300)),
+                               st.sampled_from([1.0, "nan", 0.5]), max_size=40)})
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(head=st.fixed_dictionaries({"event": st.just("start"), "job": long_text, "run": long_text,
+                                   "rank": long_text, "instance": long_text, "time": st.just(NOW - 1000),
+                                   "config": st.dictionaries(long_text, long_text, max_size=20)}),
+       steps=st.lists(dense_steps, min_size=1, max_size=60))
+def test_replay_output_is_linear_in_the_record_and_its_labels_capped(head, steps) -> None:
+    """In-process (no promtool): the OpenMetrics text of any record stays within WORST_RATIO bytes per
+    record byte (plus a run's free slow series), and no label value passes the hook's cap."""
+    from dualtrack.records import Reader
+    from dualtrack.replay import write_openmetrics
+    from tests.test_replay_amplification import _LABEL, Counter, unescaped
+    from trainer_hook.contract import MAX_LABEL_LENGTH
+
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as temporary:
+        path = Path(temporary) / "r.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in [head, *steps]), encoding="utf-8",
+                        errors="surrogatepass")
+        counter = Counter(keep=10 ** 6)
+        runs = write_openmetrics(Reader([path]), counter)
+        free = 2 * 40 * 8 * (MAX_LABEL_LENGTH + 16) + 2 * 256 * 2 * (MAX_LABEL_LENGTH + 8)  # slow series twice
+        assert counter.bytes <= WORST_RATIO * path.stat().st_size + len(runs) * free
+        for text in counter.kept:
+            for _, value in _LABEL.findall(text):
+                assert len(unescaped(value)) <= MAX_LABEL_LENGTH, value
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), hostile_text),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(hostile_text, children, max_size=3),
+    max_leaves=8)
+samples = st.one_of(st.tuples(numbers, st.one_of(numbers.map(str), numbers)).map(list), json_values)
+series = st.fixed_dictionaries(
+    {"metric": st.one_of(st.dictionaries(st.sampled_from(["job", "rank", "uuid", "pid", "__name__"]) | hostile_text,
+                                         hostile_text, max_size=3), json_values)},
+    optional={"value": samples, "values": st.one_of(st.lists(samples, max_size=3), json_values)})
+answers = st.one_of(
+    st.builds(lambda status, result: json.dumps({"status": status, "data": {"resultType": "vector", "result": result}}),
+              st.sampled_from(["success", "error"]), st.one_of(st.lists(series, max_size=3), json_values)),
+    json_values.map(json.dumps),
+    st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
+    st.sampled_from(["[" * 100_000, '{"data": []}', '{"data": {"result": "x"}}', '{"data": {"result": [[]]}}']))
+#: How the answer goes on the wire (tests/hostile_http.py has the worst of each kind).
+framings = st.sampled_from(["length", "short", "cut", "close", "chunked", "bad-chunked", "as-status-line",
+                            "no-answer", "many-headers"])
+
+
+def wire(status: int, body: bytes, framing: str) -> bytes:
+    line = f"HTTP/1.1 {status} X\r\n".encode()
+    if framing == "short":  # promises more than it sends, then closes
+        return line + f"Content-Length: {len(body) + 10}\r\n\r\n".encode() + body
+    if framing == "cut":  # promises less than the answer
+        return line + f"Content-Length: {len(body) // 2}\r\n\r\n".encode() + body
+    if framing == "close":
+        return line + b"Connection: close\r\n\r\n" + body
+    if framing == "chunked":
+        return line + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    if framing == "bad-chunked":
+        return line + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n" + body
+    if framing == "as-status-line":
+        return body + b"\r\n\r\n"
+    if framing == "no-answer":
+        return b""
+    if framing == "many-headers":
+        return line + b"X: y\r\n" * 150 + b"\r\n" + body
+    return hostile_http.response(status, body)
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(status=st.one_of(st.sampled_from([200, 204, 301, 400, 401, 422, 500, 503]), st.integers(0, 1000)),
+       answer=answers, framing=framings)
+def test_the_prometheus_client_gives_a_result_or_one_line_whatever_the_answer(status, answer, framing) -> None:
+    body = wire(status, answer.encode("utf-8", "surrogatepass"), framing)
+    with hostile_http.RawServer(lambda connection, _stop: connection.sendall(body)) as server, \
+            bounded(BOUND_SECONDS):
+        client = prometheus.Prometheus(resolve("prometheus", prometheus.ENV_URL, server.url), timeout=5)
+        for ask in (lambda: client.query("up", 1e9), lambda: client.query_range("up", 1e9, 1e9 + 60, 15)):
+            try:
+                found = ask()
+            except prometheus.QueryError as exc:
+                assert str(exc) and "\n" not in str(exc), exc
+            else:
+                assert isinstance(found, list) and all(isinstance(s["metric"], dict) for s in found)
+        code, err = run_cli(["explain", "r", "--prometheus", server.url, "--prometheus-timeout", "5",
+                             "--since", "1000000000", "--until", "1000003600"])
+        assert code in (0, 1) and err.count("\n") <= 1, err
+        assert err == "" or err.startswith("dualtrack explain: error: "), err

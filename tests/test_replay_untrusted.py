@@ -74,6 +74,35 @@ def test_a_block_the_replay_did_not_make_is_never_deleted(tmp_path: Path) -> Non
     assert (foreign / "meta.json").read_text() == '{"ulid": "01ARZ3NDEKTSV4RRFFQ69G5FAV"}'
 
 
+@pytest.mark.parametrize("manifest_format", [2, 3])
+def test_a_forged_manifest_entry_naming_a_foreign_block_never_deletes_it(tmp_path: Path,
+                                                                         manifest_format: int) -> None:
+    """A real TSDB block in --out (promtool's, as a Prometheus writes them) with an entry that has its
+    true meta.json hash and claims runs the replay rewrites in full: it lacks the replay's proof
+    file, so it stays."""
+    import hashlib
+    out = tmp_path / "out"
+    out.mkdir()
+    text = tmp_path / "foreign.om"
+    text.write_text(f'up{{job="prometheus"}} 1 {NOW - 300:.3f}\n# EOF\n')
+    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(text), str(out)],
+                   check=True, capture_output=True)
+    (foreign,) = [p for p in out.iterdir() if (p / "meta.json").is_file()]
+    before = tree(foreign)
+    meta = hashlib.sha256((foreign / "meta.json").read_bytes()).hexdigest()
+    runs = [{"job": "j", "run": "r1", "rank": "0", "steps": 1, "first": NOW - 600, "last": NOW - 600}]
+    entry = {"meta_sha256": meta, "proof_sha256": hashlib.sha256(b"").hexdigest(), "runs": runs}
+    (out / "dualtrack-replay.json").write_text(json.dumps({"format": manifest_format,
+                                                           "blocks": {foreign.name: entry}}))
+    record = write(tmp_path / "a.jsonl", [LIVE] + [live_step(n) for n in range(5)])
+    assert main(["replay", str(record), "--out", str(out)]) == 0
+    assert tree(foreign) == before
+    # The replay's own blocks carry the proof, and the next replay replaces them (not the foreign one).
+    first = {p.name for p in out.iterdir()} - {foreign.name}
+    assert main(["replay", str(record), "--out", str(out)]) == 0
+    assert tree(foreign) == before and not first & {p.name for p in out.iterdir()} - {"dualtrack-replay.json"}
+
+
 def test_a_manifest_that_is_not_ours_is_refused_not_overwritten(tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -94,6 +94,20 @@ def test_wrong_credentials_or_plain_http_are_refused_everywhere(stack, secrets_d
                         auth=("hook", password(secrets_dir, "hook"))).status_code == 200
 
 
+def test_the_healthcheck_user_is_let_in_by_the_exporter_only(stack, secrets_dir):
+    """The exporter container holds healthcheck.password: no other daemon may accept it (push, query, quit)."""
+    ca, healthcheck = str(secrets_dir / "ca.crt"), ("healthcheck", password(secrets_dir, "healthcheck"))
+    assert requests.get(stack["exporter"].url + "/-/ready", verify=ca, timeout=5, auth=healthcheck).status_code == 200
+    for name in ("pushgateway", "prometheus", "alertmanager"):
+        url = stack[name].url
+        assert requests.get(url + "/-/ready", verify=ca, timeout=5, auth=healthcheck).status_code == 401, name
+    pushed = requests.put(stack["pushgateway"].url + "/metrics/job/intruder", data="x 1\n", verify=ca, timeout=5,
+                          auth=healthcheck)
+    assert pushed.status_code == 401
+    assert requests.post(stack["prometheus"].url + "/-/quit", verify=ca, timeout=5, auth=healthcheck).status_code == 401
+    assert stack["prometheus"].running()
+
+
 def test_the_hook_pushes_only_with_the_right_password_and_prometheus_scrapes_it_all(stack, secrets_dir, tmp_path):
     from trainer_hook import TrainingMonitor
     pushgateway, prometheus = stack["pushgateway"], stack["prometheus"]

@@ -30,7 +30,8 @@ class Entry(NamedTuple):
     tokens: Any
     values: dict[str, Any]
     data_wait: float = 0.0  # seconds waited for this step's batch
-    skipped: int = 0  # optimizer steps the GradScaler skipped (overflow) since the previous entry
+    skipped: Any = 0  # optimizer steps the GradScaler skipped (overflow) since the previous entry:
+    # an int, or a tensor (read here) where a fused optimizer skipped inside its step
     loss_scale: Any = None  # the GradScaler's scale after this step (a tensor copy), if watched
     stacks: tuple[Stack, ...] = ()  # the values' tensors, copied on their device (see tensors.py)
     events: tuple[tuple[Any, Any], ...] = ()  # (device, CUDA event) marking those copies ready
@@ -55,7 +56,8 @@ class Aggregator:
         """
         with self._lock:
             rows = [(e.values, {"samples": e.samples, "tokens": e.tokens, "batch_id": e.batch_id,
-                                "step": e.step, "loss_scale": e.loss_scale}) for e in entries]
+                                "step": e.step, "loss_scale": e.loss_scale, "skipped": e.skipped})
+                    for e in entries]
             tensors.read(tensors.tensor_slots(m for row in rows for m in row),
                          [(e.values, stack) for e in entries for stack in e.stacks],
                          [event for e in entries for event in e.events], self._state.dropped)
@@ -65,9 +67,10 @@ class Aggregator:
         samples, tokens, batch_id = extra.get("samples"), extra.get("tokens"), record_id(extra.get("batch_id"))
         step = self._resolve_step(extra.get("step"))
         loss_scale = extra.get("loss_scale")
+        skipped = round(extra.get("skipped", 0))  # an unreadable tensor is dropped (and counted)
         nonfinite = self._run.fold(step, values, self._names.__getitem__, time=entry.time,
                                    batch_id=batch_id, samples=samples, tokens=tokens,
-                                   duration=entry.duration, skipped=entry.skipped,
+                                   duration=entry.duration, skipped=skipped,
                                    loss_scale=loss_scale).nonfinite
         line: dict[str, Any] = {"time": round(entry.time, 6), "step": step,
                                 "batch_id": batch_id, "samples": json_number(samples),
@@ -75,7 +78,7 @@ class Aggregator:
                                 "duration_seconds": None if entry.duration is None else round(entry.duration, 9),
                                 "data_wait_seconds": round(entry.data_wait, 9),
                                 "values": {str(k): json_number(v) for k, v in values.items()}}
-        if entry.skipped:
+        if skipped:
             line["skipped"] = SKIP_REASON
         if loss_scale is not None:
             line["loss_scale"] = json_number(loss_scale)

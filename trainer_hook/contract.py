@@ -45,8 +45,19 @@ def is_overflow(suffix: str, skipped: object) -> bool:
 SKIP_REASON = "overflow"
 #: training_dropped_values_total{reason}: why a logged value was not kept.
 DROP_REASONS = ("invalid_key", "not_numeric", "not_scalar", "out_of_range", "unreadable",
-                "reserved_name")
+                "reserved_name", "too_many_keys")
+#: Characters kept of a label value (identity labels, config values); a longer log key is invalid.
 MAX_LABEL_LENGTH = 256
+#: Distinct logged keys exported per run: values of later keys stay in the record, counted as dropped
+#: (reason "too_many_keys"). The live hook and replay fold steps with the same Accumulator.
+MAX_KEYS = 1024
+#: Config entries exported as training_run_info labels (the first ones by name).
+MAX_CONFIG_LABELS = 256
+#: Words of a config key whose value is a secret: its value is logged as MASK (see mask_secrets).
+SECRET_WORDS = frozenset({"token", "secret", "secrets", "password", "passwords", "passwd", "pwd",
+                          "passphrase", "apikey", "key", "credential", "credentials", "auth",
+                          "authorization", "cookie"})
+MASK = "***"
 #: W&B/HF spellings of the standard keys.
 ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "grad_norm",
            "grad_norm_total": "grad_norm", "train_loss": "loss"}
@@ -73,6 +84,7 @@ _NOT_NAME = re.compile(r"[^A-Za-z0-9_]+")
 _UNDERSCORES = re.compile("_{2,}")
 _SECTION = re.compile(r"^(train|training)/", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 # ---------------------------------------------------------------------- names and labels
@@ -89,7 +101,7 @@ def metric_suffix(key: object) -> str | Dropped:
     """The metric name after `training_` for a log key, e.g. "train/loss" -> "loss"."""
     name = _sanitize(_SECTION.sub("", str(key).strip()))
     name = ALIASES.get(name.lower(), name)
-    if not name:
+    if not name or len(name) > MAX_LABEL_LENGTH:
         return Dropped("invalid_key")
     if name in RESERVED:
         return Dropped("reserved_name")
@@ -98,7 +110,7 @@ def metric_suffix(key: object) -> str | Dropped:
 
 def label_name(key: object) -> str:
     """A valid, non-reserved Prometheus label name for a config key."""
-    name = _sanitize(str(key)) or "key"
+    name = _sanitize(str(key))[:MAX_LABEL_LENGTH] or "key"
     if name[0].isdigit() or name in RESERVED_LABELS:
         name = "config_" + name
     return name
@@ -116,8 +128,27 @@ def label_value(value: object) -> str:
     return text[:MAX_LABEL_LENGTH]
 
 
+def is_secret(key: object) -> bool:
+    """True for a config key that names a secret: one of its words (split at `_`, `-`, `.`, `/`,
+    digits and camelCase, case-insensitive) is in SECRET_WORDS ("hub_token", "apiKey", "DB_PASSWORD",
+    "wandb.api_key"), not "max_grad_norm", "max_tokens" or "tokenizer"."""
+    return any(word.lower() in SECRET_WORDS for word in _WORDS.findall(str(key)))
+
+
+def mask_secrets(value: Any) -> Any:
+    """`value` with the value of every secret key (is_secret), at any depth of mappings and lists,
+    replaced by MASK: the one filter for configs the hook logs (its start line, training_run_info,
+    the framework integrations' hyper-parameters) and replay re-exports."""
+    if isinstance(value, Mapping):
+        return {key: MASK if is_secret(key) else mask_secrets(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mask_secrets(item) for item in value]
+    return value
+
+
 def config_labels(config: Mapping[str, Any] | None) -> dict[str, str]:
-    """Hyper-parameters as labels: nested mappings flattened with `_`, names and values sanitized."""
+    """Hyper-parameters as labels: secrets masked (mask_secrets), nested mappings flattened with `_`,
+    names and values sanitized, at most MAX_CONFIG_LABELS of them (the first by name)."""
     labels: dict[str, str] = {}
 
     def walk(prefix: str, mapping: Mapping[Any, Any]) -> None:
@@ -129,8 +160,8 @@ def config_labels(config: Mapping[str, Any] | None) -> dict[str, str]:
                 labels[label_name(name)] = label_value(value)
 
     if config:
-        walk("", config)
-    return dict(sorted(labels.items()))
+        walk("", mask_secrets(config))
+    return dict(sorted(labels.items())[:MAX_CONFIG_LABELS])
 
 
 # ---------------------------------------------------------------------- record numbers
@@ -155,6 +186,11 @@ def numeric_id(batch_id: Any) -> float:
 
 
 # ---------------------------------------------------------------------- the exported state
+#: Keys of the record's start line that say which process wrote it (format 2; pid_namespace since it
+#: is known: with pid, the pair the exporter's per-process series match across PID namespaces).
+START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace")
+
+
 class ProcessIdentity(NamedTuple):
     """The pushing process (training_local_rank, training_world_size, training_process_info)."""
 
@@ -162,6 +198,7 @@ class ProcessIdentity(NamedTuple):
     world_size: int = 1
     pid: int = 0
     hostname: str = ""
+    pid_namespace: str = ""  # inode of the PID namespace `pid` is in (decimal): with `pid`, what NVML's host PID is
 
 
 @dataclass
@@ -223,6 +260,7 @@ class Accumulator:
         self.bucket_counts = [0] * (len(STEP_BUCKETS) + 1)  # not cumulative
         self.window: Window = {}  # since the last take_window()
         self._in_streak = False  # the previous step that was not skipped had a non-finite value
+        self._keys: set[str] = set()  # the exported keys, at most MAX_KEYS
 
     def fold(self, step: int, values: Mapping[Any, float], name: Callable[[Any], str | None], *,
              time: float, batch_id: Any = None, samples: float | None = None,
@@ -233,7 +271,8 @@ class Accumulator:
         A non-finite value counts in training_nonfinite_values_total and makes the step non-finite,
         except an overflow (OVERFLOW_KEYS) on a step the GradScaler skipped: that one changes
         nothing, and a skipped step neither starts nor ends a non-finite streak. Only finite values
-        go into the sums and the window maxima; on a tie the earlier step is kept.
+        go into the sums and the window maxima; on a tie the earlier step is kept. Keys beyond the
+        first MAX_KEYS of the run are counted in state.dropped["too_many_keys"], nothing else.
         """
         state = self.state
         state.step = step
@@ -243,6 +282,11 @@ class Accumulator:
             suffix = name(key)
             if suffix is None:
                 continue
+            if suffix not in self._keys:
+                if len(self._keys) >= MAX_KEYS:
+                    state.dropped["too_many_keys"] = state.dropped.get("too_many_keys", 0) + 1
+                    continue
+                self._keys.add(suffix)
             if math.isfinite(value):
                 state.value_sums[suffix] = state.value_sums.get(suffix, 0.0) + value
                 state.value_counts[suffix] = state.value_counts.get(suffix, 0) + 1

@@ -95,8 +95,9 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     yield g("local_rank", "Rank of this process on its node (picks the GPU).", snap.process.local_rank)
     yield g("world_size", "Processes in the run.", snap.process.world_size)
     yield _single(GaugeMetricFamily, "process_info", "The process that publishes these series (join "
-                  "nvml_gpu_process_* on pid).", 1,
-                  {**const, "pid": str(snap.process.pid), "hostname": snap.process.hostname})
+                  "nvml_gpu_process_* on pid_namespace, and pid to their namespace_pid).", 1,
+                  {**const, "pid": str(snap.process.pid), "hostname": snap.process.hostname,
+                   "pid_namespace": snap.process.pid_namespace})
     dropped = CounterMetricFamily(PREFIX + "dropped_values", "Logged values that were not kept.",
                                   labels=[*const, "reason"])
     for reason in DROP_REASONS:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import start_http_server
@@ -16,8 +17,8 @@ from prometheus_client import start_http_server
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
-from .contract import (DROP_REASONS, FORMAT_VERSION, Dropped, ProcessIdentity, Snapshot, config_labels,
-                       merge_maxima, metric_suffix)
+from .contract import (DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
+                       config_labels, merge_maxima, metric_suffix)
 from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
@@ -25,7 +26,7 @@ from .record import DEFAULT_MAX_BYTES, Record
 from .settings import DEFAULT_DELETE_AFTER, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
-from .watch import ScalerWatch, on_step, sharding
+from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
 
 log = logging.getLogger("trainer_hook")
 
@@ -36,6 +37,17 @@ HARD_PENDING = 65536
 _STEP_KEY = "step"
 #: Characters of an exception's text kept in the record's end line.
 MAX_MESSAGE = 2000
+
+
+def own_pid_namespace() -> str:
+    """The inode (decimal) of this process's PID namespace, "" where /proc does not say. With
+    os.getpid() it names this process as the exporter's per-process series do, in a container too."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+    inode = link.removeprefix("pid:[").removesuffix("]")
+    return inode if inode.isdigit() else ""
 
 
 class TrainingMonitor:
@@ -82,7 +94,8 @@ class TrainingMonitor:
         self._last_log: float | None = None
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
-        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname())
+        self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
+                                        own_pid_namespace())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()
@@ -134,11 +147,11 @@ class TrainingMonitor:
         return self.settings.run
 
     def _start_line(self) -> dict[str, Any]:
-        """The record's first line: who wrote it (format 2 adds local_rank, world_size and pid)."""
+        """The record's first line: who wrote it (format 2 adds START_PROCESS_KEYS)."""
         s = self.settings
         return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
-                "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size,
-                "instance": s.instance, "pid": self._pid, "config": self._run_labels}
+                "rank": s.rank, **{key: getattr(self._process, key) for key in START_PROCESS_KEYS},
+                "instance": s.instance, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
@@ -213,7 +226,7 @@ class TrainingMonitor:
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
         stacks = stacks or ()
-        events = (self._events(stacks, step, scale, samples, tokens, batch_id, *kept.values())
+        events = (self._events(stacks, step, scale, skipped, samples, tokens, batch_id, *kept.values())
                   if self._cuda_possible else ())
         last, self._last_log = self._last_log, now
         self._pending.append(Entry(time.time(), None if last is None else now - last, step,
@@ -240,8 +253,9 @@ class TrainingMonitor:
             yield item
 
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
-        """Capture the total grad norm (before each optimizer step) and the learning rate; with a
-        GradScaler, count the steps it skips (overflow) and export its loss scale.
+        """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
+        divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
+        it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
         with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
@@ -253,7 +267,7 @@ class TrainingMonitor:
                 raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
             self._watch_optimizer(model, optimizer)
         if scaler is not None:
-            self._scaler = ScalerWatch(scaler)
+            self._scaler = ScalerWatch(scaler, partial(self._warn_once, "watch"))
             self._hooks.append(self._scaler)
         return self
 
@@ -261,7 +275,7 @@ class TrainingMonitor:
         params = [p for p in (model.parameters() if model is not None else
                               (p for group in optimizer.param_groups for p in group["params"]))
                   if p.requires_grad]
-        sharded = sharding(params, optimizer)
+        sharded = sharding(params, optimizer, model)
         if sharded:
             self._warn_once("watch", "sharded", f"watch(): {sharded}, so the norm of this process's "
                             "gradients is not the total: grad_norm is not captured (log the "
@@ -272,7 +286,8 @@ class TrainingMonitor:
         def before_step(opt: Any, args: Any, kwargs: Any) -> None:
             try:
                 if not sharded:
-                    self._stash["grad_norm"] = grad_norm(params)
+                    # a fused step unscales inside: its gradients still carry the loss scale
+                    self._stash["grad_norm"] = unscaled(grad_norm(params), carried_scale(opt))
                 lr = scalar(opt.param_groups[0]["lr"])
                 if type(lr) is not Dropped:
                     self._stash["learning_rate"] = lr

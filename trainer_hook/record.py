@@ -1,13 +1,20 @@
 """The local record: append-only JSON lines, the post-mortem file that survives a dead stack.
 
-Format and rotation: docs/postmortem.md ("The record").
+Format and rotation: docs/postmortem.md ("The record"). Where others may plant links, the record
+writes through none: its folder must be this user's and not writable by others (unless sticky), or
+is created 0700; the file is opened with O_NOFOLLOW and must be a regular file of this user, or is
+created with O_EXCL and mode 0600; every name is resolved relative to the folder opened once, and
+rotation writes a fresh file created with O_EXCL under a random name before renaming it into place.
+Anything else: one warning, no record (counted in training_record_failures_total), training goes on.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -27,14 +34,61 @@ def rotated_path(path: Path, number: int) -> Path:
     return path.with_name(f"{path.stem}.{number}{path.suffix}")
 
 
-def rotated_numbers(path: Path) -> list[int]:
-    """The numbers of the rotated files of `path` that exist, in ascending order."""
+def rotated_numbers(path: Path, folder: int) -> list[int]:
+    """The numbers of the rotated files of `path` that exist in `folder` (an open descriptor of its
+    folder), in ascending order."""
     pattern = re.compile(re.escape(path.stem) + r"\.(\d+)" + re.escape(path.suffix) + "$")
     try:
-        names = os.listdir(path.parent)
+        names = os.listdir(folder)
     except OSError:
         return []
     return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
+class Unsafe(Exception):
+    """Why the record is not written where it was asked to be: one line."""
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of `folder` (created 0700 if missing) if it is safe to write in, else Unsafe."""
+    try:
+        folder.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    problem = None
+    if info.st_uid != os.geteuid():
+        problem = f"the folder belongs to uid {info.st_uid}, not to this process (uid {os.geteuid()})"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        problem = f"the folder is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
+    if problem:
+        os.close(fd)
+        raise Unsafe(problem)
+    return fd
+
+
+def _open_file(name: str, folder: int) -> int:
+    """`name` in `folder` for appending: an existing regular file of this user with one link, never
+    through a link, or a new one (O_EXCL, 0600)."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=folder)
+    except FileNotFoundError:
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise Unsafe("the file is a symbolic link") from None
+        raise
+    info = os.fstat(fd)
+    problem = ("not a regular file" if not stat.S_ISREG(info.st_mode) else
+               f"the file belongs to uid {info.st_uid}" if info.st_uid != os.geteuid() else
+               "the file has other hard links" if info.st_nlink != 1 else None)
+    if problem:
+        os.close(fd)
+        raise Unsafe(problem)
+    os.set_blocking(fd, True)
+    return fd
 
 
 class Record:
@@ -59,35 +113,31 @@ class Record:
         self._header = 0  # bytes of the continued start line a rotation put at the top of the file
         self._start: dict[str, Any] | None = None  # repeated at the top of each rotated-in file
         self._warned = False
+        self._folder: int | None = None  # descriptor of the record's folder: names resolve in it
         if path is not None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._open()
-            except OSError as exc:
-                raise ValueError(f"cannot open the record file {str(path)!r}: {exc}") from None
-
-    def _open(self) -> None:
-        self._file = open(self.path, "ab")
-        if not stat.S_ISREG(os.fstat(self._file.fileno()).st_mode):
-            self.max_bytes = None  # a pipe or a terminal: nothing to cut, nothing to rotate
-            return
-        self._size = self._file.tell()
-        if self._size:
-            self._cut_partial_line()
+                self._folder = _open_folder(path.parent)
+                self._file = os.fdopen(_open_file(path.name, self._folder), "ab")
+                self._size = os.fstat(self._file.fileno()).st_size
+                if self._size:
+                    self._cut_partial_line()
+            except (OSError, Unsafe) as exc:
+                self.close()
+                self.failures += 1
+                self._warned = True
+                reason = exc if isinstance(exc, Unsafe) else (exc.strerror or exc)
+                log.warning("no local record: %s: %s; training continues", path, reason)
 
     def _cut_partial_line(self) -> None:
         """A previous writer that crashed mid-line left a tail without a newline: drop it."""
-        with open(self.path, "rb") as existing:
-            start = max(0, self._size - 65536)
-            existing.seek(start)
-            tail = existing.read()
+        start = max(0, self._size - 65536)
+        tail = os.pread(self._file.fileno(), self._size - start, start)
         if tail.endswith(b"\n"):
             return
         cut = tail.rfind(b"\n")
         keep = start + cut + 1 if cut >= 0 else (0 if start == 0 else self._size)
         if keep != self._size:
             self._file.truncate(keep)
-            self._file.seek(keep)
             self._size = keep
 
     def write(self, lines: Iterable[dict[str, Any]], sync: bool = False) -> None:
@@ -130,20 +180,23 @@ class Record:
         """Rename the full file to the next <stem>.<n>.jsonl and continue in a fresh <stem>.jsonl.
 
         The fresh file gets its start line before it takes the name, so that a crash at any point
-        leaves no empty or headless <stem>.jsonl (at worst a <stem>.jsonl.tmp with the start line).
+        leaves no empty or headless <stem>.jsonl (at worst a <stem>.jsonl.<random>.tmp with the start
+        line). It is created with O_EXCL under a random name: nothing planted is written through.
         """
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
         header = b"" if self._start is None else (json.dumps(
             {**self._start, "continued": True}, default=str, ensure_ascii=False) + "\n").encode("utf-8")
-        fresh = self.path.with_name(self.path.name + ".tmp")
-        handle = open(fresh, "wb")
+        fresh = f"{self.path.name}.{secrets.token_hex(8)}.tmp"
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        handle = os.fdopen(os.open(fresh, flags, 0o600, dir_fd=self._folder), "ab")
         handle.write(header)
         handle.flush()
-        numbers = rotated_numbers(self.path)
-        os.replace(self.path, rotated_path(self.path, numbers[-1] + 1 if numbers else 1))
-        os.replace(fresh, self.path)
+        numbers = rotated_numbers(self.path, self._folder)
+        os.replace(self.path.name, rotated_path(self.path, numbers[-1] + 1 if numbers else 1).name,
+                   src_dir_fd=self._folder, dst_dir_fd=self._folder)
+        os.replace(fresh, self.path.name, src_dir_fd=self._folder, dst_dir_fd=self._folder)
         self._file = handle
         self._size = self._header = len(header)
 
@@ -152,3 +205,6 @@ class Record:
             self.write((), sync=True)
             self._file.close()
             self._file = None
+        if self._folder is not None:
+            os.close(self._folder)
+            self._folder = None

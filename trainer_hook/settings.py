@@ -93,10 +93,11 @@ def _pushgateway_url(value: str | bool | None) -> str | None:
 
 
 def _name(what: str, value: str | None, env: str, default: str | None = None) -> str:
+    """A job or instance name: a legal label value (cut to MAX_LABEL_LENGTH, as replay cuts it)."""
     value = value if value is not None else os.environ.get(env, default)
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not label_value(value).strip():
         raise ValueError(f"{what} must be a non-empty string (argument or ${env}), got {value!r}")
-    return value.strip()
+    return label_value(value).strip()
 
 
 def _run(run: str | None) -> str:

@@ -10,7 +10,9 @@ Writes into deploy/compose/secrets/ (git-ignored), refusing to overwrite an exis
 - <daemon>-web.yml for pushgateway, prometheus, alertmanager and the exporter: exporter-toolkit
   web-config files (TLS, bcrypt basic auth) that each daemon reads with --web.config.file;
 - <user>.password: one random password per client (hook, prometheus, grafana, admin, healthcheck).
-  Only bcrypt hashes go into the web-config files.
+  Only bcrypt hashes go into the web-config files. Each daemon accepts only the users it needs:
+  `healthcheck` only on the exporter (the other daemons' health checks send no credentials);
+- grafana-admin.password: Grafana's admin password (GF_SECURITY_ADMIN_PASSWORD__FILE).
 Modes, set when each file is created (whatever the umask): certificates 0644; ca.key 0600; the other
 keys, passwords and web-configs 0600, or 0640 with group --group (the containers' users read them
 through that group: compose's `group_add`). A directory it creates is 0700 (0750 with --group).
@@ -41,18 +43,21 @@ except ImportError as missing:  # the system python3 without them: one line, not
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "secrets"
 SERVICES = ("exporter", "pushgateway", "prometheus", "alertmanager")
-# Who may talk to each daemon: the hook (and the janitor) push; Prometheus scrapes and sends alerts;
-# Grafana queries; "admin" is you; "healthcheck" is the container's own health check.
+# Who may talk to each daemon, and no one else: the hook (and the janitor) push; Prometheus scrapes and
+# sends alerts; Grafana queries; "admin" is you; "healthcheck" is the exporter image's own health check
+# (the other daemons' checks send no credentials, so they need no user).
 USERS = {
-    "pushgateway": ("hook", "prometheus", "admin", "healthcheck"),
-    "prometheus": ("grafana", "prometheus", "admin", "healthcheck"),
-    "alertmanager": ("prometheus", "grafana", "admin", "healthcheck"),
+    "pushgateway": ("hook", "prometheus", "admin"),
+    "prometheus": ("grafana", "prometheus", "admin"),
+    "alertmanager": ("prometheus", "grafana", "admin"),
     "exporter": ("prometheus", "healthcheck"),
 }
 PASSWORD_USERS = tuple(dict.fromkeys(user for users in USERS.values() for user in users))
+GRAFANA_ADMIN = "grafana-admin"  # Grafana's own admin login (a file: GF_SECURITY_ADMIN_PASSWORD__FILE), no web-config
 #: Every file of the set and whether it is secret (0600, or 0640 with --group); the others are 0644.
 FILES = {"ca.crt": False, "ca.key": True, "tls.crt": False, "tls.key": True,
-         **{f"{service}-web.yml": True for service in USERS}, **{f"{user}.password": True for user in PASSWORD_USERS}}
+         **{f"{service}-web.yml": True for service in USERS},
+         **{f"{user}.password": True for user in (*PASSWORD_USERS, GRAFANA_ADMIN)}}
 PRIVATE_TO_THE_OWNER = ("ca.key",)  # never shared with the group: only needed to add hosts later
 _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 BCRYPT_COST = 10  # htpasswd's default; the daemons cache successful checks, so this is paid once per client
@@ -145,7 +150,7 @@ def make_secrets(directory: Path, hosts: list[str], *, group: int | None = None,
         if group is not None:
             os.chown(directory, -1, group)
         directory.chmod(0o700 if group is None else 0o750)  # exactly, whatever the umask
-    passwords = {user: secrets.token_hex(16) for user in PASSWORD_USERS}
+    passwords = {user: secrets.token_hex(16) for user in (*PASSWORD_USERS, GRAFANA_ADMIN)}
     with tempfile.TemporaryDirectory(prefix="make_secrets-") as scratch:  # 0700: keys are private while made
         make_certificates(Path(scratch), hosts)
         contents = {name: (Path(scratch) / name).read_bytes() for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}

@@ -4,7 +4,11 @@ nvidia-smi: --query-compute-apps=pid,process_name,used_memory. NVML:
 nvmlDeviceGetComputeRunningProcesses. Names come from /proc/<pid>/comm, attribution from
 /proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). NVML's PIDs are host
 PIDs: outside the host PID namespace the same number in our /proc is an unrelated process, so
-there the series keep only the PID (and /proc/<pid> is never read). Process names and PIDs can be
+there the series keep only the PID (and /proc/<pid> is never read). A process in a container
+reports its PID in its own PID namespace: the series carry that namespace (the inode of
+/proc/<pid>/ns/pid) and the PID in it (the last NSpid field of /proc/<pid>/status), the pair the
+hook's training_process_info matches. Text from /proc is not trusted to be UTF-8 (any user can
+name a process with any bytes): undecodable bytes are replaced. Process names and PIDs can be
 sensitive: `--no-collector.processes` turns all of this off.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ _CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
 _SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 # /proc/self/ns/pid in the initial (host) PID namespace: its inode is PROC_PID_INIT_INO (0xEFFFFFFC)
 HOST_PID_NAMESPACE = "pid:[4026531836]"
+_NAMESPACE = re.compile(r"pid:\[(\d+)\]")
 
 
 def in_host_pid_namespace(proc_root: str | Path) -> bool | None:
@@ -41,20 +46,48 @@ class ProcessIdentity:
     container_id: str = ""
     pod_uid: str = ""
     slurm_job_id: str = ""
+    pid_namespace: str = ""  # the inode of its PID namespace, decimal
+    namespace_pid: str = ""  # its PID in that namespace
 
 
-def identify(pid: int, proc_root: Path) -> ProcessIdentity:
-    """Name and workload attribution of a host PID; empty strings for what cannot be read."""
+def _text(path: Path) -> str:
+    """A /proc file as text, bytes that are not UTF-8 replaced; "" when it cannot be read."""
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def pid_namespace(pid_link: Path) -> str:
+    """The inode of the PID namespace a /proc/<pid>/ns/pid link names, decimal; "" if unreadable."""
+    try:
+        match = _NAMESPACE.fullmatch(os.readlink(pid_link))
+    except OSError:
+        return ""
+    return match.group(1) if match else ""
+
+
+def nspid(status: str) -> list[str]:
+    """The NSpid fields of /proc/<pid>/status: its PID in our /proc's namespace, ..., in its own."""
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            fields = line.split()[1:]
+            return fields if all(field.isdigit() for field in fields) else []
+    return []
+
+
+def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdentity:
+    """Name, PID namespace and workload attribution of a host PID; "" for what cannot be read.
+
+    Reading another user's ns/pid link takes ptrace rights (the same uid, or CAP_SYS_PTRACE); where
+    it is refused, a process with one NSpid field is in our /proc's namespace, `own_namespace`."""
     base = proc_root / str(pid)
-    try:
-        name = (base / "comm").read_text().strip()
-    except OSError:
-        name = ""
+    name = _text(base / "comm").strip()
+    pids = nspid(_text(base / "status"))
+    namespace = pid_namespace(base / "ns" / "pid") or (own_namespace if len(pids) == 1 else "")
+    inner = pids[-1] if namespace and pids else ""
     container = pod = job = ""
-    try:
-        cgroup_paths = [line.split(":", 2)[-1] for line in (base / "cgroup").read_text().splitlines()]
-    except OSError:
-        cgroup_paths = []
+    cgroup_paths = [line.split(":", 2)[-1] for line in _text(base / "cgroup").splitlines()]
     for path in cgroup_paths:
         pod = pod or _pod(path)
         job = job or (_SLURM_JOB.search(path).group(1) if _SLURM_JOB.search(path) else "")
@@ -63,7 +96,7 @@ def identify(pid: int, proc_root: Path) -> ProcessIdentity:
             container = container or (match.group(1) if match else "")
     if not job:
         job = _environ(base).get("SLURM_JOB_ID", "")
-    return ProcessIdentity(name, container, pod, job)
+    return ProcessIdentity(name, container, pod, job, namespace, inner)
 
 
 def _pod(path: str) -> str:
@@ -89,6 +122,7 @@ class ProcessesCollector(Collector):
         super().__init__(device, **kwargs)
         self.proc_root = Path(proc_root)
         self.host_pids = host_pids  # False: our /proc is another PID namespace's, never read it
+        self.own_namespace = pid_namespace(self.proc_root / "self" / "ns" / "pid") if host_pids else ""
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
 
@@ -110,8 +144,9 @@ class ProcessesCollector(Collector):
         seen: dict[int, ProcessIdentity] = {}
         for process in processes:
             pid = int(process.pid)
-            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root) if self.host_pids
-                                    else ProcessIdentity())
+            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
+                                    if self.host_pids else ProcessIdentity())
             ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, str(pid), identity.name,
-                     identity.container_id, identity.pod_uid, identity.slurm_job_id)
+                     identity.container_id, identity.pod_uid, identity.slurm_job_id, identity.pid_namespace,
+                     identity.namespace_pid)
         self.known = seen  # forget exited processes (a reused PID is looked up afresh)

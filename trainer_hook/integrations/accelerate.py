@@ -6,12 +6,13 @@ on the training thread); `samples`, `tokens` and `batch_id` keys become the step
 norm is the one `accelerator.clip_grad_norm_` returned since the previous log (global under FSDP),
 under DeepSpeed the engine's global norm of its last step (`get_global_grad_norm()`, also when you
 do not call `clip_grad_norm_`), unless you log `grad_norm` yourself.
+With fp16 (the Accelerator's GradScaler), the steps it skips on an overflow and its loss scale.
 `init_trackers(..., config=...)` becomes training_run_info, the rank is Accelerate's process index.
 Wrap the dataloader in `tracker.loader(...)` to report data wait.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .common import DeferredMonitor, calling_instance, engine_grad_norm, require
@@ -28,7 +29,8 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
     `rank_zero_only`).
 
     `Accelerator.log` runs on the main process only: for every rank, call `tracker.log(...)`
-    yourself on each one (the monitor starts on the first call, with that process's rank).
+    yourself on each one (the monitor starts on the first call, with that process's rank, or at the
+    first fp16 optimizer step, so that it sees that step's overflow).
     """
 
     name = "dualtrack"
@@ -53,6 +55,17 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         if accelerator is not None:
             self._accelerator = accelerator
             self.patch(accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+            if getattr(accelerator, "scaler", None) is not None:  # fp16
+                self.patch(accelerator.scaler, "step", self._opening)
+
+    def _opening(self, step: Callable) -> Callable:
+        """The GradScaler's step, opening the monitor at the first one if no log() did yet, so that
+        the monitor counts that step's skip (the first steps are those that overflow)."""
+        def opening(*args: Any, **kwargs: Any) -> Any:
+            if self.monitor is None and self._monitor() is not None:
+                return self._accelerator.scaler.step(*args, **kwargs)  # now through the monitor's watch
+            return step(*args, **kwargs)
+        return opening
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         self.start()  # older versions call only this one from init_trackers
@@ -63,8 +76,10 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
 
     def _monitor(self) -> Any:
         """The monitor, started on first use with this process's rank and the stored config."""
-        return self.monitor or self.open(accelerate.PartialState().process_index, self._config,
-                                         "accelerate")
+        if self.monitor is None and self.open(accelerate.PartialState().process_index, self._config,
+                                              "accelerate") is not None:
+            self.watch_scaler(getattr(self._accelerator, "scaler", None))
+        return self.monitor
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from `iterable`, adding the time spent waiting for each item to data-wait

@@ -98,6 +98,13 @@ class DeferredMonitor:
             self.monitor = TrainingMonitor(**arguments)
         return self.monitor
 
+    def watch_scaler(self, scaler: Any) -> None:
+        """Count the steps the framework's GradScaler (None: no fp16) skips, and export its scale,
+        as `TrainingMonitor.watch(scaler=)` does: on its own found_inf, which also covers fused
+        optimizers, whose overflows Accelerate's `optimizer_step_was_skipped` misses."""
+        if scaler is not None and self.monitor is not None:
+            self.monitor.watch(scaler=scaler)
+
     def log_step(self, step: int, epoch: Any, loss: Any, grad_norm: Any, learning_rate: Any,
                  **counts: Any) -> None:
         """One optimizer step to the monitor; values the framework did not give are left out."""

@@ -4,6 +4,7 @@ Per optimizer step: the raw loss (what `training_step` returned, before `logging
 the grad norm the Trainer's own clipping computed (global under FSDP/DeepSpeed), the learning rate,
 the fractional epoch, samples and tokens of the step's batches, the batch id (the step and the index
 of its first sample among those this rank trained on), and the time the loop waited for them.
+With fp16 (a GradScaler), the steps it skips on an overflow and its loss scale.
 Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
         self._accelerator = getattr(trainer, "accelerator", None)
         if self._accelerator is not None:
             self.patch(self._accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+            self.watch_scaler(getattr(self._accelerator, "scaler", None))
         self.batch_ended()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -98,7 +100,7 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
                 self.warn_once("grad_norm", "DualtrackCallback: the Trainer's grad norm was not "
                                             "captured; grad_norm is not reported")
             else:  # nothing clipped the gradients: one fused read, if this rank has them whole
-                self._grad_norm, why = whole_grad_norm(list(model.parameters()))
+                self._grad_norm, why = whole_grad_norm(list(model.parameters()), model=model)
                 if why:
                     self.warn_once("grad_norm", f"DualtrackCallback: {why}, so their norm would not "
                                                 "be the model's; grad_norm is not reported")

@@ -7,7 +7,9 @@ Per optimizer step: the loss `training_step` returned (mean over accumulated bat
 norm before clipping (the norm Lightning's clipping by norm computes; without it one fused read in
 `on_before_optimizer_step`; DeepSpeed's global norm; under FSDP the `grad_norm` your training_step
 returns), the learning rate, the epoch, samples, the batch id (the epoch and `batch_idx` of the
-step's first batch) and the time the loop waited for its batches.
+step's first batch) and the time the loop waited for its batches. With "16-mixed" (a GradScaler),
+the steps it skips on an overflow and its loss scale; the norm is unscaled also for fused
+optimizers, which Lightning leaves scaled until their step.
 Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from .._torch import torch
 from ..gradnorm import grad_norm
+from ..watch import carried_scale, unscaled
 from .common import DeferredMonitor, batch_size, require
 
 require("lightning", "lightning", "lightning.pytorch", "pytorch_lightning")
@@ -47,6 +50,7 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         DeferredMonitor.__init__(self, *args, rank_zero_only=rank_zero_only, **kwargs)
         self._logged_step: int | None = None
         self._norm_from = "fused"
+        self._scaler: Any = None
         self._step_reset()
 
     def _step_reset(self) -> None:
@@ -60,6 +64,8 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         self._logged_step = trainer.global_step
         if self.open(trainer.global_rank, config, type(pl_module).__name__) is not None:
             self._norm_from = self._grad_norm_source(trainer)
+            self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed"
+            self.watch_scaler(self._scaler)
 
     def _grad_norm_source(self, trainer: Any) -> str:
         """Where this run's total grad norm comes from: "deepspeed" (the engine's global norm),
@@ -99,8 +105,9 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         if self.monitor is None:
             return
         self._lr = optimizer.param_groups[0]["lr"]
-        if self._norm_from == "fused":  # unscaled, not yet clipped
-            self._grad_norm = grad_norm(pl_module.parameters())
+        if self._norm_from == "fused":  # not yet clipped; fused optimizers are not unscaled yet
+            scale = carried_scale(optimizer, self._scaler)
+            self._grad_norm = unscaled(grad_norm(pl_module.parameters()), scale)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

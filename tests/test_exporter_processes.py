@@ -1,0 +1,162 @@
+"""The processes collector against real processes: their names as any user sets them (not UTF-8),
+their PID namespace and their PID in it (a process started under `unshare --pid`), on simulated GPUs
+whose `processes` file lists those host PIDs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import astuple
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from exporter.collectors.processes import identify
+from exporter.simulated import SimulatedNVML
+from stack.processes import REPO, wait_until
+from tests.exporter_support import Rig
+from tests.process_support import children
+
+#: A process name that is not UTF-8 (PR_SET_NAME takes any 15 bytes).
+BAD_NAME = b"\xffco\x80tenant"
+#: Sets its own name to argv[1] (hex) with prctl(PR_SET_NAME), says so, and waits for stdin to close.
+NAMED = ("import ctypes, sys; ctypes.CDLL(None, use_errno=True).prctl(15, bytes.fromhex(sys.argv[1]), 0, 0, 0); "
+         "print('named', flush=True); sys.stdin.read()")
+#: Runs in a PID namespace of its own (with its own /proc), until stdin closes.
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def own_namespace(pid: int | str = "self") -> str:
+    return str(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+
+
+def as_nobody(read: Callable[[], object]) -> object:
+    """`read()` in a forked child running as nobody (uid and gid 65534, no capabilities)."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(writer, json.dumps(read()).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as answer:
+        text = answer.read()
+    os.waitpid(child, 0)
+    return [tuple(item) for item in json.loads(text)]
+
+
+def listing(tmp_path: Path, *pids: int) -> str:
+    """A simulator `processes` file: every pid on GPU 0, in this order."""
+    path = tmp_path / "gpu-processes"
+    path.write_text("".join(f"0 {pid}\n" for pid in pids))
+    return str(path)
+
+
+@pytest.fixture
+def waiting():
+    """Start `argv` with a pipe on stdin (closing it ends the process), wait for its first line;
+    every process is ended after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+        started.append(proc)
+        assert proc.stdout.readline(), f"{argv} exited before it was ready"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_process_name_that_is_not_utf8_is_replaced_and_every_process_is_listed(tmp_path, waiting):
+    """Any user can name a process with bytes that are not UTF-8: it is listed with the name's bad
+    bytes replaced, and so is the process after it; the collector succeeds."""
+    bad = waiting([sys.executable, "-c", NAMED, BAD_NAME.hex()])
+    after = waiting([sys.executable, "-c", NAMED, b"after".hex()])
+    assert Path(f"/proc/{bad.pid}/comm").read_bytes() == BAD_NAME + b"\n"
+    rig = Rig(gpus=1, collectors=["processes"])
+    rig.lib.processes = listing(tmp_path, bad.pid, after.pid)
+    rig.step()
+    names = {s["pid"]: s["process"] for s in rig.series("nvml_gpu_process_memory_used_bytes")}
+    assert names == {str(bad.pid): BAD_NAME.decode(errors="replace"), str(after.pid): "after"}
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_text_from_proc_that_is_not_utf8_never_raises(tmp_path):
+    """comm, status, cgroup and environ are all read as bytes and decoded with replacement."""
+    base = tmp_path / "77"
+    base.mkdir()
+    (base / "comm").write_bytes(b"\xfe\xff\n")
+    (base / "status").write_bytes(b"Name:\t\xfe\xff\nNSpid:\t77\t\xff\n")
+    (base / "cgroup").write_bytes(b"0::/system.slice/slurmstepd.scope/job_31337/\xff/task_0\n")
+    (base / "environ").write_bytes(b"SLURM_JOB_ID=\xff\0")
+    identity = identify(77, tmp_path)
+    assert identity.name == "\ufffd\ufffd" and identity.slurm_job_id == "31337"
+    assert identity.pid_namespace == identity.namespace_pid == ""  # no ns/pid link: unknown
+
+
+def test_a_process_in_its_own_pid_namespace_carries_that_namespace_and_its_pid_in_it(tmp_path, waiting):
+    """NVML names host PIDs. A process in a container (here: `unshare --pid`) gets the inode of its
+    PID namespace and its PID there (1: it is that namespace's init), as its hook reports them; a
+    host process gets the host namespace and its own PID."""
+    shell = waiting([*UNSHARE, sys.executable, "-c", "import sys; print('in', flush=True); sys.stdin.read()"])
+    [inner] = wait_until(lambda: children(shell.pid), 10, what="the process unshare forked")
+    host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
+    assert own_namespace(inner) != own_namespace()
+    rig = Rig(gpus=1, collectors=["processes"])
+    rig.lib.processes = listing(tmp_path, inner, host.pid)
+    rig.step()
+    found = {s["pid"]: (s["pid_namespace"], s["namespace_pid"])
+             for s in rig.series("nvml_gpu_process_memory_used_bytes")}
+    assert found == {str(inner): (own_namespace(inner), "1"), str(host.pid): (own_namespace(), str(host.pid))}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads as another user: needs root to switch")
+def test_without_ptrace_rights_a_host_process_is_known_by_its_nspid_and_a_container_one_is_unknown(waiting):
+    """An exporter running as another user, without CAP_SYS_PTRACE (compose: uid 10001, no
+    capabilities), may not read a process's ns/pid link. A process with a single NSpid field is in
+    the exporter's own (host) namespace all the same; one in a container of its own stays unknown."""
+    shell = waiting([*UNSHARE, sys.executable, "-c", "import sys; print('in', flush=True); sys.stdin.read()"])
+    [inner] = wait_until(lambda: children(shell.pid), 10, what="the process unshare forked")
+    host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
+    assert as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-2:] for pid in (host.pid, inner)]) \
+        == [(own_namespace(), str(host.pid)), ("", "")]
+
+
+def test_outside_the_host_pid_namespace_the_namespace_is_unknown(tmp_path):
+    """An exporter that cannot see host PIDs reads nothing of /proc/<pid>: namespace and pid in it
+    are "" (unknown), which the co_tenant join never counts."""
+    (tmp_path / "self" / "ns").mkdir(parents=True)
+    (tmp_path / "self" / "ns" / "pid").symlink_to("pid:[4026532201]")
+    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=os.getpid(), collectors=["processes"])
+    rig.step()
+    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
+    assert (series["pid"], series["pid_namespace"], series["namespace_pid"]) == (str(os.getpid()), "", "")
+
+
+def test_the_simulator_lists_the_processes_its_file_names(tmp_path):
+    """`processes`: "GPU PID" lines, read at every call (a demo names its runs once they started),
+    each GPU's used memory shared by its processes; a GPU the file does not name, or a missing file,
+    runs no process; lines that are not "GPU PID" are skipped."""
+    lib = SimulatedNVML("healthy", 2, processes=tmp_path / "listing")
+    lib.nvmlInit()
+    gpu0, gpu1 = (lib.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+    assert lib.nvmlDeviceGetComputeRunningProcesses(gpu0) == []
+    (tmp_path / "listing").write_text("0 101\n0 102\n# a comment\n1 x\n2 103\n")
+    listed = lib.nvmlDeviceGetComputeRunningProcesses(gpu0)
+    assert [p.pid for p in listed] == [101, 102]
+    assert listed[0].usedGpuMemory == listed[1].usedGpuMemory > 20 * 2**30
+    assert lib.nvmlDeviceGetComputeRunningProcesses(gpu1) == []

@@ -1,0 +1,88 @@
+"""A training process in a PID namespace of its own, as in a container or pod: a real torch hook
+started under `unshare --pid`, pushing to a real Pushgateway; the simulated exporter's GPU runs that
+process's *host* PID (what NVML reports), and the exporter reads its real /proc/<pid>/ns/pid and
+NSpid; a real Prometheus evaluates the repo's rules. The GPU's process is the run's (no co_tenant
+cause); a second process on that GPU, a host `sleep`, is named co_tenant by the rules and explain."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+
+import pytest
+import requests
+
+from dualtrack.explain import co_tenants
+from stack import processes
+from stack.processes import REPO, Service
+from tests.hook_support import run_id
+from tests.process_support import children
+from tests.test_exporter_processes import UNSHARE, own_namespace
+
+pytestmark = pytest.mark.e2e
+
+#: A training loop with the hook, until killed: argv = Pushgateway URL, run, GPU uuid.
+TRAIN = """
+import sys, time, torch
+from trainer_hook import TrainingMonitor
+monitor = TrainingMonitor(job="pidns", run=sys.argv[2], pushgateway=sys.argv[1], push_interval=0.2,
+                          gpu_uuid=sys.argv[3], record_path=False)
+while True:
+    monitor.log({"loss": torch.tensor(1.0)})
+    time.sleep(0.05)
+"""
+
+
+def evaluated_since(rules: requests.Response, group: str, since: float) -> bool:
+    """Whether Prometheus evaluated rule group `group` after `since` (Unix time, to the second), by
+    its answer to /api/v1/rules."""
+    [last] = [g["lastEvaluation"] for g in rules.json()["data"]["groups"] if g["name"] == group]
+    at = datetime.strptime(last[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    return at > since + 1
+
+
+def test_a_run_in_its_own_pid_namespace_owns_its_gpu_process_and_a_neighbour_is_a_co_tenant(tmp_path, start_service):
+    listing = tmp_path / "gpu-processes"
+    pgw = start_service(processes.pushgateway(tmp_path))
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
+                                                           "--sample-interval=0.2", f"--simulate.processes={listing}"]))
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
+        scrape_interval="1s", evaluation_interval="1s")
+    prom = start_service(processes.prometheus(tmp_path, config))
+    [gpu] = processes.wait_for_series(prom.url, "nvml_gpu_info", 30)
+    uuid, run = gpu["metric"]["uuid"], run_id("pidns")
+    training = start_service(Service("training", [*UNSHARE, sys.executable, "-c", TRAIN, pgw.url, run, uuid], 0,
+                                     tmp_path / "training.log", ready_path=None,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)}))
+    [trainer] = processes.wait_until(lambda: children(training.proc.pid), 10, what="the process unshare forked")
+    try:
+        check_the_join(prom.url, start_service, listing, tmp_path, run, uuid, trainer)
+    finally:
+        os.kill(trainer, signal.SIGKILL)  # unshare --fork ignores SIGTERM; it exits with its child
+
+
+def check_the_join(prom_url: str, start_service, listing, tmp_path, run: str, uuid: str, trainer: int) -> None:
+    namespace = own_namespace(trainer)
+    assert namespace != own_namespace()
+    listing.write_text(f"0 {trainer}\n")  # NVML: the GPU runs the trainer's host pid
+
+    # The hook reports pid 1 in its namespace; the exporter names host pid `trainer` in that namespace.
+    processes.wait_for_series(prom_url, f'training_process_info{{run="{run}",pid="1",pid_namespace="{namespace}"}}', 60)
+    processes.wait_for_series(prom_url, f'nvml_gpu_process_memory_used_bytes{{pid="{trainer}",'
+                                        f'pid_namespace="{namespace}",namespace_pid="1"}}', 30)
+    both_seen = time.time()
+    processes.wait_until(lambda: evaluated_since(requests.get(prom_url + "/api/v1/rules", timeout=5),
+                                                 "dualtrack-explain.rules", both_seen), 30,
+                         what="an evaluation of the explain rules with both series")
+    assert processes.query(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}"}}') == []
+    assert processes.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m")) == []  # explain's join
+
+    # A second process on that GPU, in the host namespace and of no run: the co-tenant.
+    neighbour = start_service(Service("co-tenant", ["sleep", "600"], 0, tmp_path / "sleep.log", ready_path=None))
+    listing.write_text(f"0 {trainer}\n0 {neighbour.proc.pid}\n")
+    processes.wait_for_series(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}",cause="co_tenant"}}', 30)
+    named = processes.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m"))
+    assert [(s["metric"]["pid"], s["metric"]["process"]) for s in named] == [(str(neighbour.proc.pid), "sleep")]
