@@ -32,6 +32,22 @@ WINDOW = 600.0
 MAX_POINTS = 1500
 #: A slowdown counts when it lasts this long (seconds).
 SUSTAINED = 600.0
+#: The alerts' own conditions, so that an event and its alert agree (tests/test_explain.py checks them
+#: against rules/alerts.yml): TrainingDataLoaderBottleneck, the data-wait share above STARVATION_SHARE
+#: of the time (rate over 5 min) for STARVATION_FOR seconds; TrainingGradientExplosion, GRAD_SPIKE
+#: (SEL: the run's matchers).
+STARVATION_SHARE = 0.3
+STARVATION_FOR = 240.0
+GRAD_SPIKE = """(
+    max_over_time(training_grad_norm_max{SEL}[2m])
+      > 10 * quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)
+  and
+    max_over_time(training_grad_norm_max{SEL}[2m]) > 1e-4
+  and
+    max_over_time(training_grad_norm_max{SEL}[2m]) < +Inf
+  and
+    count_over_time(training_grad_norm_max{SEL}[30m] offset 2m) >= 5
+)"""
 DEFAULT_LOOKBACK = 7 * 86400.0
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
@@ -279,36 +295,35 @@ def _refine(reader: Reader, expr: str, at: float) -> float:
 
 
 def grad_spikes(reader: Reader) -> list[Event]:
-    """The window maximum of the gradient norm above 10x its median over the previous 30 min."""
-    norms = reader.by_rank("training_grad_norm_max{SEL}")
-    steps = reader.by_rank("training_grad_norm_max_step{SEL}")
+    """Where TrainingGradientExplosion's condition holds (GRAD_SPIKE: the 2-min maximum of the
+    gradient norm above 10x its median over the 30 min before): one event per spike and rank."""
+    spikes = reader.by_rank(GRAD_SPIKE)
+    medians = dict((rank, dict(values)) for rank, values in reader.by_rank(
+        "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)").items())
+    steps = reader.by_rank("max_over_time(training_grad_norm_max_step{SEL}[2m])")
     hits = []
-    for rank, values in norms.items():
+    for rank, values in spikes.items():
         step_of = dict(steps.get(rank, []))
-        times = [t for t, _ in values]
         last_hit = -math.inf
         for at, value in values:
-            window = values[bisect.bisect_left(times, at - 1800):bisect.bisect_left(times, at - 120)]
-            before = [v for _, v in window if math.isfinite(v)]
-            if len(before) < 5 or not math.isfinite(value):
-                continue
-            median = statistics.median(before)
-            if median > 1e-4 and value > 10 * median and at - last_hit > 300:
+            median = medians.get(rank, {}).get(at)
+            if at - last_hit > 300 and median:
                 step = step_of.get(at)
                 hits.append((at, rank, int(step) if step is not None else None,
                              f"gradient norm {value:.3g}, {value / median:.0f}x its 30-min median"))
-                last_hit = at
+            last_hit = at
     return _group(hits, "grad_spike", 2 * reader.res)
 
 
-def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int) -> int | None:
-    """Index of the first point at or after `start` from which `bad` holds for SUSTAINED seconds."""
+def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int,
+               duration: float = SUSTAINED) -> int | None:
+    """Index of the first point at or after `start` from which `bad` holds for `duration` seconds."""
     i = start
     while i < len(values):
         if bad(i):
             j = i
             while j < len(values) and bad(j):
-                if values[j][0] - values[i][0] >= SUSTAINED:
+                if values[j][0] - values[i][0] >= duration:
                     return i
                 j += 1
             i = j
@@ -365,14 +380,15 @@ def slowdowns(reader: Reader) -> list[Event]:
 
 
 def starvation(reader: Reader) -> list[Event]:
-    """A rank that waited for batches more than 30 % of the time for 10 min."""
-    window = f"{int(max(120, 4 * reader.res))}s"
+    """A rank that waited for batches more than STARVATION_SHARE of the time (over 5 min) for
+    STARVATION_FOR seconds: TrainingDataLoaderBottleneck's condition."""
+    window = f"{int(max(300, reader.res))}s"
     hits = []
     for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
         i = 0
-        while (found := _sustained(values, lambda k: values[k][1] > 0.3, i)) is not None:
+        while (found := _sustained(values, lambda k: values[k][1] > STARVATION_SHARE, i, STARVATION_FOR)) is not None:
             k = found
-            while k < len(values) and values[k][1] > 0.15:
+            while k < len(values) and values[k][1] > STARVATION_SHARE / 2:
                 k += 1
             at = values[found][0]
             hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))

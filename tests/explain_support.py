@@ -19,7 +19,7 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -97,6 +97,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
+        state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
     elif scenario in ("model", "mig-oom") and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
@@ -134,7 +136,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                                 ("training_first_nonfinite_step", first_nonfinite),
                                 ("training_nonfinite_steps_total", nonfinite_steps),
                                 ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
-                                ("training_grad_norm_max", now.grad_norm + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_grad_norm_max", now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3))),
                                 ("training_loss_scale", now.loss_scale),
                                 ("training_cuda_ooms_total", now.ooms),
                                 ("training_grad_norm_max_step", int(steps)),

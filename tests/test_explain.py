@@ -15,6 +15,7 @@ import yaml
 from dualtrack import explain as explain_module
 from dualtrack.cli import main
 from stack import processes
+from stack.processes import REPO
 from tests import explain_support as support
 
 pytestmark = pytest.mark.e2e
@@ -179,6 +180,32 @@ def test_a_starving_data_loader(prometheus, capsys):
     for event in events:
         assert kinds(event) == ["data_wait"], event
         assert "the input pipeline" in event["sentence"]
+
+
+def test_a_fine_tunes_spike_that_fires_the_alert_is_a_gradient_spike_event(prometheus, capsys):
+    """Norms around 5e-5 and one push 20x above: TrainingGradientExplosion fires (its condition needs the
+    spike, not the median, above 1e-4), so explain names the spike too."""
+    events = timeline(prometheus, "fine-tune-spike", capsys)["events"]
+    assert [(e["kind"], e["rank"], e["time"]) for e in events] == [
+        ("grad_spike", "0", prometheus["base"] + support.FAULT_AT)], events
+
+
+def test_explain_uses_the_alerts_own_conditions():
+    """One definition: explain's gradient spike is TrainingGradientExplosion's expression, and its data
+    starvation TrainingDataLoaderBottleneck's share and `for`."""
+    from dualtrack import explain as module
+    rules = {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
+             for rule in group["rules"] if "alert" in rule}
+    gating = "and on (job, run, rank, instance) training_run_state{state=\"running\"} == 1"
+    explosion = " ".join(rules["TrainingGradientExplosion"]["expr"].split())
+    assert explosion.endswith(gating)
+    assert explosion[:-len(gating)].strip() == " ".join(module.GRAD_SPIKE.replace("{SEL}", "").split())
+    loader = rules["TrainingDataLoaderBottleneck"]
+    assert f"job_run_rank:training_data_wait_seconds:rate5m > {module.STARVATION_SHARE:g}" in loader["expr"]
+    assert loader["for"] == f"{module.STARVATION_FOR / 60:g}m"
+    recording = {rule["record"]: rule["expr"] for group in yaml.safe_load((REPO / "rules" / "recording.yml").read_text())[
+        "groups"] for rule in group["rules"] if "record" in rule}
+    assert "[5m]" in recording["job_run_rank:training_data_wait_seconds:rate5m"]
 
 
 def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):

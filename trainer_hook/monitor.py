@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
-from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, resolve
+from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
 from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
@@ -132,6 +133,24 @@ class TrainingMonitor:
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
         self._worker.start()
         lifecycle.register(self)
+        if run is None and not os.environ.get(ENV_RUN) and s.rank == 0:
+            self._announce_run()
+
+    def _announce_run(self) -> None:
+        """One line naming the run id the hook chose (rank 0 only): the id `dualtrack report/explain`
+        and the alerts use. Through the `trainer_hook` logger when logging is configured, else on stderr."""
+        s = self.settings
+        message = (f"job {s.job} run {s.run} (rank {s.rank} of {s.world_size}); pass run= or set "
+                   f"$DUALTRACK_RUN to choose the id")
+        if log.hasHandlers():
+            log.info(message)
+        else:
+            print(f"trainer_hook: {message}", file=sys.stderr, flush=True)
+
+    @property
+    def run(self) -> str:
+        """The run id (`run=`, `$DUALTRACK_RUN`, else the launch's id): the `run` label of every series."""
+        return self.settings.run
 
     def _start_line(self) -> dict[str, Any]:
         """The record's first line: who wrote it (format 2 adds START_PROCESS_KEYS)."""
