@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dualtrack import explain as explain_module
+from dualtrack import thresholds
 from dualtrack.cli import main
 from stack import processes
 from stack.processes import REPO
@@ -136,7 +137,7 @@ def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
     (cause,) = straggler["causes"]
     assert cause["evidence"] == (f"process stress-ng (pid 4242) of no run on {support.uuid_of('co-tenant', 1)}, "
                                  "12.0 GiB, 40% SM")
-    assert cause["score"] == explain_module.CO_TENANT_COMPUTING_SCORE
+    assert cause["score"] == thresholds.score("co_tenant")
     assert "with another process (stress-ng, pid 4242, computing 40% of the SMs) on that GPU" in straggler["sentence"]
     (slowdown,) = [e for e in events if e["kind"] == "step_time_regression"]
     assert [(c["score"], c["evidence"]) for c in slowdown["causes"]] == [
@@ -156,14 +157,6 @@ def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
               for s in processes.query(prometheus["url"], infra_cause_rule(), at=slowdown["time"] + 60)
               if s["metric"]["run"] == "co-tenant" and s["metric"]["cause"] == "co_tenant"}
     assert scored == explained == {"0": 0.7, "1": 0.75}
-
-
-def test_the_co_tenant_threshold_and_scores_are_the_rules():
-    """One SM threshold and two scores, in explain and in the rules' co_tenant term."""
-    expr = infra_cause_rule()
-    term = expr[expr.index("nvml_gpu_process_sm_utilization_ratio"):expr.index('"cause", "co_tenant"')]
-    assert (f"[10m]) > {explain_module.CO_TENANT_SM}) * 0 + {explain_module.CO_TENANT_COMPUTING_SCORE}" in term
-            and f"[10m]) * 0 + {explain_module.CO_TENANT_SCORE}\n" in term), term
 
 
 def infra_cause_rule() -> str:
@@ -191,8 +184,8 @@ def test_a_fine_tunes_spike_that_fires_the_alert_is_a_gradient_spike_event(prome
 
 
 def test_explain_uses_the_alerts_own_conditions():
-    """One definition: explain's gradient spike is TrainingGradientExplosion's expression, and its data
-    starvation TrainingDataLoaderBottleneck's share and `for`."""
+    """One definition: explain's gradient spike is TrainingGradientExplosion's expression (its data
+    starvation and stragglers share the rules' numbers: tests/test_thresholds.py)."""
     from dualtrack import explain as module
     rules = {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
              for rule in group["rules"] if "alert" in rule}
@@ -200,12 +193,6 @@ def test_explain_uses_the_alerts_own_conditions():
     explosion = " ".join(rules["TrainingGradientExplosion"]["expr"].split())
     assert explosion.endswith(gating)
     assert explosion[:-len(gating)].strip() == " ".join(module.GRAD_SPIKE.replace("{SEL}", "").split())
-    loader = rules["TrainingDataLoaderBottleneck"]
-    assert f"job_run_rank:training_data_wait_seconds:rate5m > {module.STARVATION_SHARE:g}" in loader["expr"]
-    assert loader["for"] == f"{module.STARVATION_FOR / 60:g}m"
-    recording = {rule["record"]: rule["expr"] for group in yaml.safe_load((REPO / "rules" / "recording.yml").read_text())[
-        "groups"] for rule in group["rules"] if "record" in rule}
-    assert "[5m]" in recording["job_run_rank:training_data_wait_seconds:rate5m"]
 
 
 def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
