@@ -452,7 +452,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     whole_sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
-    lag = _rate_window(reader) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
+    lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
     at, start = event.time + reader.res + lag, event.time - WINDOW
     rng = f"{int(WINDOW + reader.res)}s"
 

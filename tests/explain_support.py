@@ -19,7 +19,7 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -39,6 +39,9 @@ CONTAINER_PID = 7
 TRAINING_SM = 0.9
 CO_TENANT_SM = 0.4
 IDLE_NEIGHBOUR = ("5151", "jupyter", 2 * 2**30)
+#: In "co-tenant-sync" the last rank's neighbour computes from FAULT_AT and, training being synchronous,
+#: every rank's step time is 1.22 or 1.27 times as long, in turns (a 22-27 % slowdown).
+SYNC_SLOWDOWNS = (1.22, 1.27)
 HOST_NAMESPACE = 4026531836
 
 
@@ -88,6 +91,9 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.lost, state.failed_at = after, FAULT_AT + LOST_FAIL
     elif scenario == "co-tenant" and after and faulty:
         state.step_seconds, state.co_tenant = 1.0, True
+    elif scenario == "co-tenant-sync" and after:
+        state.step_seconds = NORMAL_STEP * SYNC_SLOWDOWNS[int(at // SCRAPE) % 2]
+        state.co_tenant = faulty
     elif scenario == "co-tenant" and rank == 0:
         state.idle_neighbour = True
     elif scenario == "starving" and after:

@@ -146,6 +146,18 @@ def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
     assert {e["kind"] for e in events} == {"straggler", "step_time_regression"}
 
 
+def test_a_co_tenant_that_slows_every_rank_by_a_fifth_is_a_regression(prometheus, capsys):
+    """A neighbour on rank 1's GPU makes every rank's (synchronous) step 22-27 % longer: a sustained
+    slowdown of 20 % or more, explained by the co-tenant; no rank is a straggler."""
+    (event,) = timeline(prometheus, "co-tenant-sync", capsys)["events"]
+    assert event["kind"] == "step_time_regression" and event["rank"] is None
+    assert prometheus["base"] + support.FAULT_AT < event["time"] < prometheus["base"] + support.FAULT_AT + 600
+    assert re.search(r"step time rose from 0\.5 s to 0\.6\d* s \(x1\.2\d\)", event["sentence"]), event["sentence"]
+    assert kinds(event) == ["co_tenant"] and event["causes"][0]["score"] == thresholds.score("co_tenant")
+    assert event["sentence"].endswith(f"with another process (stress-ng, pid 4242, computing 40% of the SMs) on rank 1's "
+                                      f"GPU ({support.uuid_of('co-tenant-sync', 1)}): another process on the GPU, not the model")
+
+
 def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
     """The rules' co_tenant term (rules/explain.yml), evaluated on the same series at the straggler's
     evidence time, scores each rank's GPU as explain scores its co-tenant."""
