@@ -340,7 +340,8 @@ def slowdowns(reader: Reader) -> list[Event]:
     seconds = [(t, 1 / r if r > 0 else math.inf) for t, r in median]
     baseline: list[float] = []
     for i, (at, _) in enumerate(seconds):
-        prior = [s for _, s in seconds[bisect.bisect_left(times, at - limits.REGRESSION_BASELINE):i] if math.isfinite(s)]
+        first = bisect.bisect_left(times, at - limits.REGRESSION_BASELINE)
+        prior = [s for _, s in seconds[first:i] if math.isfinite(s)]
         baseline.append(statistics.median(prior) if len(prior) >= 5 else math.nan)
     i = 0
     while True:
@@ -381,7 +382,8 @@ def starvation(reader: Reader) -> list[Event]:
     hits = []
     for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
         i = 0
-        while (found := _sustained(values, lambda k: values[k][1] > limits.STARVATION_SHARE, i, limits.STARVATION_FOR)) is not None:
+        while (found := _sustained(values, lambda k: values[k][1] > limits.STARVATION_SHARE, i,
+                                   limits.STARVATION_FOR)) is not None:
             k = found
             while k < len(values) and values[k][1] > limits.STARVATION_SHARE / 2:
                 k += 1
