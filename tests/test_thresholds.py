@@ -98,6 +98,10 @@ def test_the_docs_cause_table_is_the_tables():
         shares = {round(int(x) / 100, 2) for x in re.findall(r"(\d+) %", evidence_cell)}
         assert shares == {evidence[kind] for kind in kinds if kind in evidence}, row
     assert seen == set(limits.SCORES) | {"data_wait"}
+    recorded = text.split("## In alert notifications")[1].split("\n\n")[1]
+    assert {float(x) for x in re.findall(r"\d+\.\d+", recorded)} == {
+        s for kind in limits.RECORDED for s in ([limits.score(kind)] if kind != "co_tenant" else limits.SCORES[kind])}
+    assert {round(int(x) / 100, 2) for x in re.findall(r"(\d+) %", recorded)} == {limits.THROTTLE_SHARE}
     events = text.split("## Events")[1].split("## Causes")[0]
     assert (f"{limits.REGRESSION_RATIO * 100 - 100:.0f} % longer than its median of the "
             f"{limits.REGRESSION_BASELINE / 60:.0f} min before, for {limits.REGRESSION_FOR / 60:.0f} min") in events
