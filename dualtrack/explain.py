@@ -473,15 +473,18 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                 causes.extend(_counter_cause(series, event, where, wanted, start, step))
         if wanted & set(THROTTLE_KINDS):
             shares = client.query(f"increase(nvml_gpu_throttle_seconds_total{{{sel}}}[{rng}]) / {WINDOW + reader.res}", at)
-            for kind, reasons in THROTTLE_KINDS.items():
-                for series in shares:
-                    share = float(series["value"][1])
-                    if kind in wanted and series["metric"].get("reason") in reasons and share > limits.THROTTLE_SHARE:
-                        uuid = series["metric"].get("uuid", "")
-                        reason = series["metric"]["reason"]
-                        causes.append(Cause(kind, f"{reason} on {uuid} {share:.0%} of the {WINDOW / 60:.0f} min before",
-                                            limits.score(kind),
-                                            f"with {reason.replace('_', ' ')} {where(uuid)} {share:.0%} of the time before"))
+            # The share of a kind is the sum of its reasons' on a GPU, as in the rules.
+            throttled: dict[tuple[str, str], dict[str, float]] = {}
+            for series in shares:
+                reason, uuid = series["metric"].get("reason", ""), series["metric"].get("uuid", "")
+                for kind in wanted & {k for k, reasons in THROTTLE_KINDS.items() if reason in reasons}:
+                    throttled.setdefault((kind, uuid), {})[reason] = float(series["value"][1])
+            for (kind, uuid), reasons in sorted(throttled.items()):
+                share, named = sum(reasons.values()), " and ".join(r for r, v in sorted(reasons.items()) if v > 0)
+                if share > limits.THROTTLE_SHARE:
+                    causes.append(Cause(kind, f"{named} on {uuid} {share:.0%} of the {WINDOW / 60:.0f} min before",
+                                        limits.score(kind),
+                                        f"with {named.replace('_', ' ')} {where(uuid)} {share:.0%} of the time before"))
         if "clock_drop" in wanted:
             drops = client.query(f"min_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}]) / on (uuid, clock) "
                                  f"max_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}] offset {rng}) < {limits.CLOCK_DROP} "
