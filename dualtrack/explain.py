@@ -536,7 +536,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
 
 
 @dataclass(frozen=True)
-class Counter:
+class CounterCause:
     """An exporter counter whose rise before an event is a cause: its kind, whether a series is the
     kind's severe form (dualtrack/thresholds.py scores both), its evidence and its phrase (format
     fields: the series' labels, uuid, count, delta, at, where, meaning)."""
@@ -553,19 +553,19 @@ def _xid(labels: dict[str, str]) -> int:
 
 
 COUNTERS = {
-    "nvml_exporter_gpu_lost_total": Counter(
+    "nvml_exporter_gpu_lost_total": CounterCause(
         "gpu_lost", lambda labels: True, "{uuid} lost (stopped answering NVML) at {at}, {delta} before",
         "{delta} after a GPU loss {where} (it stopped answering NVML)"),
-    "nvml_gpu_xid_errors_total": Counter(
+    "nvml_gpu_xid_errors_total": CounterCause(
         "xid", lambda labels: xids.is_disruptive(_xid(labels)), "XID {xid} ({meaning}) on {uuid} at {at}, {delta} before",
         "{delta} after XID {xid} ({meaning}) {where}"),
-    "nvml_gpu_ecc_errors_total": Counter(
+    "nvml_gpu_ecc_errors_total": CounterCause(
         "ecc", lambda labels: labels.get("error") == "uncorrected", "{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",
         "{delta} after {error} ECC errors {where}"),
-    "nvml_gpu_remapped_rows_total": Counter(
+    "nvml_gpu_remapped_rows_total": CounterCause(
         "remapped_rows", lambda labels: labels.get("severity") == "uncorrectable",
         "{count:.0f} {severity} row(s) remapped on {uuid}, {delta} before", "{delta} after {severity} row remapping {where}"),
-    "nvml_gpu_pcie_replay_errors_total": Counter(  # the lesser link_drop: NVLink traffic halved is the severe one
+    "nvml_gpu_pcie_replay_errors_total": CounterCause(  # the lesser link_drop: NVLink traffic halved is the severe one
         "link_drop", lambda labels: False, "{count:.0f} PCIe replay(s) on {uuid}, {delta} before",
         "{delta} after PCIe replays {where}"),
 }
