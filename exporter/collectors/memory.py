@@ -10,6 +10,7 @@ from exporter.collectors.base import Collector, SampleContext
 
 class MemoryCollector(Collector):
     name = "memory"
+    period = 5
     help = "device memory used/free/total"
 
     def collect(self, ctx: SampleContext) -> None:

@@ -24,6 +24,7 @@ THRESHOLDS = {"shutdown": "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", "slowdown": "NV
 
 class ThermalCollector(Collector):
     name = "thermal"
+    period = 10
     help = "GPU and memory temperature, temperature thresholds"
 
     def __init__(self, device, **kwargs) -> None:
