@@ -114,3 +114,12 @@ def test_sigint_stops_cleanly_too(tmp_path, start_service):
     exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1"]))
     exporter.proc.send_signal(signal.SIGINT)
     assert exporter.proc.wait(10) == 0
+
+
+def test_the_daemon_loads_no_library_that_only_some_configurations_need():
+    # yaml (--web.config.file), bcrypt (basic auth), statistics (and its decimal, fractions) cost RSS
+    # on every exporter; they are imported where they are needed
+    optional = ("yaml", "bcrypt", "statistics", "decimal")
+    code = f"import sys, exporter.cli; print(' '.join(m for m in {optional!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == []
