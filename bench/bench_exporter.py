@@ -43,7 +43,7 @@ NVITOP_LAUNCHER = REPO / "bench" / "nvitop_simulated.py"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-# --- the naive baseline ----------------------------------------------------------------------------
+# --- the naive stand-in: the baseline where nvitop-exporter is not installed --------------------------
 class NaiveCollector:
     """What nvitop-exporter does per GPU and refresh: 17 separate NVML calls, here on every scrape."""
 
