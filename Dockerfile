@@ -3,6 +3,8 @@
 #   docker build -t dualtrack .
 #   docker run --rm --gpus all --pid host -p 127.0.0.1:9942:9942 dualtrack
 #
+# XIDs from the kernel log need /dev/kmsg and CAP_SYSLOG, which Docker gives to uid 0 only: add
+# `--device /dev/kmsg:/dev/kmsg:r --cap-drop ALL --cap-add SYSLOG --user 0:0` (docs/metrics.md).
 # libnvidia-ml.so.1 is not in the image: the NVIDIA container runtime mounts the host driver's copy
 # (NVIDIA_DRIVER_CAPABILITIES=utility is the minimum NVML needs; no compute, no root, no
 # CAP_SYS_ADMIN). `--pid host` lets per-process metrics resolve names and pods; without it they keep

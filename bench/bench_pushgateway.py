@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -59,7 +60,7 @@ def hook_payload() -> bytes:
     config = {"model": "llama-7b", "optimizer": "adamw", "batch_size": 32, "lr": 3e-4, "seed": 1}
     with tempfile.TemporaryDirectory() as scratch:
         with TrainingMonitor(job="bench", run="capture", pushgateway=f"http://127.0.0.1:{server.server_port}",
-                             push_interval=60, config=config, rank=0, instance="node-0",
+                             push_interval=60, config=config, rank=0, instance="node-0", delete_after=None,
                              gpu_uuid="GPU-00000000-0000-0000-0000-000000000000",
                              record_path=Path(scratch) / "r.jsonl") as monitor:
             for step in range(20):
@@ -71,31 +72,42 @@ def hook_payload() -> bytes:
 
 def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, payload: bytes,
             results: "multiprocessing.Queue") -> None:
-    """Push for `ranks` every PUSH_INTERVAL from start_at for `seconds`; report (latencies, lateness, errors).
-
-    At most IN_FLIGHT pushes per process run at once; pushes still queued GRACE seconds after the last
-    one was due are dropped (counted as errors), so a saturated Pushgateway cannot stretch the run.
-    """
+    """PUT `payload` under each of `ranks`' grouping keys every PUSH_INTERVAL (see drive)."""
     local = threading.local()
-    latencies: list[float] = []
-    lateness: list[float] = []
-    errors = [0]
 
-    def push(rank: int, due: float) -> None:
+    def push(rank: int) -> bool:
         connection = getattr(local, "connection", None)
         if connection is None:
             connection = local.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=GRACE)
-        started = time.time()
         try:
             connection.request("PUT", f"/metrics/job/bench/run/load/rank/{rank}/instance/node-{rank // 8}",
                                body=payload, headers={"Content-Type": "text/plain; version=0.0.4"})
             response = connection.getresponse()
             response.read()
-            ok = response.status in (200, 202)
+            return response.status in (200, 202)
         except (OSError, http.client.HTTPException):
-            ok = False
             local.connection = None
             connection.close()
+            return False
+
+    drive(push, ranks, total, seconds, start_at, results)
+
+
+def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: float, start_at: float,
+          results: "multiprocessing.Queue") -> None:
+    """Call `send(rank)` (True: accepted) for `ranks` every PUSH_INTERVAL from start_at for `seconds`,
+    each rank at its own phase; report (latencies, lateness, errors) on `results`.
+
+    At most IN_FLIGHT sends per process run at once; sends still queued GRACE seconds after the last
+    one was due are dropped (counted as errors), so a saturated receiver cannot stretch the run.
+    """
+    latencies: list[float] = []
+    lateness: list[float] = []
+    errors = [0]
+
+    def timed(rank: int, due: float) -> None:
+        started = time.time()
+        ok = send(rank)
         finished = time.time()
         lateness.append(started - due)
         if ok:
@@ -111,11 +123,33 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
         delay = due - time.time()
         if delay > 0:
             time.sleep(delay)
-        futures.append(pool.submit(push, rank, due))
+        futures.append(pool.submit(timed, rank, due))
     wait(futures, timeout=GRACE)
     dropped = sum(future.cancel() for future in futures)
     pool.shutdown(wait=True)
     results.put((latencies, lateness, errors[0] + dropped))
+
+
+def load(worker: Callable[..., None], port: int, payload: object, ranks: int, seconds: float, workers: int,
+         pid: int, lead: float) -> tuple[list[float], list[float], int, float]:
+    """Run `worker(port, its ranks, ranks, seconds, start_at, payload, results)` in `workers` processes,
+    starting `lead` seconds from now; (latencies, lateness, errors, CPU cores of process `pid` after
+    the first cycle)."""
+    results: multiprocessing.Queue = multiprocessing.Queue()
+    start_at = time.time() + lead
+    procs = [multiprocessing.Process(target=worker, args=(port, list(range(i, ranks, workers)), ranks, seconds,
+                                                          start_at, payload, results))
+             for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    time.sleep(max(0.0, start_at + PUSH_INTERVAL - time.time()))  # the first cycle creates the series
+    cpu_before, wall_before = cpu_seconds(pid), time.time()
+    gathered = [results.get(timeout=seconds + 3 * GRACE + 60) for _ in procs]
+    cpu = (cpu_seconds(pid) - cpu_before) / (time.time() - wall_before)
+    for proc in procs:
+        proc.join()
+    return ([x for got in gathered for x in got[0]], [x for got in gathered for x in got[1]],
+            sum(got[2] for got in gathered), cpu)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -124,13 +158,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: Path,
-             pushgateway_args: list[str] | None = None, shipped_flags: bool = True) -> dict[str, float]:
-    """One Pushgateway (as shipped, with processes.PUSHGATEWAY_LOAD_FLAGS unless not `shipped_flags`,
-    plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks; the figures of that run."""
+             pushgateway_args: list[str] | None = None) -> dict[str, float]:
+    """One Pushgateway (as shipped, plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks;
+    the figures of that run."""
     workdir.mkdir(parents=True, exist_ok=True)
     pushgateway = processes.pushgateway(workdir)
-    if not shipped_flags:
-        pushgateway.argv = [a for a in pushgateway.argv if a not in processes.PUSHGATEWAY_LOAD_FLAGS]
     pushgateway.argv += pushgateway_args or []
     pushgateway.start()
     prometheus = None
@@ -140,22 +172,8 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
         prometheus = processes.prometheus(workdir, config, extra_args=["--enable-feature=extra-scrape-metrics"])
         prometheus.start()
         pid = pushgateway.proc.pid
-        results: multiprocessing.Queue = multiprocessing.Queue()
-        start_at = time.time() + 1.0
-        procs = [multiprocessing.Process(target=_worker, args=(pushgateway.port, list(range(i, ranks, workers)),
-                                                               ranks, seconds, start_at, payload, results))
-                 for i in range(workers)]
-        for proc in procs:
-            proc.start()
-        time.sleep(max(0.0, start_at + PUSH_INTERVAL - time.time()))  # first cycle fills the gateway
-        cpu_before, wall_before = cpu_seconds(pid), time.time()
-        gathered = [results.get(timeout=seconds + 3 * GRACE + 30) for _ in procs]
-        cpu = (cpu_seconds(pid) - cpu_before) / (time.time() - wall_before)
-        for proc in procs:
-            proc.join()
-        latencies = [x for got in gathered for x in got[0]]
-        lateness = [x for got in gathered for x in got[1]]
-        errors = sum(got[2] for got in gathered)
+        latencies, lateness, errors, cpu = load(_worker, pushgateway.port, payload, ranks, seconds, workers,
+                                                pid, lead=1.0)
         started = time.perf_counter()
         body = requests.get(pushgateway.url + "/metrics", timeout=60).content
         fetch = time.perf_counter() - started
@@ -202,11 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4, help="load generator processes")
     parser.add_argument("--pushgateway-arg", action="append", default=[], metavar="FLAG",
                         help="extra Pushgateway flag, e.g. --pushgateway-arg=--persistence.interval=1m")
-    parser.add_argument("--pushgateway-defaults", action="store_true",
-                        help="without the flags the stack ships (--push.disable-consistency-check): the defaults")
+    parser.add_argument("--no-consistency-check", action="store_true",
+                        help="add --push.disable-consistency-check (faster, but one conflicting push "
+                             "makes /metrics answer 500 for every group: not shipped)")
     args = parser.parse_args(argv)
     payload = hook_payload()
-    shipped = [] if args.pushgateway_defaults else list(processes.PUSHGATEWAY_LOAD_FLAGS)
+    shipped = ["--push.disable-consistency-check"] if args.no_consistency_check else []
     samples = sum(1 for line in payload.decode().splitlines() if line and not line.startswith("#"))
     print(f"hook payload: {len(payload)} bytes, {samples} samples per rank; push every {PUSH_INTERVAL:g} s, "
           f"Prometheus scrapes every {SCRAPE_INTERVAL}; Pushgateway flags: {shipped + args.pushgateway_arg or 'none'}; "
@@ -215,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for ranks in args.ranks:
             figures.append(run_load(ranks, args.seconds, args.processes, payload, Path(scratch) / str(ranks),
-                                    args.pushgateway_arg, shipped_flags=not args.pushgateway_defaults))
+                                    shipped + args.pushgateway_arg))
             print(f"N={ranks} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'':48}" + "".join(f"{'N=' + str(f['ranks']):>12}" for f in figures))
     for label, key, fmt, *scale in ROWS:

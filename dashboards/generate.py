@@ -35,7 +35,7 @@ RUN = 'job=~"$job", run=~"$run", instance=~"$instance"'
 JOB_RUN = 'job=~"$job", run=~"$run"'
 #: a rank counts for the Infra panels only while its run is live on its GPU: running, pushed in the last 2 min
 LIVE = ('* on (job, run, rank, instance) group_left () (training_run_state{state="running"} == 1) '
-        'and on (job, run, rank, instance) (time() - push_time_seconds < 120)')
+        'and on (job, run, rank, instance) (time() - training_last_push_timestamp_seconds < 120)')
 #: the run's whole GPUs, one rank per GPU: the exporter's GPU of each rank (a MIG rank's parent GPU), or
 #: the hook's training_gpu_info where the recording rule has no series yet
 RUN_GPUS = (f'topk by (uuid) (1, max by (uuid, run, rank) (((job_run_rank_gpu:training_gpu_info:nvml{{{RUN}}} '

@@ -2,7 +2,8 @@
 
 - A URL is http(s)://host[:port][/path]; credentials in it (`user:pass@`) are refused, and no error
   message ever repeats the URL's userinfo, query or fragment.
-- Credentials come from arguments or the environment (`<PREFIX>_USERNAME`/`_PASSWORD`, `_TOKEN`,
+- Credentials come from arguments or the environment (`<PREFIX>_USERNAME`/`_PASSWORD`, `_TOKEN` or
+  `_TOKEN_FILE` (a mounted secret),
   `_CA_FILE`), never from the URL; `repr()` of a resolved Endpoint shows no secret.
 - A CA file or client certificate with an http:// URL is an error (it would be silently unused);
   credentials over plain http:// to a host other than loopback are warned about, once per URL.
@@ -83,7 +84,7 @@ def check_url(what: str, value: Any) -> str:
 def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None, bearer_token: str | None = None,
             ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint:
     """An Endpoint from arguments; each credential left None falls back to `<env_prefix>_USERNAME`/
-    `_PASSWORD`, `_TOKEN`, `_CA_FILE`. `url` None: no endpoint, the credentials are still checked.
+    `_PASSWORD`, `_TOKEN` (else the first line of `_TOKEN_FILE`), `_CA_FILE`. `url` None: no endpoint, the credentials are still checked.
     Raises ValueError with one line that never holds a secret."""
     env = os.environ
     url = None if url is None else check_url(what, url)
@@ -92,7 +93,11 @@ def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None,
     if basic_auth is not None and (isinstance(basic_auth, str) or len(basic_auth) != 2
                                    or not all(isinstance(p, str) for p in basic_auth)):
         raise ValueError(f"{what}: basic_auth must be a (username, password) pair of strings")
-    bearer_token = bearer_token if bearer_token is not None else env.get(f"{env_prefix}_TOKEN") or None
+    if bearer_token is None:
+        bearer_token = env.get(f"{env_prefix}_TOKEN") or None
+        token_file = env.get(f"{env_prefix}_TOKEN_FILE")
+        if bearer_token is None and token_file:
+            bearer_token = read_secret(Path(token_file), f"${env_prefix}_TOKEN_FILE") or None
     if basic_auth and bearer_token:
         raise ValueError(f"{what}: give either basic_auth or bearer_token, not both")
     ca_file = ca_file if ca_file is not None else env.get(f"{env_prefix}_CA_FILE") or None

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from exporter import xids
+
 from . import prometheus
 from .cli import fail, one_line, warner
 from .summary import utc
@@ -31,13 +33,6 @@ MAX_POINTS = 1500
 #: A slowdown counts when it lasts this long (seconds).
 SUSTAINED = 600.0
 DEFAULT_LOOKBACK = 7 * 86400.0
-XID_MEANING = {79: "GPU fell off the bus", 119: "GSP timeout", 120: "GSP error",
-               48: "double-bit ECC error", 63: "ECC page retirement or row remapping recorded",
-               64: "ECC page retirement or row remapping failed", 94: "contained ECC error",
-               95: "uncontained ECC error", 13: "graphics engine exception, usually the application",
-               31: "GPU memory page fault, usually the application",
-               43: "GPU stopped processing, usually the application"}
-APPLICATION_XIDS = {13, 31, 43}
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
                   "hw_slowdown": ("hw_slowdown",)}
@@ -541,9 +536,9 @@ def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], 
                       GPU_LOST_SCORE, f"{delta} after a GPU loss {where(uuid)} (it stopped answering NVML)")]
     if name == "nvml_gpu_xid_errors_total" and "xid" in wanted:
         code = int(labels.get("xid", "0") or 0)
-        meaning = XID_MEANING.get(code, "see NVIDIA's XID catalog")
+        meaning = xids.meaning(code)
         return [Cause("xid", f"XID {code} ({meaning}) on {uuid} at {utc(rose_at)}, {delta} before",
-                      0.3 if code in APPLICATION_XIDS else 0.95, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
+                      0.95 if xids.is_disruptive(code) else 0.3, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
     if name == "nvml_gpu_ecc_errors_total" and "ecc" in wanted:
         error = labels.get("error", "")
         return [Cause("ecc", f"{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",

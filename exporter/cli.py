@@ -18,7 +18,7 @@ from typing import Callable, NoReturn, Sequence
 
 from prometheus_client import PlatformCollector, ProcessCollector, disable_created_metrics
 
-from exporter import __version__
+from exporter import __version__, kernellog
 from exporter.collectors import ALL, podresources
 from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     collectors.add_argument("--collector.podresources.socket", dest="collector_podresources_socket",
                             default=podresources.DEFAULT_SOCKET, metavar="PATH",
                             help="kubelet pod-resources socket read by --collector.podresources (default %(default)s)")
+    collectors.add_argument("--collector.xid.kernel-log", dest="collector_xid_kernel_log", default=None,
+                            metavar="PATH", help="kernel log read by --collector.xid for the XIDs NVML does not "
+                            f"deliver, matched to GPUs by PCI bus id (default {kernellog.DEFAULT_PATH}; none under "
+                            "--simulate); empty: not read")
     simulate = parser.add_argument_group("simulated GPUs", "for machines without GPUs (demos, previews); "
                                          "never on unless --simulate is given")
     simulate.add_argument("--simulate", type=_scenarios, default=None, metavar="SCENARIO[,SCENARIO...]",
@@ -201,12 +205,20 @@ def main(argv: Sequence[str] | None = None, simulator: Callable[..., SimulatedNV
     return serve(args, nvml, web_config, stop)
 
 
+def kernel_log_path(args: argparse.Namespace) -> str:
+    """The kernel log read for XIDs: --collector.xid.kernel-log; not given, the host's, unless the GPUs
+    are simulated (their bus ids are made up); "" when not read."""
+    if args.collector_xid_kernel_log is not None:
+        return args.collector_xid_kernel_log
+    return "" if args.simulate else kernellog.DEFAULT_PATH
+
+
 def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Event) -> int:
     """Run the sampler and the web server until `stop` is set."""
     enabled = [c.name for c in ALL if getattr(args, f"collector_{c.name}")]
     try:
         sampler = Sampler(nvml, enabled, interval=args.sample_interval, idle_threshold=args.idle_threshold,
-                          simulated=args.simulate is not None)
+                          simulated=args.simulate is not None, xid_kernel_log=kernel_log_path(args))
     except Exception as exc:  # noqa: BLE001 - e.g. the GPU list cannot be read at all
         print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
         return 1

@@ -3,8 +3,10 @@
 The NVML library is an injected module object: the real `pynvml` by default, the simulated one from
 `exporter.simulated` only under `--simulate`. Every NVML error is classified here, once:
 
-* NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function) -> `Absent`: the GPU or
-  driver lacks the reading. It is remembered per device so it is never asked again.
+* NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function, or nvidia-ml-py >= 12.560's
+  NVMLLibraryMismatchError, a plain Exception it raises where the driver lacks the versioned entry point
+  it calls, as R470/R510 lack nvmlDeviceGetComputeRunningProcesses_v3) -> `Absent`: the GPU or driver
+  lacks the reading. It is remembered per device so it is never asked again.
 * GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same GPU
   (nvmlDeviceGetMemoryInfo on the GPU itself, also for a call on one of its MIG devices) fails the
   same way too; otherwise one sensor is broken, not the GPU, and the error is a `CallFailed` like any
@@ -116,6 +118,8 @@ class Nvml:
         # drivers) or the scope (a link the GPU does not have): absent for that field, as NOT_SUPPORTED.
         self._absent_field = self._absent | {lib.NVML_ERROR_INVALID_ARGUMENT}
         self._lost = {getattr(lib, n) for n in _LOST_ERRORS}
+        # nvidia-ml-py >= 12.560 only: `except ()` catches nothing with an older binding
+        self._mismatch = tuple(filter(None, [getattr(lib, "NVMLLibraryMismatchError", None)]))
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.value_types = value_types(lib)
@@ -167,6 +171,8 @@ class Nvml:
             raise self.classify(exc) from exc
         except UnicodeDecodeError as exc:  # the binding decodes text strictly; drivers do not promise UTF-8
             return _replaced(exc)
+        except self._mismatch as exc:  # the driver lacks the entry point this binding calls
+            raise Absent("function_not_found") from exc
         except AttributeError as exc:  # raised inside the binding: a bug, not an absent reading
             if name not in self._binding_bugs:
                 self._binding_bugs.add(name)

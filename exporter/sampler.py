@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Callable, Iterable
 
-from exporter.collectors import BY_NAME, Collector, SampleContext, XidWatcher
+from exporter.collectors import BY_NAME, Collector, SampleContext, XidCounts, XidWatcher
 from exporter.collectors.base import Values
 from exporter.collectors.identity import IdentityCollector
 from exporter.collectors.processes import in_host_pid_namespace
+from exporter.kernellog import KernelLogReader
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 from exporter.textformat import sample_lines
 
@@ -198,6 +199,8 @@ class GpuSampler:
             return False
         log.warning("GPU %d (%s) is back", self.device.index, self.device.uuid)
         self.lost = False
+        for collector in self.collectors:
+            collector.restart()
         self.on_return(self.device)
         return True
 
@@ -226,7 +229,10 @@ class GpuSampler:
 
 @dataclass
 class Sampler:
-    """All GPUs' samplers, the XID watcher, the store and the counters: the exporter's core."""
+    """All GPUs' samplers, the XID sources, the store and the counters: the exporter's core.
+
+    `xid_kernel_log`: the kernel log read for XIDs ("" : none; the CLI's default is /dev/kmsg).
+    """
 
     nvml: Nvml
     collectors: Iterable[str]
@@ -234,6 +240,7 @@ class Sampler:
     idle_threshold: float = 0.05
     simulated: bool = False
     proc_root: str = "/proc"
+    xid_kernel_log: str = ""
     clock: Callable[[], float] = time.monotonic
     store: SnapshotStore = field(default_factory=SnapshotStore)
     stats: Stats = field(default_factory=Stats)
@@ -242,14 +249,21 @@ class Sampler:
         self.collectors = list(self.collectors)
         self.devices = self.nvml.devices()
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
-        self.xid = XidWatcher(self.nvml, self.devices) if "xid" in self.collectors else None
+        self.xid_counts = XidCounts()
+        self.xid = XidWatcher(self.nvml, self.devices, self.xid_counts) if "xid" in self.collectors else None
+        self.kernel_log = None
+        if self.xid and self.xid_kernel_log:
+            self.kernel_log = KernelLogReader(
+                self.xid_kernel_log, [(device.index, device.pci_bus_id) for device in self.devices],
+                report=lambda index, code: self.xid_counts.add(index, code, "kernel"),
+                on_error=lambda error: self.stats.error("xid", error))
         # NVML answers host PIDs: None when the processes collector is off or /proc does not say
         self.host_pid_namespace = in_host_pid_namespace(self.proc_root) if "processes" in self.collectors else None
         if self.host_pid_namespace is False:
             log.warning("not in the host PID namespace: GPU processes are exported with their PID only, no name "
                         "or container/pod/Slurm attribution (run with the host PID namespace: docker --pid=host, "
                         "Kubernetes hostPID: true)")
-        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_watcher": self.xid,
+        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_counts": self.xid_counts,
                    "proc_root": self.proc_root, "host_pids": self.host_pid_namespace is not False}
         on_return = self.xid.register if self.xid else (lambda device: None)
         self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
@@ -264,6 +278,8 @@ class Sampler:
     def start(self) -> None:
         if self.xid:
             self.xid.start()
+        if self.kernel_log:
+            self.kernel_log.start()
         for gpu in self.gpus:
             thread = threading.Thread(target=gpu.run, args=(self._stop,), name=f"sampler-gpu{gpu.device.index}",
                                       daemon=True)
@@ -271,8 +287,11 @@ class Sampler:
             self._threads.append(thread)
 
     def ready(self) -> bool:
-        """True once every GPU has been sampled, found lost, or found hanging in its first sample."""
+        """True once every GPU has been sampled, found lost, or found hanging in its first sample, and the
+        kernel log (if read) has been opened at its end or found unreadable."""
         now = self.clock()
+        if self.kernel_log and not self.kernel_log.settled.is_set():
+            return False
         return all(gpu.samples_taken or gpu.lost or
                    (gpu.busy_since is not None and now - gpu.busy_since > self.hang_after) for gpu in self.gpus)
 
@@ -281,7 +300,7 @@ class Sampler:
             gpu.check_hang(self.hang_after)
 
     def stop(self, timeout: float = 2.0) -> bool:
-        """Stop and join every thread (samplers, XID events) and free what NVML allocated for them.
+        """Stop and join every thread (samplers, XID events, kernel log) and free what NVML allocated for them.
 
         False if a thread is stuck in an NVML call (it is a daemon thread): NVML must not be shut
         down then.
@@ -292,6 +311,8 @@ class Sampler:
             thread.join(max(0.0, deadline - time.monotonic()))
         stopped = not any(thread.is_alive() for thread in self._threads)
         if self.xid and not self.xid.stop(max(0.0, deadline - time.monotonic())):
+            stopped = False
+        if self.kernel_log and not self.kernel_log.stop(max(0.0, deadline - time.monotonic())):
             stopped = False
         if stopped:
             for gpu in self.gpus:

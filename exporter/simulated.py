@@ -17,6 +17,12 @@ Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes`
 per line, `--simulate.processes`) names the host PIDs each GPU runs: a demo's or a test's real
 training processes, so that the per-process series join their runs as on a real host.
 
+An older driver is `driver_lacks` (entry points libnvidia-ml does not have: the binding answers
+FUNCTION_NOT_FOUND, or nvidia-ml-py >= 12.560's NVMLLibraryMismatchError for the functions it calls a
+versioned entry point for). Utilization samples are 1/6 s apart by default (NVML: 1/6 s to 1 s by
+product); a GPU's GPM counters start again from zero when it falls off the bus; a GPM metric can be
+answered NaN (`DeviceTraits.gpm_nan_metrics`).
+
 Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
 subclass in tests/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
 that falls off the bus is `fall_off_bus(gpu)`.
@@ -45,7 +51,7 @@ CO_TENANT_PID = 4242
 CO_TENANT_BYTES = 12 * (1 << 30)
 GIB = 1 << 30
 MIB = 1 << 20
-TICK = 0.1  # seconds between entries of the simulated driver utilization buffer, on average
+TICK = 0.1  # seconds: the step of the simulated workload's busy-time integral
 JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 periods off its slot
 BUFFER = 120  # entries the driver keeps
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
@@ -89,6 +95,9 @@ MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
 MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
 GPM_MIN_WINDOW = 0.1  # seconds: two GPM samples closer than this give no metrics (INVALID_ARGUMENT)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+#: binding function -> the driver entry point nvidia-ml-py >= 12.560 calls for it, raising
+#: NVMLLibraryMismatchError (a plain Exception) where the driver lacks it (R470/R510 have no _v3)
+VERSIONED_ENTRY_POINTS = {"nvmlDeviceGetComputeRunningProcesses": "nvmlDeviceGetComputeRunningProcesses_v3"}
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
 PCIE_COUNTER_START = 2**64 - 6 * 10**9
@@ -106,10 +115,12 @@ class DeviceTraits:
     gpm: bool = True
     nvlinks: int = 18
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
-    sample_period: float = TICK  # seconds between utilization samples, on average (1/6 s to 1 s by product)
+    sample_period: float = 1 / 6  # seconds between utilization samples, on average (1/6 s to 1 s by product)
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
+    # GPM metric ids (NVML_GPM_METRIC_*) the GPU answers NaN for, with NVML_SUCCESS
+    gpm_nan_metrics: tuple[int, ...] = ()
 
 
 #: NVML_VALUE_TYPE_* -> the C type the driver writes into the c_nvmlValue_t union
@@ -171,7 +182,8 @@ class SimulatedNVML:
     def __init__(self, scenario: str | Sequence[str] = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
                  call_cost: float = 0.0, clock: Callable[[], float] = time.time,
                  phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
-                 processes: str | os.PathLike | None = None, binding_lacks: tuple[str, ...] = ()) -> None:
+                 processes: str | os.PathLike | None = None, binding_lacks: tuple[str, ...] = (),
+                 driver_lacks: tuple[str, ...] = ()) -> None:
         self.scenarios = (scenario,) if isinstance(scenario, str) else tuple(scenario)
         unknown = [name for name in self.scenarios if name not in SCENARIOS]
         if unknown or not self.scenarios:
@@ -206,6 +218,8 @@ class SimulatedNVML:
         self._uuids = [simulated_uuid(i) for i in range(gpus)]
         self._integral = [(0.0, 0.0)] * gpus  # (t, busy seconds up to t), advanced tick by tick
         self._gpm_samples: dict[int, tuple[int, float, float]] = {}
+        # busy seconds at each GPU's last fall off the bus: its GPM counters restart from there
+        self._gpm_counter_base: dict[int, float] = {}
         self._keep: list = []  # ctypes buffers handed out (GPM samples, event sets) stay alive
         self._xid_queue: list[tuple[int, int]] = []
         self._xid_scenario_done: set[int] = set()  # GPUs whose "xid" scenario already sent its XID
@@ -214,11 +228,14 @@ class SimulatedNVML:
         self.initialized = False
         self._event_sets: dict[int, set[int]] = {}  # event set address -> GPUs registered on it
         self._lost_on_set: set[int] = set()  # event sets a registered GPU fell off the bus from
+        self._undefined_sets: set[int] = set()  # event sets left undefined by a failed registration
         self._gpm_buffers: set[int] = set()
         # pynvml's constants, structs and errors as instance attributes: lookups as fast as on the module.
         self.__dict__.update({name: value for name, value in vars(pynvml).items()
                               if not name.startswith("_") and not _is_function(name, value)})
         self.__dict__.update(NVML_H)
+        # an older driver: these entry points are not in libnvidia-ml (see VERSIONED_ENTRY_POINTS)
+        self.driver_lacks = frozenset(driver_lacks)
         # an older nvidia-ml-py: these constants (or functions) are not in the binding at all;
         # "usVal": the binding's value union has no unsigned short member (before 12.560)
         self.binding_lacks = frozenset(binding_lacks)
@@ -269,6 +286,13 @@ class SimulatedNVML:
                 self.calls_by_gpu[gpu] += 1
         if not self.initialized and function != "nvmlInit":
             raise pynvml.NVMLError_Uninitialized()
+        entry_point = VERSIONED_ENTRY_POINTS.get(function, function)
+        if entry_point in self.driver_lacks:
+            mismatch = getattr(pynvml, "NVMLLibraryMismatchError", None)  # nvidia-ml-py >= 12.560
+            if entry_point != function and mismatch is not None:
+                raise mismatch("Unversioned function called and the pyNVML version does not match the NVML "
+                               f"lib version. ... use a versioned function such as {function}_v2")
+            raise pynvml.NVMLError_FunctionNotFound()
         if self.call_cost:
             time.sleep(self.call_cost)
 
@@ -289,7 +313,10 @@ class SimulatedNVML:
 
     def fall_off_bus(self, gpu: int | None) -> None:
         """What a GPU that falls off the bus loses: its event registrations; and every event set it was
-        registered on answers GPU_IS_LOST to each wait from then on, whatever the other GPUs on it do."""
+        registered on answers GPU_IS_LOST to each wait from then on, whatever the other GPUs on it do; and
+        its GPM counters start again from zero."""
+        if gpu is not None:
+            self._gpm_counter_base[gpu] = self.busy_seconds(gpu, self._t())
         with self._lock:
             for address, registered in self._event_sets.items():
                 if gpu in registered:
@@ -356,6 +383,7 @@ class SimulatedNVML:
         with self._lock:
             self._event_sets.clear()
             self._lost_on_set.clear()
+            self._undefined_sets.clear()
             self._gpm_buffers.clear()
             self._gpm_samples.clear()
             self._keep.clear()
@@ -682,6 +710,12 @@ class SimulatedNVML:
         address = ctypes.cast(event_set, ctypes.c_void_p).value
         del self._event_sets[address]
         self._lost_on_set.discard(address)
+        self._undefined_sets.discard(address)
+
+    def undefine_event_set(self, event_set: Any) -> None:
+        """A registration on `event_set` failed with UNKNOWN: nvml.h leaves the set undefined (it must be
+        freed); here every wait on it answers UNKNOWN and delivers nothing."""
+        self._undefined_sets.add(ctypes.cast(event_set, ctypes.c_void_p).value)
 
     @_api()
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
@@ -694,6 +728,8 @@ class SimulatedNVML:
             if not self.initialized:  # shut down while waiting
                 raise pynvml.NVMLError_Uninitialized()
             registered = self._registered(event_set)
+            if ctypes.cast(event_set, ctypes.c_void_p).value in self._undefined_sets:
+                raise pynvml.NVMLError_Unknown()
             if ctypes.cast(event_set, ctypes.c_void_p).value in self._lost_on_set:
                 raise pynvml.NVMLError_GpuIsLost()
             t = self._t()
@@ -742,8 +778,7 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if not self.traits[gpu].mig or not 1 <= gpu_instance_id <= MIG_INSTANCES:
             raise pynvml.NVMLError_InvalidArgument()
-        t = self._t()
-        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
+        self._gpm_sample(gpu, sample)
         return sample
 
     @_api()
@@ -752,9 +787,14 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig:  # in MIG mode GPM answers per GPU instance only
             raise pynvml.NVMLError_NotSupported()
-        t = self._t()
-        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, self.busy_seconds(gpu, t))
+        self._gpm_sample(gpu, sample)
         return sample
+
+    def _gpm_sample(self, gpu: int, sample: Any) -> None:
+        """Fill `sample` with the GPU's busy counter, which starts again from zero when it falls off the bus."""
+        t = self._t()
+        counter = self.busy_seconds(gpu, t) - self._gpm_counter_base.get(gpu, 0.0)
+        self._gpm_samples[ctypes.cast(sample, ctypes.c_void_p).value] = (gpu, t, counter)
 
     @_api(device=False)
     def nvmlGpmMetricsGet(self, request: Any) -> Any:
@@ -765,9 +805,14 @@ class SimulatedNVML:
         busy = (second[2] - first[2]) / (second[1] - first[1])
         scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
                  H.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
+        nan = self.traits[second[0]].gpm_nan_metrics
         for slot in range(request.numMetrics):
             metric = request.metrics[slot]
-            if metric.metricId in scale:
+            if metric.metricId in nan:
+                metric.value, metric.nvmlReturn = math.nan, H.NVML_SUCCESS
+            elif metric.metricId in scale:
+                # from counters, as the driver does: across a fall off the bus they restarted, and the
+                # difference is garbage (negative here)
                 metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, H.NVML_SUCCESS
             else:
                 metric.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED

@@ -286,10 +286,31 @@ def prometheus(workdir: Path, config_path: Path, port: int | None = None,
     return with_web_config(Service("prometheus", argv, port, workdir / "prometheus.log"), web_config, auth)
 
 
-# What lets one Pushgateway hold 2,000 ranks pushing every 5 s (docs/scaling.md): without it every
-# push is checked against every group the gateway holds, and it falls behind between 250 and 500 ranks.
-# Compose and Kubernetes pass the same flag. Safe on a gateway only the dualtrack hook pushes to.
-PUSHGATEWAY_LOAD_FLAGS = ("--push.disable-consistency-check",)
+#: The flag that makes Prometheus accept remote write at /api/v1/write (the hook's DUALTRACK_REMOTE_WRITE_URL).
+REMOTE_WRITE_RECEIVER = "--web.enable-remote-write-receiver"
+REMOTE_WRITE_PATH = "/api/v1/write"  # the same path on Prometheus and VictoriaMetrics
+
+
+def victoria_metrics(workdir: Path, port: int | None = None) -> Service:
+    """A single-node VictoriaMetrics (not yet started): remote write at REMOTE_WRITE_PATH, the Prometheus
+    query API at /api/v1/query. Samples are visible to queries 1 s after they arrive (30 s by default)."""
+    port = port or free_port()
+    data = workdir / "victoria-metrics-data"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [_binary("victoria-metrics"), f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={data}",
+            "-search.latencyOffset=1s", "-loggerLevel=WARN"]
+    return Service("victoria-metrics", argv, port, workdir / "victoria-metrics.log", ready_path="/health")
+
+
+def vmalert(workdir: Path, datasource_url: str, notifier_url: str, port: int | None = None,
+            evaluation_interval: str = "1s") -> Service:
+    """VictoriaMetrics' rule evaluator (not yet started) over the repo's rules/, reading `datasource_url`,
+    writing recording rules' results back there, sending alerts to the Alertmanager at `notifier_url`."""
+    port = port or free_port()
+    argv = [_binary("vmalert"), f"-httpListenAddr=127.0.0.1:{port}", f"-rule={RULES_DIR}/*.yml",
+            f"-datasource.url={datasource_url}", f"-remoteWrite.url={datasource_url}",
+            f"-notifier.url={notifier_url}", f"-evaluationInterval={evaluation_interval}", "-loggerLevel=WARN"]
+    return Service("vmalert", argv, port, workdir / "vmalert.log", ready_path="/health")
 
 
 def pushgateway(workdir: Path, port: int | None = None, persistence: bool = False,
@@ -297,7 +318,7 @@ def pushgateway(workdir: Path, port: int | None = None, persistence: bool = Fals
     """A Pushgateway (not yet started); with `persistence` it keeps groups across restarts."""
     port = port or free_port()
     argv = [_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn", *PUSHGATEWAY_LOAD_FLAGS]
+            "--log.level=warn"]  # consistency check on: a conflicting push is refused, not served
     # Debian's build defaults --persistence.file to /var/lib/prometheus/pushgateway.data, which every
     # Pushgateway started here would share (and load stale groups from): always say which file.
     argv.append(f"--persistence.file={workdir / 'pushgateway.store' if persistence else ''}")

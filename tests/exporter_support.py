@@ -37,14 +37,15 @@ class Rig:
 
     def __init__(self, scenario: str = "healthy", gpus: int = 2, *, devices: dict[int, DeviceTraits] | None = None,
                  faults: list[Fault] | None = None, collectors: list[str] | None = None, interval: float = 1.0,
-                 proc_root: str = "/proc", pid: int | None = None, binding_lacks: tuple[str, ...] = ()) -> None:
+                 proc_root: str = "/proc", pid: int | None = None, binding_lacks: tuple[str, ...] = (),
+                 xid_kernel_log: str = "", driver_lacks: tuple[str, ...] = ()) -> None:
         self.clock = FakeClock()
         self.lib = FaultyNVML(scenario, gpus, devices=devices, faults=faults, clock=self.clock, pid=pid,
-                              binding_lacks=binding_lacks)
+                              binding_lacks=binding_lacks, driver_lacks=driver_lacks)
         self.nvml = Nvml(self.lib)
         self.nvml.init()
         self.sampler = Sampler(self.nvml, collectors or EVERY_COLLECTOR, interval=interval, simulated=True,
-                               proc_root=proc_root, clock=self.clock)
+                               proc_root=proc_root, clock=self.clock, xid_kernel_log=xid_kernel_log)
         self.registry = CollectorRegistry()
         self.registry.register(SnapshotCollector(self.sampler, clock=self.clock))
 

@@ -16,6 +16,8 @@ start; `times` caps how often a rule fires; `error` is a pynvml error class suff
 Python only) is what the driver writes for a text function (names, versions, UUIDs), or into the
 struct field `answer_field` (busId): it goes through pynvml's own decoding, which raises
 UnicodeDecodeError on invalid UTF-8 as the real binding does.
+(NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events. A registration for
+events that fails with "Unknown" leaves its event set undefined, as nvml.h says: waits on it fail.
 """
 from __future__ import annotations
 
@@ -115,6 +117,13 @@ class FaultyNVML(SimulatedNVML):
                 setattr(result, fault.answer_field, fault.answer)  # a pynvml struct: decoded when read
                 return result
         return result
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        try:
+            super().nvmlDeviceRegisterEvents(handle, event_types, event_set)
+        except pynvml.NVMLError_Unknown:  # nvml.h: the set is then undefined and must be freed
+            self.undefine_event_set(event_set)
+            raise
 
     def _field_error(self, gpu: int, field_id: int, t: float) -> int | None:
         for fault in self.faults:

@@ -29,6 +29,7 @@ from trainer_hook import TrainingMonitor
 #: record failures) and the Pushgateway's push_time_seconds / push_failure_time_seconds.
 NOT_REPLAYED = {"training_gpu_info", "training_process_info", "training_dropped_values_total",
                 "training_push_failures_total", "training_record_failures_total", "push_time_seconds",
+                "training_last_push_timestamp_seconds",
                 "push_failure_time_seconds"}
 #: Series that hold a window maximum (live: over the push's window; replay: one per step).
 MAXIMA = {"training_loss_max", "training_grad_norm_max"}

@@ -60,10 +60,10 @@ HOOK_METRICS = {
     # Shared names of the run-level work (the contract); pushed once that work is merged.
     "training_logged_value_sum", "training_logged_value_count", "training_first_nonfinite_step",
     "training_grad_norm_max_step", "training_loss_scale", "training_skipped_steps_total",
-    "training_process_info", "training_world_size",
+    "training_process_info", "training_world_size", "training_last_push_timestamp_seconds",
 }
-# From Prometheus itself (scrape health, alert state) and the Pushgateway (time of each group's last push).
-PROMETHEUS_METRICS = {"up", "ALERTS", "push_time_seconds"}
+# From Prometheus itself (scrape health, alert state).
+PROMETHEUS_METRICS = {"up", "ALERTS"}
 
 DATASOURCE_UID = "dualtrack-prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # every query's: the datasource variable
@@ -73,7 +73,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # every query's: th
 # the rule has no series yet, e.g. before it was deployed), one rank per GPU (MIG slices of one GPU
 # share it); a MIG instance's series join on (uuid, gpu_instance) its rank.
 LIVE = ('* on (job, run, rank, instance) group_left () (training_run_state{state="running"} == 1) '
-        'and on (job, run, rank, instance) (time() - push_time_seconds < 120)')
+        'and on (job, run, rank, instance) (time() - training_last_push_timestamp_seconds < 120)')
 RUN_GPUS = ('topk by (uuid) (1, max by (uuid, run, rank) (('
             '(job_run_rank_gpu:training_gpu_info:nvml{job=~"$job", run=~"$run", instance=~"$instance"} '
             'and on (job, run, rank, instance, gpu) training_gpu_info{uuid=~"$gpu"}) '
@@ -256,7 +256,7 @@ REQUIRED_METRICS = {
         "training_tokens_total", "training_loss_scale", "training_skipped_steps_total",
         "job_run:training_steps:rate5m_min", "job_run:training_steps:rate5m_median",
         "job_run:training_steps:rate5m_max", "training_process_info", "nvml_gpu_process_memory_used_bytes",
-        "training_first_nonfinite_step", "training_grad_norm_max_step", "push_time_seconds"},
+        "training_first_nonfinite_step", "training_grad_norm_max_step", "training_last_push_timestamp_seconds"},
     "gpu-fleet": {
         "nvml_gpu_utilization_ratio", "nvml_gpu_memory_used_bytes", "nvml_gpu_power_usage_watts",
         "nvml_gpu_temperature_celsius", "nvml_gpu_clock_hertz", "nvml_gpu_throttle_active",

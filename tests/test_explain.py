@@ -67,8 +67,8 @@ def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
     event = nonfinite[0]
     assert event["rank"] == "1" and event["gpu_uuid"] == support.uuid_of("xid", 1)
     assert event["time"] == prometheus["base"] + support.FAULT_AT + support.XID_LEAD
-    assert kinds(event) == ["xid"] and "XID 79 (GPU fell off the bus)" in event["causes"][0]["evidence"]
-    assert "45 s after XID 79 (GPU fell off the bus) on that GPU; no other rank affected: hardware, not the model" \
+    assert kinds(event) == ["xid"] and "XID 79 (GPU has fallen off the bus)" in event["causes"][0]["evidence"]
+    assert "45 s after XID 79 (GPU has fallen off the bus) on that GPU; no other rank affected: hardware, not the model" \
         in event["sentence"]
     failed = [e for e in events if e["kind"] == "failed"]
     assert [e["rank"] for e in failed] == ["1"] and kinds(failed[0]) == ["xid"]
@@ -81,8 +81,8 @@ def test_nan_on_a_mig_instance_after_xid_79_on_its_parent_gpu(prometheus, capsys
     assert mig.startswith("MIG-") and found["gpus"]["1"] == mig and found["parent_gpus"] == {"1": parent}
     (event,) = [e for e in found["events"] if e["kind"] == "nonfinite"]
     assert event["rank"] == "1" and event["gpu_uuid"] == mig
-    assert kinds(event) == ["xid"] and f"XID 79 (GPU fell off the bus) on {parent}" in event["causes"][0]["evidence"]
-    assert (f"45 s after XID 79 (GPU fell off the bus) on its MIG instance's parent GPU ({parent}); no other rank "
+    assert kinds(event) == ["xid"] and f"XID 79 (GPU has fallen off the bus) on {parent}" in event["causes"][0]["evidence"]
+    assert (f"45 s after XID 79 (GPU has fallen off the bus) on its MIG instance's parent GPU ({parent}); no other rank "
             "affected: hardware, not the model") in event["sentence"]
     code, out, _ = explain(prometheus, "mig", capsys)
     assert code == 0 and f"rank 1 {mig} (on {parent})" in out.splitlines()[0]

@@ -54,4 +54,4 @@ def test_a_live_nan_after_a_simulated_xid_79_blames_that_gpu(tmp_path, start_ser
     event = nonfinite[0]
     assert (event["rank"], event["step"], event["gpu_uuid"]) == ("1", first_nan, uuids["1"])
     assert [c["kind"] for c in event["causes"]] == ["xid"]
-    assert "XID 79 (GPU fell off the bus)" in event["sentence"] and "no other rank affected" in event["sentence"]
+    assert "XID 79 (GPU has fallen off the bus)" in event["sentence"] and "no other rank affected" in event["sentence"]

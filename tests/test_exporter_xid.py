@@ -59,7 +59,7 @@ def test_an_xid_storm_logs_one_line_per_gpu_and_xid_a_minute(caplog):
     rig = Rig(gpus=1, faults=[Fault(gpu=0, xid=79, times=40)], collectors=["xid"])
     rig.sampler.xid.start()
     try:
-        wait_until(lambda: (rig.sampler.xid.counts(0) or {}).get("79") == 40, timeout=10, what="40 XIDs")
+        wait_until(lambda: rig.sampler.xid_counts.counts(0).get("79") == 40, timeout=10, what="40 XIDs")
     finally:
         rig.sampler.stop()
     lines = [r.getMessage() for r in caplog.records if "XID 79" in r.getMessage()]

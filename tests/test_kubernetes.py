@@ -18,7 +18,10 @@ sys.path.insert(0, str(KUBE))
 import generate  # noqa: E402
 
 BUILT_IN = {"Namespace", "DaemonSet", "Service", "PersistentVolumeClaim", "Deployment", "CronJob", "ConfigMap"}
-COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml"))
+#: Components for the kustomization of the training workloads, not of dualtrack's base.
+TRAINING_COMPONENTS = ("remote-write",)
+COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml")
+                    if p.parent.name not in TRAINING_COMPONENTS)
 
 
 def kustomization(path: Path = KUBE) -> dict:
@@ -42,10 +45,16 @@ def find(kind: str, name: str, documents: list[dict] | None = None) -> dict:
 
 
 def with_components(*names: str) -> list[dict]:
-    """The base with the components' JSON6902 patches applied (`add` and `replace`, all they use)."""
+    """The base with the components' resources and JSON6902 patches applied (`add` and `replace`, all
+    they use)."""
     documents = copy.deepcopy(objects())
     for name in names:
-        for patch in kustomization(KUBE / "components" / name)["patches"]:
+        component = kustomization(KUBE / "components" / name)
+        for resource in component.get("resources", []):
+            for document in yaml.safe_load_all((KUBE / "components" / name / resource).read_text()):
+                document["metadata"].setdefault("namespace", kustomization()["namespace"])
+                documents.append(document)
+        for patch in component.get("patches", []):
             target = find(patch["target"]["kind"], patch["target"]["name"], documents)
             for operation in yaml.safe_load(patch["patch"]):
                 assert operation["op"] in ("add", "replace"), operation
@@ -142,7 +151,7 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
-    assert "hostPID" not in spec and "runtimeClassName" not in spec and "volumes" not in spec
+    assert "hostPID" not in spec and "runtimeClassName" not in spec and spec["volumes"] == []
     container, = spec["containers"]
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
@@ -150,20 +159,25 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
     assert set(container["resources"]) == {"requests", "limits"}
 
 
-def test_components_add_the_runtime_class_host_pid_and_pod_attribution():
+def test_components_add_the_runtime_class_host_pid_pod_attribution_and_the_kernel_log():
     enforce = "pod-security.kubernetes.io/enforce"
     assert find("Namespace", "dualtrack")["metadata"]["labels"][enforce] == "baseline"
-    for component in ("host-pid", "pod-attribution"):  # hostPID and hostPath are not "baseline"
+    for component in ("host-pid", "pod-attribution", "kernel-log"):  # hostPID and hostPath are not "baseline"
         assert find("Namespace", "dualtrack", with_components(component))["metadata"]["labels"][enforce] == \
             "privileged"
     spec = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
     container, = spec["containers"]
     assert "--collector.podresources" in container["args"]
-    mount, = container["volumeMounts"]
-    volume, = spec["volumes"]
-    assert mount["readOnly"] and mount["mountPath"] == volume["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
-    assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["capabilities"]
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume["hostPath"] for volume in spec["volumes"]}
+    assert set(mounts) == set(volumes) == {"pod-resources", "kmsg"} and all(m["readOnly"] for m in mounts.values())
+    assert mounts["pod-resources"]["mountPath"] == volumes["pod-resources"]["path"] == "/var/lib/kubelet/pod-resources"
+    # /dev/kmsg needs CAP_SYSLOG, which Kubernetes gives to uid 0 only: that one capability, nothing else
+    assert mounts["kmsg"]["mountPath"] == volumes["kmsg"]["path"] == "/dev/kmsg"
+    assert volumes["kmsg"]["type"] == "CharDevice" and spec["securityContext"]["runAsUser"] == 0
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]}}
 
 
 def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_environment():
@@ -223,10 +237,64 @@ def test_the_scaling_guide_configs_pass_promtool(tmp_path):
 
 
 def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_matches_the_mount():
+    from exporter import kernellog
     from exporter.cli import parse_args
     container = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"][
         "containers"][0]
     assert container["command"] == ["dualtrack-exporter"]
     args = parse_args(container["args"], environ={e["name"]: e["value"] for e in container["env"]})
     assert args.collector_podresources and args.web_listen_address == ":9942"
-    assert Path(args.collector_podresources_socket).parent == Path(container["volumeMounts"][0]["mountPath"])
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert Path(args.collector_podresources_socket).parent == Path(mounts["pod-resources"])
+    assert args.collector_xid_kernel_log is None and kernellog.DEFAULT_PATH == mounts["kmsg"]  # the default path
+
+
+def test_the_remote_write_component_points_labelled_training_workloads_at_the_url(tmp_path):
+    """Built by kubectl's kustomize into a training kustomization: the labelled Job gets the URL from the
+    generated ConfigMap, an unlabelled Deployment nothing; the URL is one the hook accepts."""
+    from trainer_hook.settings import remote_write
+    component = kustomization(KUBE / "components" / "remote-write")
+    literal, = component["configMapGenerator"][0]["literals"]
+    name, _, url = literal.partition("=")
+    assert name == "DUALTRACK_REMOTE_WRITE_URL" and remote_write(url).url == url
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (kustomize) is not installed")
+    (tmp_path / "workloads.yaml").write_text(yaml.safe_dump_all([
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train", "labels": {"dualtrack.io/training": "true"}},
+         "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "t", "image": "x"}]}}}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "other"},
+         "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
+             "metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c", "image": "y"}]}}}}]))
+    relative = Path(*[".."] * len(tmp_path.parts[1:])) / KUBE.relative_to("/") / "components" / "remote-write"
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["workloads.yaml"], "components": [str(relative)]}))
+    built = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    documents = {d["kind"]: d for d in yaml.safe_load_all(built.stdout)}
+    config_map = documents["ConfigMap"]
+    assert config_map["data"] == {"DUALTRACK_REMOTE_WRITE_URL": url}
+    job, = documents["Job"]["spec"]["template"]["spec"]["containers"]
+    assert job["envFrom"] == [{"configMapRef": {"name": config_map["metadata"]["name"]}}]
+    assert "envFrom" not in documents["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_pod_monitor_scrapes_what_a_training_pod_serves_from_its_environment(monkeypatch, tmp_path):
+    """The PodMonitor selects the label and port name its comment asks training pods for, and a hook
+    given only DUALTRACK_LISTEN_PORT / _ADDRESS serves the series the rules need."""
+    import requests
+    from trainer_hook import TrainingMonitor
+    monitor_spec = find("PodMonitor", "dualtrack-training", with_components("pod-monitor"))["spec"]
+    assert monitor_spec["selector"]["matchLabels"] == {"dualtrack.io/training": "true"}
+    assert monitor_spec["namespaceSelector"] == {"any": True}
+    assert [e["port"] for e in monitor_spec["podMetricsEndpoints"]] == ["dualtrack-metrics"]
+    text = (KUBE / "components" / "pod-monitor" / "kustomization.yaml").read_text()
+    assert "DUALTRACK_LISTEN_PORT" in text and "dualtrack.io/training" in text
+    monkeypatch.setenv("DUALTRACK_LISTEN_PORT", "0")
+    monkeypatch.setenv("DUALTRACK_LISTEN_ADDRESS", "127.0.0.1")
+    with TrainingMonitor(job="pods", run="r1", pushgateway=False, record_path=False) as monitor:
+        monitor.log({"loss": 0.5}, step=1)
+        assert monitor.listen_port
+        served = requests.get(f"http://127.0.0.1:{monitor.listen_port}/metrics", timeout=10).text
+    assert 'training_last_push_timestamp_seconds{rank="0",run="r1"}' in served

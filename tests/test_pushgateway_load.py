@@ -12,13 +12,15 @@ import bench_pushgateway  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-def test_200_ranks_pushing_every_5_s_are_all_accepted_and_scraped(tmp_path):
+def test_100_ranks_pushing_every_5_s_are_all_accepted_and_scraped(tmp_path):
+    """The shipped gateway (consistency check on) holds about 200-250 ranks on a quiet machine
+    (docs/scaling.md); 100 leaves room for a busy CI runner."""
     payload = bench_pushgateway.hook_payload()
     samples_per_rank = sum(1 for line in payload.decode().splitlines() if line and not line.startswith("#"))
-    figures = bench_pushgateway.run_load(200, seconds=15, workers=2, payload=payload, workdir=tmp_path)
+    figures = bench_pushgateway.run_load(100, seconds=15, workers=2, payload=payload, workdir=tmp_path)
     assert figures["errors"] == 0
     assert figures["achieved_per_s"] >= 0.95 * figures["wanted_per_s"]
     assert figures["latency_p99_ms"] < 5000
     # every rank's group is there, each with its samples plus the gateway's push_time/push_failure_time
-    assert figures["prom_scrape_samples"] >= 200 * (samples_per_rank + 2)
-    assert figures["metrics_bytes"] > 200 * len(payload) * 0.8
+    assert figures["prom_scrape_samples"] >= 100 * (samples_per_rank + 2)
+    assert figures["metrics_bytes"] > 100 * len(payload) * 0.8

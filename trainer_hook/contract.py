@@ -68,7 +68,7 @@ RESERVED = frozenset({
     "data_wait_seconds_total", "nonfinite_steps_total", "last_nonfinite_step",
     "last_nonfinite_batch_id", "loss_max", "grad_norm_max", "run_info", "gpu_info",
     "dropped_values_total", "push_failures_total", "record_failures_total",
-    "last_update_timestamp_seconds", "start_timestamp_seconds", "run_state",
+    "last_update_timestamp_seconds", "last_push_timestamp_seconds", "start_timestamp_seconds", "run_state",
     "cuda_memory_allocated_bytes", "cuda_memory_reserved_bytes", "cuda_alloc_retries_total",
     "cuda_ooms_total", "local_rank", "world_size", "process_info", "logged_value_sum",
     "logged_value_count", "nonfinite_values_total", "first_nonfinite_step",
@@ -234,6 +234,7 @@ class Snapshot:
     state: str = "running"
     failure_reason: str = ""  # a failed run's end: the exception's class name (or "SIGTERM")
     start_time: float = 0.0
+    published: float = 0.0  # Unix time of the publish (training_last_push_timestamp_seconds)
     push_failures: int = 0
     record_failures: int = 0
     run_labels: dict[str, str] = field(default_factory=dict)

@@ -76,6 +76,9 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     yield skipped
     yield g("last_update_timestamp_seconds", "Unix time of the last log() call.", snap.last_update)
     yield g("start_timestamp_seconds", "Unix time the monitor was created.", snap.start_time)
+    yield g("last_push_timestamp_seconds", "Unix time the hook published this state (every push "
+            "interval, pushed, remote-written or served): what staleness rules compare with time().",
+            snap.published)
     state = GaugeMetricFamily(PREFIX + "run_state", "1 for the run's current state.",
                               labels=[*const, "state"])
     for name in RUN_STATES:
@@ -103,7 +106,8 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     for reason in DROP_REASONS:
         dropped.add_metric([*const.values(), reason], snap.dropped.get(reason, 0))
     yield dropped
-    yield c("push_failures", "Failed pushes to the Pushgateway.", snap.push_failures)
+    yield c("push_failures", "Failed pushes to the Pushgateway, and remote-write requests or batches "
+            "of samples that were dropped.", snap.push_failures)
     yield c("record_failures", "Failed writes to the local record file.", snap.record_failures)
     if snap.cuda is not None:
         yield g("cuda_memory_allocated_bytes", "CUDA caching allocator: allocated bytes.",

@@ -22,7 +22,8 @@ from .exposition import registry_for
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
-from .settings import DEFAULT_DELETE_AFTER, resolve
+from .remote_write import RemoteWriter
+from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
 from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
@@ -54,7 +55,8 @@ class TrainingMonitor:
 
     `log()` only appends to an in-memory buffer; a background thread reads tensors once per
     `push_interval`, appends every step to the local record and pushes the whole state to the
-    Pushgateway (grouping key job/run/rank/instance), or serves it on `listen_port` (pull mode).
+    Pushgateway (grouping key job/run/rank/instance), writes it to a Prometheus remote-write receiver
+    (`remote_write_url`), or serves it on `listen_port` (pull mode).
     Invalid arguments raise ValueError here; nothing raises later unless `strict=True`.
     """
 
@@ -64,12 +66,12 @@ class TrainingMonitor:
                  local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,
                  gpu_uuid: str | Iterable[str] | None = None, strict: bool = False,
-                 listen_port: int | None = None, listen_address: str = "127.0.0.1",
+                 listen_port: int | None = None, listen_address: str = DEFAULT_LISTEN_ADDRESS,
                  push_timeout: float = 3.0, basic_auth: tuple[str, str] | None = None,
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
-                 delete_after: float | None = DEFAULT_DELETE_AFTER) -> None:
+                 delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -78,6 +80,7 @@ class TrainingMonitor:
             config = vars(config)
         self.settings = s = resolve(arguments)
         handler = make_handler(s) if s.pushgateway else None
+        self._writer = RemoteWriter(s, s.remote_write) if s.remote_write else None  # checks; starts nothing
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
@@ -118,10 +121,9 @@ class TrainingMonitor:
         self.record.write([self._start_line()])
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
-        if self._pusher:
-            self._pusher.offer(self._latest)
-        if pushgateway is None and not s.pushgateway and s.listen_port is None:
-            log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY) and no "
+        self._offer(self._latest)
+        if pushgateway is None and not s.pushgateway and s.listen_port is None and not s.remote_write:
+            log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY), no remote write and no "
                         "listen_port: metrics go only to the local record %s", s.record_path)
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
         self._worker.start()
@@ -352,8 +354,7 @@ class TrainingMonitor:
                 if time.monotonic() >= next_publish:
                     next_publish = time.monotonic() + interval
                     self._latest = self._publish("running")
-                    if self._pusher:
-                        self._pusher.offer(self._latest)
+                    self._offer(self._latest)
             except Exception:  # noqa: BLE001 - a monitoring bug must not stop monitoring
                 if ("worker", "error") not in self._warned:
                     self._warned.add(("worker", "error"))
@@ -378,8 +379,14 @@ class TrainingMonitor:
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
-            push_failures=self._pusher.failures if self._pusher else 0,
+            push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
+            published=time.time(),
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
+
+    def _offer(self, snapshot: Snapshot) -> None:
+        for sender in (self._pusher, self._writer):
+            if sender:
+                sender.offer(snapshot)
 
     def _gpus(self) -> tuple[tuple[str, str], ...]:
         uuids = self.settings.gpu_uuids
@@ -442,6 +449,8 @@ class TrainingMonitor:
             unpushed = self._pusher.stop(self.settings.push_timeout)
             final = final if unpushed is None else merge_maxima(unpushed, final)
             self._pusher.push_final(final, await_at_exit=reason != "KeyboardInterrupt")
+        if self._writer:
+            self._writer.finish(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -34,10 +34,12 @@ def make_handler(settings: Settings) -> Callable:
 
 @dataclass
 class _Deletion:
-    """A finished run's group, deleted from the Pushgateway when `due` (time.monotonic) comes."""
+    """A finished run's series, removed by `delete()` when `due` (time.monotonic) comes: its group
+    deleted from the Pushgateway, or stale markers written to a remote-write receiver."""
 
     due: float
     cancelled: threading.Event
+    delete: Callable[[], None]
     awaited_at_exit: bool = True
     thread: threading.Thread | None = None
 
@@ -59,18 +61,50 @@ def _await_deletions() -> None:
         return
     wait = max(d.due for d in pending) - time.monotonic()
     if wait > 1:
-        log.warning("waiting %.0f s before exiting: the final state of %d finished run(s) stays on the "
-                    "Pushgateway until Prometheus scraped it, then it is deleted (delete_after; Ctrl-C "
-                    "skips, DUALTRACK_DELETE_AFTER=none keeps it)", wait, len(pending))
+        log.warning("waiting %.0f s before exiting: the final state of %d finished run(s) stays visible "
+                    "until Prometheus saw it, then it is deleted from the Pushgateway or marked stale by "
+                    "remote write (delete_after; Ctrl-C skips, DUALTRACK_DELETE_AFTER=none keeps it)",
+                    wait, len(pending))
     try:
         for deletion in pending:
             deletion.thread.join(max(0.0, deletion.due - time.monotonic()) + 10.0)
     except KeyboardInterrupt:
-        log.warning("exit: did not delete %d finished run(s) from the Pushgateway; "
-                    "`dualtrack janitor` removes them later", len(pending))
+        log.warning("exit: did not remove %d finished run(s): `dualtrack janitor` deletes them from the "
+                    "Pushgateway later; remote-written series end by themselves", len(pending))
 
 
 atexit.register(_await_deletions)  # registered first, so it runs after the monitors' own close
+
+
+def schedule_deletion(group: tuple, delay: float, delete: Callable[[], None], await_at_exit: bool) -> None:
+    """Call `delete()` `delay` seconds from now on its own thread, unless cancel_deletion(group) comes
+    first (a new run of this process under the same identity); the process waits for it at exit
+    unless not `await_at_exit`. `delete` must not raise."""
+    deletion = _Deletion(time.monotonic() + delay, threading.Event(), delete, await_at_exit)
+    deletion.thread = threading.Thread(target=_delete_when_due, args=(group, deletion),
+                                       name="trainer_hook-delete", daemon=True)
+    with _deletions_lock:
+        _deletions[group] = deletion
+    deletion.thread.start()
+
+
+def _delete_when_due(group: tuple, deletion: _Deletion) -> None:
+    if deletion.cancelled.wait(max(0.0, deletion.due - time.monotonic())):
+        return
+    try:
+        deletion.delete()
+    finally:
+        with _deletions_lock:
+            if _deletions.get(group) is deletion:
+                del _deletions[group]
+
+
+def cancel_deletion(group: tuple) -> None:
+    """Cancel the pending deletion of `group`, if any."""
+    with _deletions_lock:
+        deletion = _deletions.pop(group, None)
+    if deletion is not None:
+        deletion.cancelled.set()
 
 
 class Pusher:
@@ -79,7 +113,7 @@ class Pusher:
     def __init__(self, settings: Settings, handler: Callable) -> None:
         self.settings = settings
         self._group = (settings.pushgateway, settings.job, tuple(sorted(settings.grouping_key.items())))
-        self._cancel_deletion()  # a new run of this process under the same identity keeps its group
+        cancel_deletion(self._group)  # a new run of this process under the same identity keeps its group
         self.failures = 0
         self._handler = handler
         self._cond = threading.Condition()
@@ -145,18 +179,10 @@ class Pusher:
         `await_at_exit` (a run the user stopped with Ctrl-C) the process does not wait for it either.
         """
         delay = self.settings.delete_after
-        if not self.push(snapshot) or delay is None:
-            return
-        deletion = _Deletion(time.monotonic() + delay, threading.Event(), await_at_exit)
-        deletion.thread = threading.Thread(target=self._delete_when_due, args=(deletion,),
-                                           name="trainer_hook-delete", daemon=True)
-        with _deletions_lock:
-            _deletions[self._group] = deletion
-        deletion.thread.start()
+        if self.push(snapshot) and delay is not None:
+            schedule_deletion(self._group, delay, self._delete, await_at_exit)
 
-    def _delete_when_due(self, deletion: _Deletion) -> None:
-        if deletion.cancelled.wait(max(0.0, deletion.due - time.monotonic())):
-            return
+    def _delete(self) -> None:
         try:
             delete_from_gateway(self.settings.pushgateway, job=self.settings.job,
                                 grouping_key=self.settings.grouping_key,
@@ -164,16 +190,6 @@ class Pusher:
         except Exception as exc:  # noqa: BLE001 - the run is over; nothing may raise from here
             log.warning("could not delete the finished run's group from %s: %s; `dualtrack janitor` "
                         "removes it later", self.settings.pushgateway, exc)
-        finally:
-            with _deletions_lock:
-                if _deletions.get(self._group) is deletion:
-                    del _deletions[self._group]
-
-    def _cancel_deletion(self) -> None:
-        with _deletions_lock:
-            deletion = _deletions.pop(self._group, None)
-        if deletion is not None:
-            deletion.cancelled.set()
 
     def stop(self, timeout: float) -> Snapshot | None:
         """Stop the thread (waiting up to `timeout` s for a push in flight); return what was not pushed."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from dualtrack.connection import resolve as resolve_endpoint, warn_plaintext
+from dualtrack.connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
 
 from .contract import label_value
 
@@ -27,7 +27,10 @@ ENV_USERNAME = "DUALTRACK_PUSHGATEWAY_USERNAME"
 ENV_PASSWORD = "DUALTRACK_PUSHGATEWAY_PASSWORD"
 ENV_TOKEN = "DUALTRACK_PUSHGATEWAY_TOKEN"
 ENV_CA_FILE = "DUALTRACK_PUSHGATEWAY_CA_FILE"
+ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and the credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
+ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS
+DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
 DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
 #: (rank, local rank, world size) variables per launcher, the innermost launcher first: torchrun
@@ -66,6 +69,7 @@ class Settings:
     max_hold: float
     delete_after: float | None
     record_max_bytes: int | None
+    remote_write: Endpoint | None  # its repr() shows no secret
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -210,6 +214,20 @@ def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_to
             "ca_file": endpoint.ca_file, "client_cert": endpoint.client_cert}
 
 
+def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | None = None,
+                 ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint | None:
+    """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its credentials:
+    the arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE, _CA_FILE,
+    by dualtrack.connection's one rule. None when no URL is given. Raises ValueError with one line."""
+    url = url or os.environ.get(f"{ENV_REMOTE_WRITE}_URL") or None
+    if url is None:
+        return None
+    endpoint = resolve_endpoint("remote write", ENV_REMOTE_WRITE, url, basic_auth, bearer_token, ca_file,
+                                client_cert, tls_verify)
+    warn_plaintext(endpoint, "remote-write receiver", log.warning)
+    return endpoint
+
+
 def resolve(arguments: Mapping[str, Any]) -> Settings:
     """Settings from TrainingMonitor's arguments (by name; None falls back to the environment).
 
@@ -221,10 +239,13 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["run"] = run = _run(a["run"])
     a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
     a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
+    a["listen_port"], a["listen_address"] = _listen(a["listen_port"], a["listen_address"])
     listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
+    a["remote_write"] = remote_write(a.pop("remote_write_url"), a["basic_auth"], a["bearer_token"],
+                                     a["ca_file"], a["client_cert"], bool(a["tls_verify"]))
     a.update(connection(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"]))
     a["push_interval"] = _positive("push_interval", a["push_interval"])
     a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
@@ -234,6 +255,19 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
     a["delete_after"] = _delete_after(a["delete_after"])
     return Settings(**a)
+
+
+def _listen(port: int | None, address: str) -> tuple[int | None, str]:
+    """Pull mode's port and address: the arguments, else $DUALTRACK_LISTEN_PORT / _ADDRESS (a pod that a
+    PodMonitor scrapes sets them in its environment); the address's default is loopback."""
+    env_port = os.environ.get(f"{ENV_LISTEN}_PORT", "").strip()
+    if port is None and env_port:
+        if not env_port.isdigit():
+            raise ValueError(f"${ENV_LISTEN}_PORT must be a TCP port number, got {env_port!r}")
+        port = int(env_port)
+    if address == DEFAULT_LISTEN_ADDRESS:
+        address = os.environ.get(f"{ENV_LISTEN}_ADDRESS", "").strip() or address
+    return port, address
 
 
 def _delete_after(value: float | None) -> float | None:

@@ -15,7 +15,7 @@ from exporter.collectors.processes import ProcessesCollector
 from exporter.collectors.thermal import FanCollector, ThermalCollector
 from exporter.collectors.throttle import ThrottleCollector
 from exporter.collectors.utilization import UtilizationCollector
-from exporter.collectors.xid import XidCollector, XidWatcher
+from exporter.collectors.xid import XidCollector, XidCounts, XidWatcher
 
 ALL: tuple[type[Collector], ...] = (
     UtilizationCollector, MemoryCollector, ThermalCollector, PowerCollector, ThrottleCollector,
@@ -25,4 +25,4 @@ ALL: tuple[type[Collector], ...] = (
 )
 BY_NAME: dict[str, type[Collector]] = {collector.name: collector for collector in ALL}
 
-__all__ = ["ALL", "BY_NAME", "Collector", "SampleContext", "XidWatcher"]
+__all__ = ["ALL", "BY_NAME", "Collector", "SampleContext", "XidCounts", "XidWatcher"]

@@ -41,6 +41,10 @@ class Collector:
     def close(self) -> None:
         """Free what NVML allocated for this collector; called once its GPU's thread has stopped."""
 
+    def restart(self) -> None:
+        """Forget readings from before a GPU loss: the GPU is back (perhaps reset) and its counters may
+        have started again. Called by its GPU's sampler thread."""
+
 
 class SampleContext:
     """Reads for one collector during one sample; failures become counted errors, absences nothing."""

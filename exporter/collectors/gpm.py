@@ -5,9 +5,12 @@ nvmlGpmQueryDeviceSupport once, then per run nvmlGpmSampleGet into alternating b
 nvmlGpmMetricsGet over the last two samples (metrics SM_UTIL, ANY_TENSOR_UTIL, DRAM_BW_UTIL).
 A GPU in MIG mode answers for its GPU instances only (nvmlGpmMigSampleGet, in the mig collector).
 Two GPM samples less than 100 ms apart give no metrics: a window shorter than MIN_WINDOW is not sampled.
+A metric the driver answers NaN for is absent. After a GPU loss (or reset) the window starts again:
+the GPU's counters did, so a window over the loss would be garbage.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
@@ -71,12 +74,18 @@ class GpmWindow:
             self.ratios = {}
         else:
             self.ratios = {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
-                           if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS}
+                           if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS
+                           and not math.isnan(request.metrics[slot].value)}
         return self.ratios
+
+    def restart(self) -> None:
+        """Drop the previous sample (the buffers stay): the next window starts with the next sample."""
+        self.have_previous, self.ratios = False, {}
 
     def close(self) -> None:
         self._free(self.buffers)
-        self.buffers, self.have_previous, self.ratios = [], False, {}
+        self.buffers = []
+        self.restart()
 
     def _free(self, buffers: list) -> None:
         for buffer in buffers:
@@ -104,6 +113,9 @@ class GpmCollector(Collector):
             return
         for suffix, ratio in self.window.read(ctx).items():
             ctx.emit(f"nvml_gpu_{suffix}", ratio)
+
+    def restart(self) -> None:
+        self.window.restart()
 
     def close(self) -> None:
         self.window.close()

@@ -74,6 +74,10 @@ class MigCollector(Collector):
         for suffix, ratio in window.read(ctx).items():
             ctx.emit(f"nvml_gpu_mig_{suffix}", ratio, gi)
 
+    def restart(self) -> None:
+        for window in self.windows.values():
+            window.restart()
+
     def close(self) -> None:
         for window in self.windows.values():
             window.close()

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dualtrack import protobuf
+from dualtrack.protobuf import MESSAGE, STRING, Schema
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device
 
@@ -43,14 +45,13 @@ MAX_RESPONSE_BYTES = 4 * 2**20  # ~100 bytes per container and device: tens of t
 MAX_HOLDERS_PER_DEVICE = 32  # containers sharing one GPU (time-slicing replicas, MPS) served per device
 
 # message -> (field name, number, type, repeated, message type) of the v1 API, List's part only
-_STRING, _MESSAGE = 9, 11  # FieldDescriptorProto.TYPE_*
-_SCHEMA: dict[str, tuple[tuple[str, int, int, bool, str], ...]] = {
+_SCHEMA: Schema = {
     "ListPodResourcesRequest": (),
-    "ListPodResourcesResponse": (("pod_resources", 1, _MESSAGE, True, "PodResources"),),
-    "PodResources": (("name", 1, _STRING, False, ""), ("namespace", 2, _STRING, False, ""),
-                     ("containers", 3, _MESSAGE, True, "ContainerResources")),
-    "ContainerResources": (("name", 1, _STRING, False, ""), ("devices", 2, _MESSAGE, True, "ContainerDevices")),
-    "ContainerDevices": (("resource_name", 1, _STRING, False, ""), ("device_ids", 2, _STRING, True, "")),
+    "ListPodResourcesResponse": (("pod_resources", 1, MESSAGE, True, "PodResources"),),
+    "PodResources": (("name", 1, STRING, False, ""), ("namespace", 2, STRING, False, ""),
+                     ("containers", 3, MESSAGE, True, "ContainerResources")),
+    "ContainerResources": (("name", 1, STRING, False, ""), ("devices", 2, MESSAGE, True, "ContainerDevices")),
+    "ContainerDevices": (("resource_name", 1, STRING, False, ""), ("device_ids", 2, STRING, True, "")),
 }
 
 
@@ -62,22 +63,10 @@ def messages() -> dict[str, type]:
     """The v1 message classes by name, built once from `_SCHEMA`; raises NotInstalled."""
     if not _messages:
         try:
-            from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+            _messages.update(protobuf.messages("dualtrack/kubelet/podresources/v1/api.proto", "v1", _SCHEMA))
         except ImportError as exc:
             raise NotInstalled("--collector.podresources needs protobuf and grpcio: "
                                "pip install 'dualtrack[kubernetes]'") from exc
-        proto = descriptor_pb2.FileDescriptorProto(name="dualtrack/kubelet/podresources/v1/api.proto",
-                                                   package="v1", syntax="proto3")
-        for name, fields in _SCHEMA.items():
-            message = proto.message_type.add(name=name)
-            for field_name, number, kind, repeated, type_name in fields:
-                spec = message.field.add(name=field_name, number=number, type=kind, label=3 if repeated else 1)
-                if type_name:
-                    spec.type_name = f".v1.{type_name}"
-        pool = descriptor_pool.DescriptorPool()
-        pool.Add(proto)
-        _messages.update({name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"v1.{name}"))
-                          for name in _SCHEMA})
     return _messages
 
 

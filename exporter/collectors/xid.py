@@ -1,9 +1,10 @@
-"""XID errors, event-driven: every XID NVML delivers is counted, repeats included.
+"""XID errors, event-driven: every XID is counted once, repeats included.
 
 nvidia-smi has no field; the driver logs `NVRM: Xid (PCI:...): 79, ...` to the kernel log. NVML:
 nvmlEventSetCreate, nvmlDeviceRegisterEvents(nvmlEventTypeXidCriticalError), and a thread blocked
 in nvmlEventSetWait. NVML delivers only the XIDs it classes as critical; the others appear in the
-kernel log alone. The counts live here; the per-GPU collector copies them into the snapshot.
+kernel log alone, which exporter.kernellog reads. Both sources report to `XidCounts`, which counts
+each XID once (see there); the per-GPU collector copies the counts into the snapshot.
 
 The thread is joined and the event set freed before NVML is shut down (event sets are not
 thread-safe), a GPU that comes back after being lost is registered again (its handle and its
@@ -16,63 +17,95 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import LOST_ERROR_NAMES, Absent, CallFailed, Device, GpuLost, Nvml, handle_key
+from exporter.xids import meaning
 
 log = logging.getLogger(__name__)
 WAIT_MS = 500
 LOG_EVERY = 60.0  # seconds between two log lines for the same GPU and XID
-
-#: What the common XIDs mean, after NVIDIA's XID catalog (docs.nvidia.com/deploy/xid-errors).
-XID_MEANINGS: dict[int, str] = {
-    13: "graphics engine exception, usually the application",
-    31: "GPU memory page fault, usually the application",
-    43: "GPU stopped processing, usually the application",
-    48: "double-bit ECC error (memory)",
-    63: "ECC page retirement or row remapping recorded (memory)",
-    64: "ECC page retirement or row remapping failed (memory)",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate (memory)",
-    94: "contained ECC error (memory)",
-    95: "uncontained ECC error (memory)",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-}
+#: seconds within which an XID from one source (NVML, the kernel log) and the same GPU and code from
+#: the other are one event: both come from the same driver report, read a poll interval or two apart
+MATCH_WINDOW = 5.0
+MATCH_BACKLOG = 256  # unmatched reports kept per GPU and code (an XID storm from one source alone)
 
 
-def describe_xid(xid: int) -> str:
-    return XID_MEANINGS.get(xid, "see NVIDIA's XID catalog")
+class XidCounts:
+    """XID counts per GPU and code from several sources (NVML events, the kernel log), each XID once.
+
+    The driver reports one XID both ways. A report is matched with an unmatched one of the same GPU
+    and code from the other source within MATCH_WINDOW seconds: then it is that XID, already counted;
+    otherwise it is counted and waits to be matched. So an XID counts once whichever source comes
+    first, and n XIDs in a storm count n, whether one source sees them or both.
+    Thread-safe: each source reports from its own thread.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[int, Counter] = {}
+        self._unmatched: dict[tuple[int, int], deque] = {}  # (gpu, code) -> (source, seen at), oldest first
+        self._logged: dict[tuple[int, int], tuple[float, int]] = {}  # (gpu, xid) -> (last line, unlogged since)
+
+    def add(self, index: int, code: int, source: str) -> bool:
+        """Report XID `code` on GPU `index` from `source`; True if it was counted (a new XID)."""
+        now = self.clock()
+        with self._lock:
+            unmatched = self._unmatched.setdefault((index, code), deque(maxlen=MATCH_BACKLOG))
+            while unmatched and now - unmatched[0][1] > MATCH_WINDOW:
+                unmatched.popleft()
+            for position, (other, _) in enumerate(unmatched):
+                if other != source:
+                    del unmatched[position]
+                    return False
+            unmatched.append((source, now))
+            self._counts.setdefault(index, Counter())[str(code)] += 1
+            line = self._due_line(index, code, now)
+        if line is not None:
+            log.warning("GPU %d: XID %d: %s%s", index, code, meaning(code), line)
+        return True
+
+    def _due_line(self, index: int, code: int, now: float) -> str | None:
+        """At most one line per GPU and XID every LOG_EVERY seconds: its suffix, or None (caller holds the lock)."""
+        last, unlogged = self._logged.get((index, code), (None, 0))
+        if last is not None and now - last < LOG_EVERY:
+            self._logged[(index, code)] = (last, unlogged + 1)
+            return None
+        self._logged[(index, code)] = (now, 0)
+        return f" (and {unlogged} more since the last line)" if unlogged else ""
+
+    def counts(self, index: int) -> dict[str, int]:
+        """XID counts of one GPU by code."""
+        with self._lock:
+            return dict(self._counts.get(index, {}))
 
 
 class XidWatcher:
     """Counts XID events for a set of GPUs from one NVML event set, in a background thread."""
 
-    def __init__(self, nvml: Nvml, devices: list[Device], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nvml: Nvml, devices: list[Device], counts: XidCounts) -> None:
         self.nvml = nvml
         self.devices = devices
-        self.clock = clock
-        self._counts: dict[int, Counter] = {device.index: Counter() for device in devices}
+        self.xid_counts = counts
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._event_set: Any = None
         self._by_handle: dict[int, int] = {}
         self._returned: list[Device] = []
-        self._logged: dict[tuple[int, int], tuple[float, int]] = {}  # (gpu, xid) -> (last line, unlogged since)
 
     def start(self) -> None:
         """Register for XID events; without event support, log once and count nothing."""
         try:
             self._event_set = self.nvml.call("nvmlEventSetCreate")
         except (Absent, CallFailed) as exc:
-            log.info("XID events unavailable (%s): nvml_gpu_xid_errors_total will not be exported", exc)
+            log.info("XID events unavailable from NVML (%s): nvml_gpu_xid_errors_total counts the kernel log's "
+                     "XIDs only (if it is read)", exc)
             return
-        for device in self.devices:
-            self._register(device)
+        self._register_all(self.devices)
         if self._by_handle:
             self._thread = threading.Thread(target=self._run, name="xid-events", daemon=True)
             self._thread.start()
@@ -87,21 +120,33 @@ class XidWatcher:
         with self._lock:
             self._returned.append(device)
 
-    def _register(self, device: Device) -> None:
+    def _register(self, device: Device) -> bool:
+        """Register `device` on the current set; False if that left the set undefined (UNKNOWN)."""
         try:
             device.call("nvmlDeviceRegisterEvents", self.nvml.lib.nvmlEventTypeXidCriticalError, self._event_set)
         except (Absent, CallFailed, GpuLost) as exc:
             log.info("GPU %d: XID events unavailable (%s)", device.index, exc)
-            return
+            return getattr(exc, "error", "") != "unknown"
         with self._lock:
             self._by_handle = {key: index for key, index in self._by_handle.items() if index != device.index}
             self._by_handle[handle_key(device.handle)] = device.index
+        return True
 
-    def _renew(self) -> None:
-        """Move to a new event set with every GPU that still registers, and free the old one.
+    def _register_all(self, devices: list[Device], left_out: tuple[int, ...] = ()) -> None:
+        """Register `devices` on the current set. A registration answered UNKNOWN leaves the set in an
+        undefined state that must be freed (nvml.h): the set is renewed without that GPU, which is left
+        out until it comes back (`register`)."""
+        undefined = tuple(device.index for device in devices if not self._register(device))
+        if undefined:
+            self._renew(left_out + undefined)
+
+    def _renew(self, left_out: tuple[int, ...] = ()) -> None:
+        """Move to a new event set with every GPU that still registers (but those `left_out`), and free
+        the old one.
 
         A GPU registered on a set that falls off the bus fails every wait on it, masking the other
-        GPUs' XIDs; it is left out until it comes back (`register`). Run by the event thread only.
+        GPUs' XIDs; it is left out until it comes back (`register`). Run by the event thread only
+        (or by `start`, before it runs).
         """
         try:
             event_set = self.nvml.call("nvmlEventSetCreate")
@@ -111,8 +156,7 @@ class XidWatcher:
         old, self._event_set = self._event_set, event_set
         with self._lock:
             self._by_handle = {}
-        for device in self.devices:
-            self._register(device)
+        self._register_all([device for device in self.devices if device.index not in left_out], left_out)
         try:
             self.nvml.call("nvmlEventSetFree", old)
         except (Absent, CallFailed) as exc:
@@ -133,20 +177,12 @@ class XidWatcher:
             self._event_set = None
         return True
 
-    def counts(self, index: int) -> dict[str, int] | None:
-        """XID counts of one GPU by code; None when the GPU is not watched."""
-        if self._thread is None:
-            return None
-        with self._lock:
-            return dict(self._counts.get(index, {}))
-
     def _run(self) -> None:
         xid_type = self.nvml.lib.nvmlEventTypeXidCriticalError
         while not self._stop.is_set():
             with self._lock:
                 returned, self._returned = self._returned, []
-            for device in returned:
-                self._register(device)
+            self._register_all(returned)
             try:
                 data = self.nvml.call("nvmlEventSetWait", self._event_set, WAIT_MS)
             except CallFailed as exc:
@@ -166,32 +202,19 @@ class XidWatcher:
                 continue
             with self._lock:
                 index = self._by_handle.get(handle_key(data.device))
-                if data.eventType & xid_type and index is not None:
-                    self._counts[index][str(data.eventData)] += 1
             if data.eventType & xid_type and index is not None:
-                self._log(index, int(data.eventData))
-
-    def _log(self, index: int, xid: int) -> None:
-        """One warning per GPU and XID at most every LOG_EVERY seconds, with the count in between."""
-        now = self.clock()
-        last, unlogged = self._logged.get((index, xid), (None, 0))
-        if last is not None and now - last < LOG_EVERY:
-            self._logged[(index, xid)] = (last, unlogged + 1)
-            return
-        more = f" (and {unlogged} more since the last line)" if unlogged else ""
-        log.warning("GPU %d: XID %d: %s%s", index, xid, describe_xid(xid), more)
-        self._logged[(index, xid)] = (now, 0)
+                self.xid_counts.add(index, int(data.eventData), "nvml")
 
 
 class XidCollector(Collector):
     name = "xid"
-    help = "XID error counts (NVML events)"
+    help = "XID error counts (NVML events and the kernel log)"
 
-    def __init__(self, device, *, xid_watcher: XidWatcher | None = None, **kwargs) -> None:
+    def __init__(self, device, *, xid_counts: XidCounts | None = None, **kwargs) -> None:
         super().__init__(device, **kwargs)
-        self.watcher = xid_watcher
+        self.xid_counts = xid_counts
 
     def collect(self, ctx: SampleContext) -> None:
-        counts = self.watcher.counts(self.device.index) if self.watcher else None
-        for xid, count in (counts or {}).items():
+        counts = self.xid_counts.counts(self.device.index) if self.xid_counts else {}
+        for xid, count in counts.items():
             ctx.emit("nvml_gpu_xid_errors_total", count, xid)

@@ -1,0 +1,207 @@
+"""XIDs from the kernel log (--collector.xid.kernel-log): matched by PCI bus id, counted once with the
+NVML events, never again after a restart, and an unreadable log costs one warning, never a scrape."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.cli import kernel_log_path, parse_args
+from exporter.collectors.xid import MATCH_WINDOW, XidCounts
+from exporter.kernellog import bus_key, parse_xid
+from stack import processes
+from stack.processes import wait_until
+from tests.exporter_support import FakeClock, Rig
+from tests.nvml_faults import Fault
+
+# the simulated GPUs' bus ids (exporter.simulated._BUS_IDS), as the kernel writes them
+KERNEL_BUS = {0: "0000:18:00", 1: "0000:2a:00"}
+
+
+def xid_line(gpu: int, code: int, kmsg: bool = False) -> str:
+    """A driver XID line as dmesg shows it, or as a /dev/kmsg record."""
+    text = f"NVRM: Xid (PCI:{KERNEL_BUS[gpu]}): {code}, pid='<unknown>', name=<unknown>, see the catalog"
+    return f"4,1021,{5_000_000 + code},-;{text}\n" if kmsg else f"[ 5.{code:06d}] {text}\n"
+
+
+def append(path: Path, *lines: str) -> None:
+    with open(path, "a") as handle:
+        handle.write("".join(lines))
+
+
+def xid_count(rig: Rig, gpu: int, code: int) -> float | None:
+    rig.step(0.01)
+    return rig.value("nvml_gpu_xid_errors_total", gpu=str(gpu), uuid=rig.sampler.devices[gpu].uuid, xid=str(code))
+
+
+def started(rig: Rig) -> Rig:
+    rig.sampler.xid.start()
+    rig.sampler.kernel_log.start()
+    wait_until(rig.sampler.kernel_log.settled.is_set, timeout=5, what="the kernel log opened")
+    return rig
+
+
+def test_nvml_and_kernel_bus_id_forms_name_the_same_gpu():
+    assert bus_key("00000000:3B:00.0") == bus_key("0000:3b:00") == bus_key("3b:00") == (0, 0x3B, 0)
+    assert bus_key("00000001:3B:00.0") != bus_key("0000:3b:00")
+    assert parse_xid(xid_line(1, 79, kmsg=True).encode()) == ((0, 0x2A, 0), 79)
+    assert parse_xid(b"[ 269.517039] NVRM: Xid (0000:01:00): 3, C 00000005") == ((0, 1, 0), 3)  # older drivers
+    assert parse_xid(b"6,1,2,-;NVRM: GPU at PCI:0000:2a:00: GPU-0b11d014") is None
+    assert bus_key("not a bus id") is None
+
+
+def test_kernel_log_xids_count_on_the_gpu_of_their_bus_id_from_the_exporters_start_on(tmp_path):
+    kernel_log = tmp_path / "kmsg"
+    kernel_log.write_text(xid_line(1, 79))  # logged before the exporter started: already counted or seen
+    rig = started(Rig(gpus=2, collectors=["xid"], xid_kernel_log=str(kernel_log)))
+    try:
+        append(kernel_log, xid_line(1, 119, kmsg=True), "NVRM: Xid (PCI:0000:99:00): 13, a GPU not exported\n",
+               xid_line(1, 119))
+        wait_until(lambda: xid_count(rig, 1, 119) == 2, timeout=10, what="two XID 119 on GPU 1")
+        assert xid_count(rig, 1, 79) is None and rig.series("nvml_gpu_xid_errors_total") == [
+            {"gpu": "1", "uuid": rig.sampler.devices[1].uuid, "xid": "119"}]
+        with open(kernel_log, "a") as handle:  # a line written in two pieces is one line
+            handle.write(xid_line(0, 120)[:20])
+            handle.flush()
+            rig.step(0.01)
+            handle.write(xid_line(0, 120)[20:])
+        wait_until(lambda: xid_count(rig, 0, 120) == 1, timeout=10, what="XID 120 on GPU 0")
+    finally:
+        assert rig.sampler.stop()
+    assert not rig.sampler.kernel_log._thread.is_alive()
+
+
+def test_an_xid_that_nvml_and_the_kernel_log_both_report_counts_once(tmp_path):
+    kernel_log = tmp_path / "kmsg"
+    kernel_log.touch()
+    # NVML first: XID 48 on GPU 0 at t = 0; the kernel log second
+    rig = started(Rig(gpus=2, faults=[Fault(gpu=0, xid=48, times=1), Fault(gpu=0, xid=63, at=5, times=1),
+                                       Fault(gpu=0, xid=31, at=5, times=1)],
+                      collectors=["xid"], xid_kernel_log=str(kernel_log)))
+    try:
+        wait_until(lambda: xid_count(rig, 0, 48) == 1, timeout=10, what="XID 48 from NVML")
+        append(kernel_log, xid_line(0, 48), xid_line(0, 43))  # 43: read after 48, so 48 was read
+        wait_until(lambda: xid_count(rig, 0, 43) == 1, timeout=10, what="the kernel log read")
+        assert xid_count(rig, 0, 48) == 1
+        # the kernel log first: XID 63, then NVML's event for it (and 31 after it) at t = 5
+        append(kernel_log, xid_line(0, 63))
+        wait_until(lambda: xid_count(rig, 0, 63) == 1, timeout=10, what="XID 63 from the kernel log")
+        rig.step(5.0)
+        wait_until(lambda: xid_count(rig, 0, 31) == 1, timeout=10, what="NVML's events")
+        assert xid_count(rig, 0, 63) == 1
+    finally:
+        rig.sampler.stop()
+
+
+def test_the_same_xid_twice_counts_twice_and_a_late_match_is_a_new_xid():
+    clock = FakeClock()
+    counts = XidCounts(clock=clock)
+    assert [counts.add(0, 79, source) for source in ("nvml", "nvml", "kernel", "kernel", "kernel")] == \
+        [True, True, False, False, True]  # a storm seen by both sources counts each XID once
+    clock.advance(MATCH_WINDOW + 1)
+    assert counts.add(0, 79, "nvml") is True  # too late to be the kernel's third: another XID
+    assert counts.add(1, 79, "kernel") is True  # another GPU
+    assert counts.counts(0) == {"79": 4} and counts.counts(1) == {"79": 1}
+
+
+def test_a_kernel_log_that_cannot_be_read_is_one_warning_and_one_error_and_nvml_xids_still_count(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="exporter.kernellog")
+    for path, error in ((tmp_path / "missing", "kernel_log_enoent"), (tmp_path, "kernel_log_eisdir")):
+        caplog.clear()
+        rig = started(Rig(gpus=1, faults=[Fault(gpu=0, xid=79, times=1)], collectors=["xid"],
+                          xid_kernel_log=str(path)))
+        try:
+            rig.step()
+            assert rig.sampler.ready()  # an unreadable log does not hold readiness back
+            wait_until(lambda: xid_count(rig, 0, 79) == 1, timeout=10, what="NVML's XID")
+            assert rig.value("nvml_exporter_errors_total", collector="xid", error=error) == 1
+        finally:
+            assert rig.sampler.stop()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "exporter.kernellog"]
+        assert len(warnings) == 1 and str(path) in warnings[0] and "CAP_SYSLOG" in warnings[0], warnings
+
+
+def test_a_truncated_kernel_log_file_is_read_again_from_its_start(tmp_path):
+    kernel_log = tmp_path / "kmsg"
+    kernel_log.write_text(xid_line(0, 13) * 50)
+    rig = started(Rig(gpus=1, collectors=["xid"], xid_kernel_log=str(kernel_log)))
+    try:
+        kernel_log.write_text(xid_line(0, 45))  # truncated and rewritten: shorter than where the reader is
+        wait_until(lambda: xid_count(rig, 0, 45) == 1, timeout=10, what="the rewritten file read")
+        assert xid_count(rig, 0, 13) is None
+    finally:
+        rig.sampler.stop()
+
+
+def scrape_xids(service: processes.Service) -> dict[tuple[str, str], float]:
+    text = requests.get(service.url + "/metrics", timeout=5).text
+    return {(s.labels["gpu"], s.labels["xid"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "nvml_gpu_xid_errors_total"}
+
+
+def test_the_exporter_counts_kernel_log_xids_and_never_again_after_a_restart(tmp_path, start_service):
+    kernel_log = tmp_path / "kmsg"
+    kernel_log.write_text(xid_line(1, 62))  # before the exporter's first start
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
+                                                           "--sample-interval=0.2",
+                                                           f"--collector.xid.kernel-log={kernel_log}"]))
+    append(kernel_log, xid_line(1, 79, kmsg=True))
+    wait_until(lambda: scrape_xids(exporter) == {("1", "79"): 1.0}, timeout=20, what="XID 79 on GPU 1 served")
+    exporter.restart()
+    assert scrape_xids(exporter) == {}  # ready: the log was opened at its end, and nothing is counted again
+    append(kernel_log, xid_line(0, 119))
+    wait_until(lambda: scrape_xids(exporter) == {("0", "119"): 1.0}, timeout=20, what="XID 119 on GPU 0 served")
+    exporter.stop()
+    assert exporter.proc.returncode == 0, exporter.log_tail()
+
+
+def test_the_real_dev_kmsg_is_followed_from_its_end(tmp_path):
+    if not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("/dev/kmsg is not readable here")
+    rig = started(Rig(gpus=1, collectors=["xid"], xid_kernel_log="/dev/kmsg"))
+    try:
+        rig.step(0.5)  # the records since boot are not replayed: no XID, no error, reading goes on
+        assert rig.series("nvml_gpu_xid_errors_total") == [] and rig.series("nvml_exporter_errors_total") == []
+        assert rig.sampler.kernel_log._fd is not None
+    finally:
+        assert rig.sampler.stop()
+
+
+def errors_served(service: processes.Service) -> dict[str, float]:
+    text = requests.get(service.url + "/metrics", timeout=5).text
+    return {s.labels["error"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "nvml_exporter_errors_total" and s.labels["collector"] == "xid"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1"
+                    or not shutil.which("setpriv"), reason="needs root, setpriv and kernel.dmesg_restrict=1")
+def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_service):
+    """The real /dev/kmsg under kernel.dmesg_restrict=1, with the rights each deployment grants."""
+    unprivileged = ["--reuid=10001", "--regid=10001", "--clear-groups"]
+    grants = {  # the Dockerfile's user with no capability: refused, one warning, the scrape unaffected
+              "none": [*unprivileged, "--inh-caps=-all", "--bounding-set=-all"],
+              # systemd: DynamicUser with AmbientCapabilities=CAP_SYSLOG
+              "systemd": [*unprivileged, "--inh-caps=+syslog", "--ambient-caps=+syslog", "--bounding-set=-all,+syslog"],
+              # compose and Kubernetes: uid 0 with CAP_SYSLOG alone (cap_drop ALL, cap_add SYSLOG)
+              "compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog"]}
+    for name, rights in grants.items():
+        service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
+                                                "--collector.xid.kernel-log=/dev/kmsg"])
+        service.argv[:0] = ["setpriv", *rights, "--"]
+        exporter = start_service(service)
+        assert errors_served(exporter) == ({"kernel_log_eperm": 1.0} if name == "none" else {}), name
+        exporter.stop()
+        assert exporter.proc.returncode == 0, exporter.log_tail()
+
+
+def test_the_flag_defaults_to_dev_kmsg_and_an_empty_value_turns_it_off():
+    assert kernel_log_path(parse_args([], environ={})) == "/dev/kmsg"
+    assert kernel_log_path(parse_args(["--simulate=healthy"], environ={})) == ""  # made-up bus ids
+    assert kernel_log_path(parse_args(["--simulate=healthy", "--collector.xid.kernel-log=/x"], environ={})) == "/x"
+    assert kernel_log_path(parse_args([], environ={"DUALTRACK_EXPORTER_COLLECTOR_XID_KERNEL_LOG": ""})) == ""
+    assert kernel_log_path(parse_args(["--collector.xid.kernel-log="], environ={})) == ""
