@@ -12,7 +12,7 @@ in a virtual environment of its own (it is no dependency of dualtrack):
 Without it (or when that Python cannot import nvitop_exporter) the baseline is a stand-in, labelled
 "naive": nvitop-exporter's 17 NVML calls per GPU, made on every scrape.
 
-Reports scrape latency p50/p99, CPU per second while idle (the sampler's cost), CPU per scrape, CPU
+Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle (the sampler's cost), CPU per scrape, CPU
 at one scrape per 15 s (idle CPU + CPU per scrape / 15), resident memory, NVML calls per GPU per
 sample (counted in the simulated NVML), series per GPU, and the ratios dualtrack / baseline.
 The "generic path" column is the same daemon with the same flags rendering every scrape with
@@ -22,12 +22,15 @@ scrapes alternate with the pre-rendered daemon's.
 from __future__ import annotations
 
 import argparse
+import gzip
+import http.client
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -128,17 +131,28 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetric
               "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2's scrape Accept header
 
 
-def scrape_latencies(session: requests.Session, urls: list[str], count: int,
-                     accept: str = "*/*") -> list[tuple[list[float], int]]:
-    """`count` scrapes of every URL, alternating between them: (latencies, body size) per URL."""
-    results: list[tuple[list[float], int]] = [([], 0) for _ in urls]
-    for _ in range(count):
-        for i, url in enumerate(urls):
-            started = time.perf_counter()
-            response = session.get(url, timeout=30, headers={"Accept": accept})
-            results[i][0].append(time.perf_counter() - started)
-            results[i] = (results[i][0], len(response.content))
-    return results
+class Scraper:
+    """Scrapes as Prometheus does: one kept-alive connection per target (re-opened when the server closes
+    it), Accept-Encoding gzip, the body read but not decompressed. http.client rather than requests,
+    whose own ~2 ms per request on this VM would be added to every daemon's latency alike."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.targets = [(http.client.HTTPConnection(parts.hostname, parts.port, timeout=30), parts.path)
+                        for parts in map(urlsplit, urls)]
+
+    def latencies(self, count: int, accept: str = "*/*") -> list[tuple[list[float], int]]:
+        """`count` scrapes of every target, alternating between them: (latencies, body size) per target."""
+        results: list[tuple[list[float], int]] = [([], 0) for _ in self.targets]
+        for _ in range(count):
+            for i, (connection, path) in enumerate(self.targets):
+                started = time.perf_counter()
+                connection.request("GET", path, headers={"Accept": accept, "Accept-Encoding": "gzip"})
+                response = connection.getresponse()
+                body = response.read()
+                results[i][0].append(time.perf_counter() - started)
+                gzipped = response.getheader("Content-Encoding") == "gzip"
+                results[i] = (results[i][0], len(gzip.decompress(body) if gzipped else body))
+        return results
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -261,20 +275,20 @@ def main() -> int:
         idle_cpu = {name: cpu_seconds(proc.pid) for name, proc, _ in daemons}
         time.sleep(args.window)
         idle_cpu = {name: (cpu_seconds(proc.pid) - idle_cpu[name]) / args.window for name, proc, _ in daemons}
-        session = requests.Session()
         ours_urls, ours_procs = [fast_url, generic_url], [fast_proc, generic_proc]
-        scrape_latencies(session, ours_urls + [base_url], 20)  # warm-up
+        scraper = Scraper(ours_urls + [base_url])
+        scraper.latencies(20)  # warm-up
         # every daemon's scrapes alternate, so that load on the machine falls on all alike
         all_procs = ours_procs + [base_proc]
         before = [cpu_seconds(proc.pid) for proc in all_procs]
         started = time.monotonic()
-        text = dict(zip((fast, generic, base), scrape_latencies(session, ours_urls + [base_url], args.scrapes)))
+        text = dict(zip((fast, generic, base), scraper.latencies(args.scrapes)))
         elapsed = time.monotonic() - started
         # CPU per scrape: CPU over the scrapes minus what the daemon spends anyway (its idle rate)
         cpu_per_scrape = {name: (cpu_seconds(proc.pid) - start_cpu - idle_cpu[name] * elapsed) / args.scrapes
                           for name, proc, start_cpu in zip((fast, generic, base), all_procs, before)}
-        om = dict(zip((fast, generic), scrape_latencies(session, ours_urls, args.scrapes, OPENMETRICS)))
-        base_body = session.get(base_url, timeout=30).content
+        om = dict(zip((fast, generic), Scraper(ours_urls).latencies(args.scrapes, OPENMETRICS)))
+        base_body = requests.get(base_url, timeout=30).content
         rss = {name: rss_mb(proc.pid) for name, proc, _ in daemons}
         bare = subprocess.run([sys.executable, "-c", "import prometheus_client, pynvml, pathlib; "
                                "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
