@@ -326,8 +326,7 @@ def main() -> int:
          ratio(at_15s[fast], at_15s[base]), "<= 0.35x"),
         ("  of which sampler + simulated NVML (% of a core)", f"{sampler_cpu[fast] * 100:.2f}",
          f"{sampler_cpu[generic] * 100:.2f}", "-", "", ""),
-        # the simulated nvmlEventSetWait polls every 50 ms where a driver blocks: CPU a real GPU does not cost
-        ("  of which the rest: XID event wait, simulated (% of a core)", *[f"{idle_cpu[idle_name] * 100:.2f}"] * 2,
+        ("  of which the rest: XID watcher, main loop (% of a core)", *[f"{idle_cpu[idle_name] * 100:.2f}"] * 2,
          "-", "", ""),
         ("sampler alone, 1 s interval (% of a core)", f"{sampling[fast]['exporter_cpu'] * 100:.2f}",
          f"{sampling[generic]['exporter_cpu'] * 100:.2f}", "-", "", "<= 1"),
