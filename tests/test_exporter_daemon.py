@@ -123,3 +123,22 @@ def test_the_daemon_loads_no_library_that_only_some_configurations_need():
     code = f"import sys, exporter.cli; print(' '.join(m for m in {optional!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.split() == []
+
+
+def test_the_bare_daemon_listens_on_loopback_and_containers_ask_for_every_interface():
+    """Nothing listens beyond loopback unless asked: the daemon's default is 127.0.0.1:9942 (what the
+    README says); the image, compose and the DaemonSet, whose port is reached through the container's
+    network, each pass :9942 explicitly (compose then publishes it on 127.0.0.1 by default)."""
+    import re
+
+    import yaml
+    assert parse_args([], {}).web_listen_address == "127.0.0.1:9942"
+    assert "dualtrack-exporter                 # serves 127.0.0.1:9942/metrics" in (REPO / "README.md").read_text()
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ENV [^\n]*(\\\n[^\n]*)*DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942", dockerfile, re.M)
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["exporter"]
+    assert compose["environment"]["DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS"] == ":9942"
+    assert compose["ports"] == ["${DUALTRACK_BIND:-127.0.0.1}:9942:9942"]
+    daemonset = yaml.safe_load((REPO / "deploy" / "kubernetes" / "exporter-daemonset.yaml").read_text())
+    container = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "exporter")
+    assert "--web.listen-address=:9942" in container["args"]

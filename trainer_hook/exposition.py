@@ -53,6 +53,11 @@ def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
     yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
     if snap.tokens_total is not None:
         yield c("tokens_total", "Tokens passed as tokens= so far.", snap.tokens_total)
+    if snap.model_flops_total is not None:
+        yield _single(CounterMetricFamily, "model_flops_total", "Model FLOPs of the steps so far "
+                      "(flops_per_token x tokens, flops_per_sample x samples, or the estimate 6 x "
+                      "parameters x tokens); precision: the peak FLOP/s the run's MFU divides by.",
+                      snap.model_flops_total, {**const, "precision": snap.precision})
     hist = HistogramMetricFamily(PREFIX + "step_duration_seconds",
                                  "Wall time between consecutive log() calls.", labels=list(const))
     bounds = [str(b) for b in STEP_BUCKETS] + ["+Inf"]

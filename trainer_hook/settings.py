@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from dualtrack.connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
 
-from .contract import label_value
+from .contract import PRECISIONS, label_value
 
 log = logging.getLogger("trainer_hook")
 
@@ -70,6 +70,9 @@ class Settings:
     delete_after: float | None
     record_max_bytes: int | None
     remote_write: Endpoint | None  # its repr() shows no secret
+    flops_per_token: float | None
+    flops_per_sample: float | None
+    precision: str
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -254,6 +257,10 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["tls_verify"], a["strict"] = bool(a["tls_verify"]), bool(a["strict"])
     a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
     a["delete_after"] = _delete_after(a["delete_after"])
+    a["flops_per_token"] = _flops("flops_per_token", a["flops_per_token"])
+    a["flops_per_sample"] = _flops("flops_per_sample", a["flops_per_sample"])
+    if a["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {a['precision']!r}")
     return Settings(**a)
 
 
@@ -270,6 +277,26 @@ def _listen(port: int | None, address: str) -> tuple[int | None, str]:
     return port, address
 
 
+def _as_float(value: Any) -> float:
+    """float(value); NaN for anything that is not a number (a bool included)."""
+    if isinstance(value, bool):
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _flops(name: str, value: float | None) -> float | None:
+    """Model FLOPs per token or per sample: a positive finite number, or None."""
+    if value is None:
+        return None
+    number = _as_float(value)
+    if not 0 < number < float("inf"):
+        raise ValueError(f"{name} must be a positive number of FLOPs, got {value!r}")
+    return number
+
+
 def _delete_after(value: float | None) -> float | None:
     """Seconds a finished run's group stays on the Pushgateway; None keeps it.
 
@@ -283,10 +310,7 @@ def _delete_after(value: float | None) -> float | None:
         value, what = env, f"${ENV_DELETE_AFTER}"
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if isinstance(value, bool) or not 0 <= seconds < float("inf"):
+    seconds = _as_float(value)
+    if not 0 <= seconds < float("inf"):
         raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
     return seconds
