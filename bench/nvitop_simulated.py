@@ -11,7 +11,8 @@ nvitop reads NVML through the `pynvml` module (nvitop/api/libnvml.py does `impor
 the installed nvidia-ml-py module whose nvml* functions are SimulatedNVML's (those it does not
 simulate raise NVMLError_FunctionNotFound, as on a driver without them). The copy has no
 `_nvmlGetFunctionPointer`: nvitop then skips its ctypes re-implementations of a few calls (running
-processes, memory info), which would call into libnvidia-ml.so, and calls pynvml's functions instead.
+processes, memory info), which would call into libnvidia-ml.so, and calls pynvml's functions instead
+(it logs that it takes the binding for a corrupted install: expected here).
 Everything else (its Device API, caching, host metrics via psutil, prometheus_client, its HTTP
 server, its refresh loop) is nvitop-exporter's own code, unchanged.
 """
