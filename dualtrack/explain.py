@@ -19,9 +19,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from exporter import xids
+from trainer_hook.text import one_line
 
 from . import prometheus
-from .cli import fail, one_line, warner
+from .messages import fail, warner
 from .summary import utc
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"

@@ -31,8 +31,8 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from .cli import one_line
-from .connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.text import one_line
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"

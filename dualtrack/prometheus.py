@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from .cli import one_line
-from .connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.text import one_line
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
 #: Seconds one query may take in all, unless --prometheus-timeout says otherwise.

@@ -14,7 +14,7 @@ import pytest
 
 from dualtrack import goodput, prometheus
 from dualtrack.cli import main
-from dualtrack.connection import resolve
+from trainer_hook.connection import resolve
 from stack import processes
 from tests import hostile_http as hostile
 

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
+from .text import one_line
+
 PREFIX = "training_"
 #: The record format written on start lines ("format"); lines without it are format 1.
 FORMAT_VERSION = 2
@@ -156,7 +158,6 @@ RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"}
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_]+")
 _UNDERSCORES = re.compile("_{2,}")
 _SECTION = re.compile(r"^(train|training)/", re.IGNORECASE)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
@@ -190,14 +191,14 @@ def label_name(key: object) -> str:
 
 
 def label_value(value: object) -> str:
-    """A printable, bounded label value: control characters become spaces, UTF-8 safe."""
+    """A printable, bounded label value: control characters become spaces (text.one_line), UTF-8 safe."""
     if isinstance(value, str):
         text = value
     elif isinstance(value, (list, tuple, dict)):
         text = json.dumps(value, default=str, ensure_ascii=False, sort_keys=True)
     else:
         text = str(value)
-    text = _CONTROL.sub(" ", text).encode("utf-8", "replace").decode("utf-8")
+    text = one_line(text, blank=True).encode("utf-8", "replace").decode("utf-8")
     return text[:MAX_LABEL_LENGTH]
 
 

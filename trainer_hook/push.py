@@ -15,8 +15,7 @@ from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from dualtrack.connection import Endpoint, push_handler
-
+from .connection import Endpoint, push_handler
 from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
 from .settings import Settings

@@ -33,12 +33,11 @@ from collections import deque
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, NamedTuple
 
-from dualtrack import protobuf
-from dualtrack.connection import Endpoint, opener, shown
-from dualtrack.protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
-
+from . import protobuf
+from .connection import Endpoint, opener, shown
 from .contract import Snapshot
 from .exposition import families
+from .protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 from .push import cancel_deletion, schedule_deletion
 from .settings import Settings
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from dualtrack.connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
+from .connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
 
 from .contract import label_value
 
