@@ -22,7 +22,7 @@ from exporter import xids
 from trainer_hook.text import one_line
 
 from . import prometheus
-from .messages import fail, warner
+from .text import fail, warner
 from .summary import utc
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -32,22 +31,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer_hook.connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.settings import ENV_PUSHGATEWAY
 from trainer_hook.text import one_line
+
+from .text import duration
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
-ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN, _CA_FILE, as for the hook
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 log = logging.getLogger("dualtrack.janitor")
-
-
-def duration(text: str) -> float:
-    """'90', '90s', '15m', '24h', '1d' -> seconds (argparse type)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 24h or 1d")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,9 +19,9 @@ a bad status line, a truncated body, TLS, a timeout, not JSON) is one QueryError
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
-import math
 import os
 import threading
 import urllib.error
@@ -32,6 +32,8 @@ from urllib.parse import urlencode
 
 from trainer_hook.connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
 from trainer_hook.text import one_line
+
+from .text import duration
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
 #: Seconds one query may take in all, unless --prometheus-timeout says otherwise.
@@ -56,14 +58,6 @@ class _TooLarge(Exception):
     """The answer is larger than the client reads."""
 
 
-def _seconds(text: str) -> float:
-    """A --prometheus-timeout value: finite seconds above 0 (argparse reports the ValueError)."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(text)
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
     """The connection flags; `purpose` ends the --prometheus help (what the command does with it)."""
     parser.add_argument("--prometheus", metavar="URL", default=None,
@@ -77,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"file holding a bearer token (default ${ENV_URL}_TOKEN)")
     parser.add_argument("--prometheus-ca-file", metavar="FILE", default=None,
                         help=f"CA certificate for an https:// URL (default ${ENV_URL}_CA_FILE)")
-    parser.add_argument("--prometheus-timeout", metavar="SECONDS", type=_seconds, default=DEFAULT_TIMEOUT,
-                        help=f"the most one query may take, answer included (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument("--prometheus-timeout", metavar="SECONDS", type=functools.partial(duration, positive=True),
+                        default=DEFAULT_TIMEOUT, help="the most one query may take, answer included: seconds, "
+                        f"or a duration like 500ms or 1m (default {DEFAULT_TIMEOUT:g})")
 
 
 def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometheus | None":

@@ -33,6 +33,8 @@ from collections import deque
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, NamedTuple
 
+from prometheus_client.utils import floatToGoString
+
 from . import protobuf
 from .connection import Endpoint, opener, shown
 from .contract import Snapshot
@@ -99,11 +101,9 @@ def _snappy() -> Any:
 
 
 def _go_float(text: str) -> str:
-    """A numeric label value as the Pushgateway re-exposes it: "1.0" -> "1", "0.25" -> "0.25"."""
-    value = float(text)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    shortest = repr(value)
+    """A numeric label value as the Pushgateway re-exposes it (Go's shortest format): "1.0" -> "1",
+    "0.25" -> "0.25", "1e6" -> "1e+06" (floatToGoString, less the ".0" it keeps)."""
+    shortest = floatToGoString(text)
     return shortest[:-2] if shortest.endswith(".0") else shortest
 
 
