@@ -76,6 +76,19 @@ def live_series(text: str, run: str) -> Series:
     return series
 
 
+def replayed_text(record: Path) -> str:
+    """What `dualtrack replay` writes for `record` (the OpenMetrics text it turns into blocks)."""
+    class Capture:
+        text = ""
+
+        def write(self, text: str, samples: int) -> None:
+            self.text += text
+
+    capture = Capture()
+    write_openmetrics(Reader([record]), capture)
+    return capture.text
+
+
 def replayed_series(text: str) -> tuple[Series, Series]:
     """(the last sample of each replayed series, the largest of each window-maximum series and the
     *_max_step at that sample)."""
@@ -122,15 +135,7 @@ def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_
         feed(monitor, watch_scaler)
     live = live_series(requests.get(pushgateway.url + "/metrics", timeout=5).text, run)
 
-    class Capture:
-        text = ""
-
-        def write(self, text: str, samples: int) -> None:
-            self.text += text
-
-    capture = Capture()
-    write_openmetrics(Reader([record]), capture)
-    last, largest = replayed_series(capture.text)
+    last, largest = replayed_series(replayed_text(record))
 
     assert {name for name, _ in live} - NOT_REPLAYED == {name for name, _ in last}
     differ = {}
@@ -274,17 +279,8 @@ def test_replay_writes_only_declared_series_with_their_labels(tmp_path) -> None:
          "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
         {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
         {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]) + "\n")
-
-    class Capture:
-        text = ""
-
-        def write(self, text: str, samples: int) -> None:
-            self.text += text
-
-    capture = Capture()
-    write_openmetrics(Reader([record]), capture)
     seen = set()
-    for line in capture.text.splitlines():
+    for line in replayed_text(record).splitlines():
         match = _SAMPLE.match(line)
         assert match, line
         name, labels = match[1][len(PREFIX):], set(dict(_LABEL.findall(match[2])))
