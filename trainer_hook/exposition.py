@@ -1,4 +1,5 @@
-"""Prometheus metric families for a published Snapshot (used by push and by pull mode)."""
+"""Prometheus metric families for a published Snapshot (used by push, pull mode and remote write): one per
+series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -38,7 +39,8 @@ def _attribute(attribute: str) -> Callable[[Snapshot, str], Rows]:
     return lambda snap, _: _one(getattr(snap, attribute))
 
 
-#: How each declared series (contract.SERIES) reads a snapshot: (snapshot, series name) -> rows.
+#: How each declared series (contract.SERIES) reads a snapshot: (snapshot, series name) -> rows
+#: (training_run_info, whose labels are the config's, is written by families()).
 _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     **{f"{key}_max": _maxima for key in WINDOW_MAX_KEYS},
     **{f"{key}_max_step": _max_step for key in WINDOW_MAX_KEYS},
@@ -60,7 +62,6 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "run_state": lambda snap, _: [((name,), (float(name == snap.state),)) for name in RUN_STATES],
     "run_failure_info": lambda snap, _: ([((snap.failure_reason,), (1,))]
                                          if snap.state == "failed" and snap.failure_reason else None),
-    "run_info": lambda snap, _: None,  # its labels are the config's: families() writes it
     "gpu_info": lambda snap, _: [((gpu, uuid), (1,)) for gpu, uuid in snap.gpus] or None,
     "local_rank": lambda snap, _: _one(snap.process.local_rank),
     "world_size": lambda snap, _: _one(snap.process.world_size),
