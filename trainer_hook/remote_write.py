@@ -42,6 +42,7 @@ from .exposition import families
 from .protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 from .push import cancel_deletion, schedule_deletion
 from .settings import Settings
+from .text import one_line
 
 log = logging.getLogger("trainer_hook")
 
@@ -276,7 +277,7 @@ class RemoteWriter:
                 answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
             except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
                 answer = []
-            shown_answer = "".join(ch if ch.isprintable() else "?" for ch in answer[0]) if answer else ""
+            shown_answer = one_line(answer[0]) if answer else ""
             return exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else "")
         except (OSError, http.client.HTTPException) as exc:
             return 0, str(exc) or type(exc).__name__
