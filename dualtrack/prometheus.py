@@ -124,15 +124,16 @@ class Prometheus:
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """The instant vector `expr` gives now, or at `at`: series of {"metric": {label: value}, "value":
-        (time, value)}, the time a float, the value Prometheus' text of a float; raises QueryError for
-        anything else."""
+        (time, value)}, the time a float, the value Prometheus' text of a float (for a range selector,
+        `expr[5m]`, the matrix: "values": [(time, value), ...]); raises QueryError for anything else."""
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
         found = self._get("query", params, "result")
         try:
-            return [{"metric": _labels(series), "value": (float(series["value"][0]), _number(series["value"][1]))}
-                    for series in found]
+            return [{"metric": _labels(series), "values": [_point(point) for point in series["values"]]}
+                    if isinstance(series, dict) and "values" in series else
+                    {"metric": _labels(series), "value": _point(series["value"])} for series in found]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise QueryError(f"query failed (query): malformed series ({type(exc).__name__})") from None
 
@@ -204,6 +205,11 @@ class Prometheus:
                     raise _TooLarge()
                 chunks.append(chunk)
             return b""
+
+
+def _point(point: Any) -> tuple[float, str]:
+    """A (time, value) pair of an answer: the time a float, the value Prometheus' text of a float."""
+    return float(point[0]), _number(point[1])
 
 
 def _number(value: Any) -> str:
