@@ -9,7 +9,9 @@
 # (NVIDIA_DRIVER_CAPABILITIES=utility is the minimum NVML needs; no compute, no root, no
 # CAP_SYS_ADMIN). `--pid host` lets per-process metrics resolve names and pods; without it they keep
 # only PIDs (or turn them off with --no-collector.processes). The `kubernetes` extra (grpcio) is
-# installed for --collector.podresources.
+# installed for --collector.podresources. The bare daemon listens on 127.0.0.1 only; in the image it
+# listens on every interface of the container (DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942), and the
+# published port (-p 127.0.0.1:9942:9942) decides who reaches it.
 # The health check follows the exporter's TLS and basic auth: set DUALTRACK_EXPORTER_WEB_CONFIG_FILE
 # (not the flag) and DUALTRACK_HEALTHCHECK_PASSWORD_FILE (see deploy/healthcheck.py).
 # The base image by digest (docs/security.md lists every image's digest); a site that mirrors it under
@@ -22,7 +24,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=utility
+    NVIDIA_DRIVER_CAPABILITIES=utility \
+    DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942
 
 WORKDIR /opt/dualtrack
 COPY pyproject.toml README.md ./

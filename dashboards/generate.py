@@ -371,6 +371,12 @@ def gpu_fleet() -> dashboard.Dashboard:
                (legend(FLEET_GPU, "XID {{xid}}"),
                 f"sum by (instance, gpu, xid) ({increase('nvml_gpu_xid_errors_total', HOST_GPU)})")],
               min_value=0, bars=True, decimals=0),
+        graph("Processes: SM utilization", "Share of time each GPU process ran kernels on the SMs (NVML per-process "
+              "samples, nvidia-smi pmon's sm). On a shared or time-sliced GPU it tells which process computes, where "
+              "the GPU's own utilization is one number for all: a process of no run that computes is a co-tenant "
+              "(dualtrack explain). Empty where the driver has no per-process utilization (MIG, some boards).",
+              "percentunit", [(legend(FLEET_GPU, "{{process}} pid {{pid}}"),
+                               fleet("nvml_gpu_process_sm_utilization_ratio"))], width=24, min_value=0, max_value=1),
         grid("Processes", "Processes holding GPU memory (host PIDs; the exporter needs the host PID namespace to "
              "name them).", "bytes", [("__auto", fleet("nvml_gpu_process_memory_used_bytes"))],
              [organize(["Time", "__name__", "job", "uuid"], {"Value": "GPU memory"})]),
@@ -583,6 +589,15 @@ def training_run() -> dashboard.Dashboard:
         single("ETA", "Time left at the last 5 minutes' step rate, for runs that log max_steps (log(max_steps=N)); "
                "the slowest rank's.", "s", [("{{run}}", f"job_run:training_eta_seconds:rate5m{{{JOB_RUN}}}")],
                width=6, height=8, instant=True, text_mode=cm.BigValueTextMode.VALUE_AND_NAME),
+        graph("MFU", "Model FLOPs utilization: the run's model FLOP/s (training_model_flops_total: flops_per_token "
+              "or flops_per_sample x what it logs, else 6 x parameters x tokens) over the dense peak FLOP/s of its "
+              "GPUs at the run's precision (NVIDIA's datasheets, rules/gpu_peaks.yml). Empty for GPU models not in "
+              "the table and MIG instances. TrainingMFUDrop fires after 15 min below the second line: 75 % of the "
+              "run's last-hour median.", "percentunit",
+              [("{{run}}", f"job_run:training_mfu:ratio{{{JOB_RUN}}}"),
+               ("{{run}} 75 % of last-hour median",
+                f"0.75 * quantile_over_time(0.5, job_run:training_mfu:ratio{{{JOB_RUN}}}[1h])")],
+              width=24, min_value=0),
     ]:
         board = board.with_panel(panel)
 
@@ -690,9 +705,12 @@ def side_by_side(busy: str) -> list:
         model("Step rate", "Steps per second of each rank.", "none", [(RANK, rate("training_steps_total"))]),
         infra("Utilization", "Kernel utilization (share of time a kernel ran) and memory-controller utilization of the "
               "run's GPUs, as sampled; at a 15 s scrape a 2 s heartbeat aliases, so read the busy/idle shares above "
-              "for it.", "percentunit",
+              "for it. Per process: the SM utilization of every process on those GPUs, the run's own and any other "
+              "(a process of no run that computes is a co-tenant, which dualtrack explain names).", "percentunit",
               [whole("nvml_gpu_utilization_ratio", "kernels"),
-               whole("nvml_gpu_memory_controller_utilization_ratio", "memory")], min_value=0, max_value=1),
+               whole("nvml_gpu_memory_controller_utilization_ratio", "memory"),
+               whole("nvml_gpu_process_sm_utilization_ratio", "SM · {{process}} pid {{pid}}")],
+              min_value=0, max_value=1),
         model("Throughput", "Samples per second of each rank.", "short", [(RANK, rate("training_samples_total"))]),
         infra("PCIe throughput", "Host↔GPU traffic of the run's GPUs: input batches arrive this way.", "binBps",
               [whole("nvml_gpu_pcie_throughput_bytes_per_second", "{{direction}}")]),

@@ -1,4 +1,4 @@
-"""`dualtrack SUBCOMMAND ...`: one console script; each subcommand is a module of this package."""
+"""The `dualtrack` command: one console script; each subcommand lives in a module of this package."""
 from __future__ import annotations
 
 import argparse
@@ -23,9 +23,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: What `dualtrack --help` says (for users: commands, not modules).
+DESCRIPTION = ("Post-mortems and housekeeping for runs monitored by dualtrack: explain a run, rebuild its "
+               "series, write its report, clean up the Pushgateway.")
+EPILOG = "`dualtrack COMMAND --help` describes each command's options."
+
+
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog="dualtrack", description=__doc__)
-    commands = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True,
+    parser = OneLineParser(prog="dualtrack", description=DESCRIPTION, epilog=EPILOG)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True,
                                      parser_class=OneLineParser)
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

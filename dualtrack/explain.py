@@ -33,6 +33,22 @@ WINDOW = 600.0
 MAX_POINTS = 1500
 #: A slowdown counts when it lasts this long (seconds).
 SUSTAINED = 600.0
+#: The alerts' own conditions, so that an event and its alert agree (tests/test_explain.py checks them
+#: against rules/alerts.yml): TrainingDataLoaderBottleneck, the data-wait share above STARVATION_SHARE
+#: of the time (rate over 5 min) for STARVATION_FOR seconds; TrainingGradientExplosion, GRAD_SPIKE
+#: (SEL: the run's matchers).
+STARVATION_SHARE = 0.3
+STARVATION_FOR = 240.0
+GRAD_SPIKE = """(
+    max_over_time(training_grad_norm_max{SEL}[2m])
+      > 10 * quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)
+  and
+    max_over_time(training_grad_norm_max{SEL}[2m]) > 1e-4
+  and
+    max_over_time(training_grad_norm_max{SEL}[2m]) < +Inf
+  and
+    count_over_time(training_grad_norm_max{SEL}[30m] offset 2m) >= 5
+)"""
 DEFAULT_LOOKBACK = 7 * 86400.0
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
@@ -41,6 +57,14 @@ HARDWARE = {"gpu_lost", "xid", "ecc", "remapped_rows", "thermal_throttle", "powe
             "clock_drop", "link_drop"}
 #: A lost GPU (it stopped answering NVML) outranks every other cause, XID 79 included.
 GPU_LOST_SCORE = 0.99
+#: A co-tenant (a GPU process of no run) computes when its SM utilization went above CO_TENANT_SM in
+#: the window: it scores CO_TENANT_COMPUTING_SCORE, one that only holds memory CO_TENANT_SCORE. The
+#: same numbers as rules/explain.yml's co_tenant term.
+CO_TENANT_SM = 0.05
+CO_TENANT_SCORE = 0.7
+CO_TENANT_COMPUTING_SCORE = 0.75
+PROCESS_MEMORY = "nvml_gpu_process_memory_used_bytes"
+PROCESS_SM = "nvml_gpu_process_sm_utilization_ratio"
 #: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
 RELEVANT = {
     "nonfinite": {"gpu_lost", "xid", "ecc", "remapped_rows"},
@@ -272,36 +296,35 @@ def _refine(reader: Reader, expr: str, at: float) -> float:
 
 
 def grad_spikes(reader: Reader) -> list[Event]:
-    """The window maximum of the gradient norm above 10x its median over the previous 30 min."""
-    norms = reader.by_rank("training_grad_norm_max{SEL}")
-    steps = reader.by_rank("training_grad_norm_max_step{SEL}")
+    """Where TrainingGradientExplosion's condition holds (GRAD_SPIKE: the 2-min maximum of the
+    gradient norm above 10x its median over the 30 min before): one event per spike and rank."""
+    spikes = reader.by_rank(GRAD_SPIKE)
+    medians = dict((rank, dict(values)) for rank, values in reader.by_rank(
+        "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)").items())
+    steps = reader.by_rank("max_over_time(training_grad_norm_max_step{SEL}[2m])")
     hits = []
-    for rank, values in norms.items():
+    for rank, values in spikes.items():
         step_of = dict(steps.get(rank, []))
-        times = [t for t, _ in values]
         last_hit = -math.inf
         for at, value in values:
-            window = values[bisect.bisect_left(times, at - 1800):bisect.bisect_left(times, at - 120)]
-            before = [v for _, v in window if math.isfinite(v)]
-            if len(before) < 5 or not math.isfinite(value):
-                continue
-            median = statistics.median(before)
-            if median > 1e-4 and value > 10 * median and at - last_hit > 300:
+            median = medians.get(rank, {}).get(at)
+            if at - last_hit > 300 and median:
                 step = step_of.get(at)
                 hits.append((at, rank, int(step) if step is not None else None,
                              f"gradient norm {value:.3g}, {value / median:.0f}x its 30-min median"))
-                last_hit = at
+            last_hit = at
     return _group(hits, "grad_spike", 2 * reader.res)
 
 
-def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int) -> int | None:
-    """Index of the first point at or after `start` from which `bad` holds for SUSTAINED seconds."""
+def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int,
+               duration: float = SUSTAINED) -> int | None:
+    """Index of the first point at or after `start` from which `bad` holds for `duration` seconds."""
     i = start
     while i < len(values):
         if bad(i):
             j = i
             while j < len(values) and bad(j):
-                if values[j][0] - values[i][0] >= SUSTAINED:
+                if values[j][0] - values[i][0] >= duration:
                     return i
                 j += 1
             i = j
@@ -358,14 +381,15 @@ def slowdowns(reader: Reader) -> list[Event]:
 
 
 def starvation(reader: Reader) -> list[Event]:
-    """A rank that waited for batches more than 30 % of the time for 10 min."""
-    window = f"{int(max(120, 4 * reader.res))}s"
+    """A rank that waited for batches more than STARVATION_SHARE of the time (over 5 min) for
+    STARVATION_FOR seconds: TrainingDataLoaderBottleneck's condition."""
+    window = f"{int(max(300, reader.res))}s"
     hits = []
     for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
         i = 0
-        while (found := _sustained(values, lambda k: values[k][1] > 0.3, i)) is not None:
+        while (found := _sustained(values, lambda k: values[k][1] > STARVATION_SHARE, i, STARVATION_FOR)) is not None:
             k = found
-            while k < len(values) and values[k][1] > 0.15:
+            while k < len(values) and values[k][1] > STARVATION_SHARE / 2:
                 k += 1
             at = values[found][0]
             hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))
@@ -408,12 +432,13 @@ def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def co_tenants(selector: str, rng: str) -> str:
-    """GPU processes of no run in `rng` (rules/explain.yml's co_tenant join): a process is a run's when
+def co_tenants(selector: str, rng: str, metric: str = PROCESS_MEMORY) -> str:
+    """GPU processes of no run in `rng` (rules/explain.yml's co_tenant join), with the most of
+    `metric` (a per-process series: memory, or SM utilization) each had: a process is a run's when
     its PID namespace and its PID in it are a run's pid_namespace and pid (the hook's
     training_process_info), or, for a run that reports no pid_namespace, when its host PID is the
     run's pid. A process whose namespace the exporter could not read is never a co-tenant."""
-    return (f'max_over_time(nvml_gpu_process_memory_used_bytes{{pid_namespace!="",namespace_pid!="",{selector}}}[{rng}]) '
+    return (f'max_over_time({metric}{{pid_namespace!="",namespace_pid!="",{selector}}}[{rng}]) '
             f'unless on (pid_namespace, namespace_pid) '
             f'label_join(last_over_time(training_process_info[{rng}]), "namespace_pid", "", "pid") '
             f'unless on (pid) last_over_time(training_process_info{{pid_namespace=""}}[{rng}])')
@@ -495,14 +520,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
                                                        f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
                                     f"with {ratio:.0%} of {memory} used {where(uuid)}"))
         if "co_tenant" in wanted and whole:
-            procs = client.query(f"max by (uuid, pid, process) ({co_tenants(whole_sel, rng)})", at)
-            for series in procs:
-                labels = series["metric"]
-                uuid, used = labels.get("uuid", ""), float(series["value"][1])
-                name = labels.get("process") or "?"
-                causes.append(Cause("co_tenant", f"process {name} (pid {labels.get('pid')}) of no run on {uuid}, "
-                                                 f"{used / 2**30:.1f} GiB", 0.7,
-                                    f"with another process ({name}, pid {labels.get('pid')}) {where(uuid)}"))
+            causes.extend(_co_tenant_causes(client, whole_sel, rng, at, where))
     if "data_wait" in wanted:
         rank_sel = reader.selector + (f",rank={prometheus.quote(event.rank)}" if event.rank is not None else "")
         short = f"{int(max(120, 4 * reader.res))}s"
@@ -516,6 +534,28 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     causes.sort(key=lambda c: -c.score)
     return causes or [Cause("none_found", f"no infra evidence on {', '.join(uuids) or 'the run (no training_gpu_info)'} "
                                           f"in the {WINDOW / 60:.0f} min before", 0.0, "")]
+
+
+def _co_tenant_causes(client: prometheus.Prometheus, selector: str, rng: str, at: float,
+                      where: Callable[[str], str]) -> list[Cause]:
+    """A cause per process of no run on the GPUs of `selector`: its memory and, where the exporter
+    reads it, its peak SM utilization; one that computed ranks above one that only holds memory."""
+    def by_process(metric: str) -> dict[tuple[str, str, str], float]:
+        found = client.query(f"max by (uuid, pid, process) ({co_tenants(selector, rng, metric)})", at)
+        return {(s["metric"].get("uuid", ""), s["metric"].get("pid", ""), s["metric"].get("process", "")):
+                float(s["value"][1]) for s in found}
+
+    computing = by_process(PROCESS_SM)
+    causes = []
+    for (uuid, pid, process), used in sorted(by_process(PROCESS_MEMORY).items()):
+        name, sm = process or "?", computing.get((uuid, pid, process))
+        computes = sm is not None and sm > CO_TENANT_SM
+        causes.append(Cause("co_tenant", f"process {name} (pid {pid}) of no run on {uuid}, {used / 2**30:.1f} GiB"
+                                         + ("" if sm is None else f", {sm:.0%} SM"),
+                            CO_TENANT_COMPUTING_SCORE if computes else CO_TENANT_SCORE,
+                            f"with another process ({name}, pid {pid}"
+                            + (f", computing {sm:.0%} of the SMs" if computes else "") + f") {where(uuid)}"))
+    return causes
 
 
 def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], str], wanted: set[str], window_start: float,

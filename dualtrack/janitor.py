@@ -83,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     warn_plaintext(access, "Pushgateway", log.warning)
     janitor = Janitor(access.url, open_, handler, args)
     if args.once:
-        return 0 if janitor.sweep() is not None else 1
+        deleted = janitor.sweep()
+        if deleted is not None:
+            log.info("%s: %s", access.url, janitor.outcome(deleted))
+        return 0 if deleted is not None else 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -109,11 +112,13 @@ class Janitor:
 
     def __init__(self, url: str, open_: Callable, handler: Callable, args: argparse.Namespace) -> None:
         self.url = url
-        self.open = open_  # dualtrack.connection.opener: the listing, with its Date header
+        self.open = open_  # trainer_hook.connection.opener: the listing, with its Date header
         self.handler = handler  # prometheus_client's push handler: the deletions
         self.args = args
         self._reported: set[str] = set()  # malformed groups already logged
         self._unreachable = False
+        self.due = 0  # groups due for deletion in the last pass (a dry run deletes none of them)
+        self.seen = 0  # groups listed in the last pass
 
     def sweep(self) -> list[dict[str, str]] | None:
         """Delete what is due; return the deleted groups' labels (None: the Pushgateway could not be read)."""
@@ -134,6 +139,7 @@ class Janitor:
             self._unreachable = False
         now = _pushgateway_now(date, groups)
         deleted = []
+        self.due, self.seen = 0, len(groups)
         for group in groups:
             try:
                 verdict = self.verdict(group, now)
@@ -143,9 +149,21 @@ class Janitor:
                     self._reported.add(key)
                     log.warning("skipping a malformed group %s: %s", key, exc)
                 continue
-            if verdict is not None and self.delete(group["labels"], verdict):
+            if verdict is None:
+                continue
+            self.due += 1
+            if self.delete(group["labels"], verdict):
                 deleted.append(group["labels"])
         return deleted
+
+    def outcome(self, deleted: list[dict[str, str]]) -> str:
+        """One line on the last pass: what was (or, in a dry run, would be) deleted, or that nothing was due."""
+        if not self.due:
+            return f"nothing due for deletion among {self.seen} group(s)"
+        if self.args.dry_run:
+            return f"would delete {self.due} of {self.seen} group(s) (dry run: nothing deleted)"
+        return f"deleted {len(deleted)} of {self.seen} group(s)" + (
+            f" ({self.due - len(deleted)} more due, retried on the next pass)" if len(deleted) < self.due else "")
 
     def verdict(self, group: Any, now: float | None) -> str | None:
         """Why the group is due for deletion, or None to keep it; `now` is the Pushgateway's time."""

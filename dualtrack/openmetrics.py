@@ -18,8 +18,8 @@ import math
 from typing import Any
 
 from prometheus_client.utils import floatToGoString
-from trainer_hook.contract import (PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS, Accumulator, label_name,
-                                   label_value)
+from trainer_hook.contract import (DEFAULT_PRECISION, PRECISIONS, PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS,
+                                   Accumulator, label_name, label_value)
 
 from .records import Run, exported_name, number
 
@@ -57,6 +57,9 @@ class RunSeries:
             name = label_name(key)
             config["config_" + name if name in base else name] = label_value(value)
         self.info_labels = labels_text({**base, **config})
+        # training_model_flops_total's precision label, as the hook's start line gives it
+        precision = run.start.get("precision")
+        self.precision = precision if precision in PRECISIONS else DEFAULT_PRECISION
         self.samples = 0
         self._last_ms = -1
         self._last = (-math.inf, 0)  # (time, step) of the last step line
@@ -105,7 +108,7 @@ class RunSeries:
                                 tokens=number(line.get("tokens")),
                                 duration=number(line.get("duration_seconds")),
                                 skipped=int(line.get("skipped") == SKIP_REASON),
-                                loss_scale=scale)
+                                loss_scale=scale, flops=number(line.get("flops")))
         out = [f"training_step{{{labels}}} {line['step']}{ts}"]
         for name, value in folded.gauges.items():
             out.append(f"{PREFIX}{name}{{{labels}}} {floatToGoString(value)}{ts}")
@@ -117,6 +120,9 @@ class RunSeries:
         out.append(f"training_samples_total{{{labels}}} {floatToGoString(state.samples_total)}{ts}")
         if state.tokens_total is not None:
             out.append(f"training_tokens_total{{{labels}}} {floatToGoString(state.tokens_total)}{ts}")
+        if state.model_flops_total is not None:
+            out.append(f'training_model_flops_total{{{labels},precision="{self.precision}"}} '
+                       f'{floatToGoString(state.model_flops_total)}{ts}')
         wait = number(line.get("data_wait_seconds"))
         if wait is not None and math.isfinite(wait):
             self._data_wait = (self._data_wait or 0.0) + wait

@@ -10,7 +10,7 @@ Flags (each with an environment fallback, like the hook's DUALTRACK_PUSHGATEWAY_
     --prometheus-timeout SECONDS         (default 10)
 
 Passwords and tokens never go on the command line (other users see it in `ps`), and never into a
-message, a report or repr(): dualtrack.connection checks the URL and credentials.
+message, a report or repr(): trainer_hook.connection checks the URL and credentials.
 
 Each query has a total deadline (connecting, the answer's head and its whole body: a server that
 trickles bytes cannot hold it longer) and a size cap; whatever goes wrong on the way (refused, reset,

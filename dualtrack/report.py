@@ -145,6 +145,8 @@ def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tupl
                 lines.append(GpuLine(panel, label, summary.step_at(times), values))
     start = min(s.first_time for s in summaries if s.first_time is not None)
     end = max(s.last_time for s in summaries if s.last_time is not None)
+    if any(s.run.end is None for s in summaries):  # still running (or died): its alerts up to now
+        end = time.time()
     runs = {s.run.run for s in summaries}
     alerts = []
     for series in _range(client, 'ALERTS{alertstate="firing"}', start, end + 300):
@@ -169,7 +171,7 @@ def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tu
         if summary.first_time is None or (job, run) in seen:
             continue
         seen.add((job, run))
-        start, end = summary.first_time - WINDOW, summary.last_time + WINDOW
+        start, end = summary.first_time - WINDOW, min(summary.last_time + WINDOW, time.time())
         try:
             explained = timeline(client, run, start, end)
         except ExplainError:
@@ -180,8 +182,11 @@ def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tu
 
 
 def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+    """`expr` from `start` to `end`, never past now: Prometheus answers for future times with the
+    last sample, which would show a live run's alerts firing minutes from now."""
+    end = min(end, time.time())
     step = max(1.0, (end - start) / MAX_QUERY_POINTS)
-    return client.query_range(expr, start - step, end + step, step)
+    return client.query_range(expr, start - step, min(end + step, time.time()), step)
 
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,

@@ -6,6 +6,8 @@ its maximum point, so a one-step spike survives whatever the run's length.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +127,7 @@ class RunSummary:
             facts["first step"] = f"{self.first_step} at {utc(self.first_time)}"
             facts["last step"] = f"{self.last_step} at {utc(self.last_time)}"
         if end is None:
-            facts["state"] = "no end line: the process died without closing (SIGKILL, power, OOM killer)"
+            facts["state"] = _without_end_line(run)
         else:
             facts["state"] = str(end.get("state", "?"))
             if end.get("reason"):
@@ -138,6 +140,21 @@ class RunSummary:
         if self.skipped_steps:
             facts["skipped steps (loss-scale overflow)"] = str(self.skipped_steps)
         return facts
+
+
+def _without_end_line(run: Run) -> str:
+    """The state of a rank whose record has no end line: live, dead, or (another host's) unknown."""
+    died = "the process died without closing (SIGKILL, power, OOM killer)"
+    pid = run.start.get("pid")
+    if not isinstance(pid, int) or run.instance != socket.gethostname():
+        return f"no end line: still running, or {died}"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"no end line: {died}"
+    except PermissionError:  # another user's process: alive
+        pass
+    return f"running (no end line yet; its process {pid} is alive on this host)"
 
 
 def utc(timestamp: float) -> str:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 GAUGE = "gauge"
 COUNTER = "counter"
 GPU_LABELS = ("gpu", "uuid")
+#: a GPU process: its host PID, name and workload, and its PID namespace with its PID there
+PROCESS_LABELS = ("pid", "process", "container_id", "pod_uid", "slurm_job_id", "pid_namespace", "namespace_pid")
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,10 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _g("nvml_gpu_remapped_rows_pending", "1 if a row remapping is pending (reset needed), else 0."),
     _g("nvml_gpu_remapped_rows_failure", "1 if a row remapping failed, else 0."),
     _c("nvml_gpu_xid_errors_total", "XID errors reported by the driver, every occurrence counted.", "xid"),
-    _g("nvml_gpu_process_memory_used_bytes", "Device memory used by a compute process, in bytes.",
-       "pid", "process", "container_id", "pod_uid", "slurm_job_id", "pid_namespace", "namespace_pid"),
+    _g("nvml_gpu_process_memory_used_bytes", "Device memory used by a compute process, in bytes.", *PROCESS_LABELS),
+    _g("nvml_gpu_process_sm_utilization_ratio",
+       "SM utilization of a compute process (nvidia-smi pmon sm), the mean of the driver's samples since the "
+       "last read; 0 with none (idle).", *PROCESS_LABELS),
     _g("nvml_gpu_sm_active_ratio", "Fraction of SMs busy over the last GPM window (Hopper+)."),
     _g("nvml_gpu_tensor_active_ratio", "Fraction of time tensor cores were active over the last GPM window (Hopper+)."),
     _g("nvml_gpu_dram_active_ratio", "Fraction of DRAM bandwidth used over the last GPM window (Hopper+)."),

@@ -9,7 +9,8 @@ the installed pynvml. Functions it does not implement look missing, as on an old
 Scenarios: healthy, input-bound (2 s busy / 2 s waiting for data), memory-leak (used memory climbing
 in steps until full), demo (healthy -> input-bound -> memory-leak, `phase_seconds` each), and three
 faults that start FAULT_AFTER seconds in (what `dualtrack explain` names): thermal-throttle (thermal
-slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the GPU). A list of
+slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the GPU, holding
+12 GiB and taking 40 % of the SMs). A list of
 scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
 leaking GPUs side by side.
 
@@ -49,11 +50,15 @@ FAULT_AFTER = 30.0
 THROTTLED_SM_MHZ = 1200
 CO_TENANT_PID = 4242
 CO_TENANT_BYTES = 12 * (1 << 30)
+CO_TENANT_SM = 0.4  # the co-tenant's share of the SMs, taken from the GPU's training processes
 GIB = 1 << 30
 MIB = 1 << 20
 TICK = 0.1  # seconds: the step of the simulated workload's busy-time integral
 JITTER = 0.3  # the driver's sample spacing is not regular: each entry is up to +-JITTER/2 periods off its slot
 BUFFER = 120  # entries the driver keeps
+PROCESS_SAMPLE_PERIOD = 1.0  # seconds between one process's utilization samples while it computes
+PROCESS_BUFFER = 16  # samples the driver keeps per process
+PROCESS_ENTRIES = 100  # entries a per-process answer has whatever the processes (go-nvml#11): the unused ones empty
 _BUS_IDS = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 
 #: The NVML constants the simulator speaks, with their values from nvml.h: fixed here, so that the
@@ -116,6 +121,7 @@ class DeviceTraits:
     nvlinks: int = 18
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
     sample_period: float = 1 / 6  # seconds between utilization samples, on average (1/6 s to 1 s by product)
+    process_utilization: bool = True  # nvmlDeviceGetProcessUtilization (NOT_SUPPORTED on some boards)
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
@@ -480,7 +486,7 @@ class SimulatedNVML:
         first = max(now_tick - BUFFER + 1, 1)
         samples = []
         for tick in range(first, now_tick + 2):
-            stamp = self._sample_stamp(gpu, tick)
+            stamp = self._sample_stamp(gpu, tick, period)
             busy = self.utilization(gpu, (tick - 0.5) * period)
             # like the driver: no samples while the GPU idles, none from the future
             if timestamp < stamp <= now and busy > 0:
@@ -491,11 +497,11 @@ class SimulatedNVML:
             raise pynvml.NVMLError_NotFound()
         return H.NVML_VALUE_TYPE_UNSIGNED_INT, samples
 
-    def _sample_stamp(self, gpu: int, tick: int) -> int:
-        """The driver timestamp (microseconds) of buffer entry `tick` (a sample period): its slot, jittered
-        (the same on every read)."""
-        offset = ((tick * 2654435761 + gpu * 40503) % 1000 / 1000 - 0.5) * JITTER  # in ticks
-        return int((self.start + (tick + offset) * self.traits[gpu].sample_period) * 1e6)
+    def _sample_stamp(self, key: int, tick: int, period: float) -> int:
+        """The driver timestamp (microseconds) of buffer entry `tick` (a sample `period`) of a GPU or a
+        process (`key`): its slot, jittered (the same on every read)."""
+        offset = ((tick * 2654435761 + key * 40503) % 1000 / 1000 - 0.5) * JITTER  # in ticks
+        return int((self.start + (tick + offset) * period) * 1e6)
 
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
@@ -616,6 +622,39 @@ class SimulatedNVML:
         pairs = (line.split() for line in lines)
         return [int(fields[1]) for fields in pairs
                 if len(fields) == 2 and fields[0] == str(gpu) and fields[1].isdigit()]
+
+    def process_sm(self, gpu: int, pids: list[int], t: float) -> dict[int, float]:
+        """Each process's SM utilization (0..1) at time t: the co-tenant takes CO_TENANT_SM of the
+        workload's, the training processes share the rest."""
+        busy = self.utilization(gpu, t)
+        shares = {}
+        if self._faulty(gpu, t) == "co-tenant":
+            shares[CO_TENANT_PID] = CO_TENANT_SM
+            busy = max(0.0, busy - CO_TENANT_SM)
+        return {pid: busy / len(pids) for pid in pids} | shares
+
+    @_api()
+    def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list:
+        """Like the driver: each computing process's samples newer than `timeStamp` (CPU microseconds),
+        none while it idles, grouped by process newest first, padded with empty entries; NOT_FOUND when
+        there is none; NOT_SUPPORTED in MIG mode and on boards without it."""
+        gpu = self._gpu_of(handle)
+        if self.traits[gpu].mig or not self.traits[gpu].process_utilization:
+            raise pynvml.NVMLError_NotSupported()
+        now, now_tick = int(self.clock() * 1e6), math.floor(self._t() / PROCESS_SAMPLE_PERIOD)
+        pids = self.pids_on(gpu)
+        ticks = range(now_tick + 1, max(now_tick - PROCESS_BUFFER, 0), -1)
+        loads = {tick: self.process_sm(gpu, pids, (tick - 0.5) * PROCESS_SAMPLE_PERIOD) for tick in ticks}
+        samples = []
+        for pid in dict.fromkeys([*pids, CO_TENANT_PID]):
+            for tick, load in loads.items():
+                stamp = self._sample_stamp(pid, tick, PROCESS_SAMPLE_PERIOD)
+                if timeStamp < stamp <= now and load.get(pid, 0.0) > 0:
+                    samples.append(pynvml.c_nvmlProcessUtilizationSample_t(
+                        pid=pid, timeStamp=stamp, smUtil=round(100 * load[pid]), memUtil=round(45 * load[pid])))
+        if not samples:
+            raise pynvml.NVMLError_NotFound()
+        return samples + [pynvml.c_nvmlProcessUtilizationSample_t() for _ in range(PROCESS_ENTRIES - len(samples))]
 
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import html
 
-DEFAULT_LISTEN_ADDRESS = ":9942"
+DEFAULT_LISTEN_ADDRESS = "127.0.0.1:9942"  # loopback unless asked (containers pass :9942)
 DEFAULT_TELEMETRY_PATH = "/metrics"
 PROBE_PATHS = ("/-/healthy", "/-/ready")
 

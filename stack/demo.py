@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import requests
+import yaml
 
 from exporter.simulated import simulated_uuid
 from stack import processes
@@ -35,19 +36,33 @@ DATA_DELAY = 0.2  # seconds the input-bound run's loader waits per batch
 # The demo scrapes and evaluates every 5 s (production: 15 s) so that alerts with a history
 # condition (the explosion's baseline needs 5 samples older than 2 min) can fire within minutes.
 DEMO_INTERVAL = "5s"
+# Alertmanager waits 5 s for a new group's other alerts (production: 10 s critical, 30 s warning; the
+# demo's runs have one rank each) and sends a group's changes (a resolved alert) every 10 s
+# (production: 5 min), so that RESOLVED prints within seconds of the alert leaving Alertmanager.
+DEMO_GROUP_WAIT = "5s"
+DEMO_GROUP_INTERVAL = "10s"
+# explode-lr3e-2 reads one corrupt batch (a NaN feature) this many seconds after its start: the
+# sweep's first alert, TrainingLossNonFinite, within 2 min of "up" (the explosion cannot be first:
+# TrainingGradientExplosion compares with more than 2 min of the run's own history).
+BAD_BATCH_AFTER = 40.0
 EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
 # When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
 # on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
-# The explosion's alerts: its push, a scrape, an evaluation and Alertmanager's 10 s group wait.
-EXPLOSION_ALERTS_AFTER = 40
-# TrainingDataLoaderBottleneck: `for: 4m` after the data-wait share shows, then the 30 s group wait;
-# measured 408 s after up at load average 14 (`pytest -m slow tests/test_demo.py -k time_to_first -s`).
-LOADER_ALERT_AFTER = 7 * 60
+# Measured with `pytest -m slow tests/test_demo.py -k time_to_first -s` (2 cores, load average 1.5-6,
+# two runs): the corrupt batch's TrainingLossNonFinite 60-63 s after up, TrainingGradientExplosion
+# 170-173 s, TrainingDataLoaderBottleneck 375-378 s.
+# A training event's alert, from the event's time in the run (both measured 23 s): the run's start-up
+# (torch's import) before "up", its push, a scrape, an evaluation and Alertmanager's 5 s group wait.
+EXPLOSION_ALERTS_AFTER = 25
+# TrainingDataLoaderBottleneck: `for: 4m` after the 5-min data-wait share passes 30 %, then the 5 s
+# group wait.
+LOADER_ALERT_AFTER = 380
 # GPUMemoryLeakSuspected by design: 30 min of growth before its "rose in the first half hour"
-# condition holds, then `for: 10m` and Alertmanager's 30 s group wait.
+# condition holds, then `for: 10m` and Alertmanager's 5 s group wait.
 LEAK_ALERT_AFTER = 41 * 60
 LEAK_MINUTES = 120  # the simulated leak fills the GPU in 2 h, so it still grows when the alert fires
 TRAINING_DASHBOARD = "dualtrack-training-run"
+DEFAULT_RECORDS = "dualtrack-records"  # the hook's and `dualtrack report`'s default directory
 GPU_PROCESSES = "simulated-gpu-processes"  # in the workdir: which run's process each simulated GPU runs
 
 
@@ -68,8 +83,10 @@ def sweep(explode_after: float) -> list[SweepRun]:
         SweepRun("inputbound-workers0", "input-bound",
                  ("--learning-rate", "1e-2", "--data-workers", "0", "--input-bound", "0:1e12",
                   "--data-delay", f"{DATA_DELAY}"), "waits for its data loader (GPU heartbeat)"),
-        SweepRun("explode-lr3e-2", "healthy", ("--learning-rate", "3e-2", "--explode-after", f"{explode_after:g}"),
-                 f"its gradients explode {explode_after:g} s after it starts"),
+        SweepRun("explode-lr3e-2", "healthy", ("--learning-rate", "3e-2", "--bad-batch-after", f"{BAD_BATCH_AFTER:g}",
+                                               "--explode-after", f"{explode_after:g}"),
+                 f"reads a corrupt batch {BAD_BATCH_AFTER:g} s after it starts; its gradients explode "
+                 f"{explode_after:g} s after it starts"),
         SweepRun("leak-bs128", "memory-leak", ("--learning-rate", "1e-2", "--batch-size", "128", "--leak"),
                  "its GPU's memory climbs in steps towards OOM"),
     ]
@@ -147,9 +164,10 @@ class AlertPrinter:
     (GPU alerts: the run on that GPU), the time since "dualtrack is up" and what to open: the
     Grafana dashboard, or without Grafana the Prometheus alerts page and the run's report."""
 
-    def __init__(self, run_of_uuid: dict[str, str], records: dict[str, Path]) -> None:
+    def __init__(self, run_of_uuid: dict[str, str], runs: set[str], records: Path) -> None:
         self.run_of_uuid = run_of_uuid
-        self.records = records  # run name -> its local record
+        self.runs = runs  # the sweep's run names: they have a record in `records`
+        self.records = records
         self.up_at = time.monotonic()  # reset when the stack is up
         self.grafana_url: str | None = None
         self.prometheus_url: str | None = None
@@ -161,10 +179,11 @@ class AlertPrinter:
                 return f"the dashboard {self.grafana_url}/d/dualtrack-gpu-fleet"
             return f"the dashboard {self.grafana_url}/d/{TRAINING_DASHBOARD}?var-job={JOB}&var-run={quote(run)}"
         where = f"the Prometheus alerts page {self.alerts_url}"
-        if run not in self.records:
+        if run not in self.runs:
             return where
-        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report "
-                f"{self.records[run]} --prometheus {self.prometheus_url} --out {run}.html")
+        lookup = "" if self.records == Path(DEFAULT_RECORDS).resolve() else f" --records {self.records}"
+        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report {run}{lookup} "
+                f"--prometheus {self.prometheus_url} --out {run}.html")
 
     def __call__(self, payload: dict) -> None:
         for alert in payload.get("alerts", []):
@@ -179,17 +198,25 @@ class AlertPrinter:
 
 def render_grafana_provisioning(workdir: Path, prometheus_url: str, alertmanager_url: str,
                                 scrape_interval: str) -> Path:
-    """Copy grafana/provisioning with the datasource URLs, scrape interval and dashboard path
-    pointed at this machine."""
+    """Copy grafana/provisioning pointed at this machine: the datasources at the demo's Prometheus and
+    Alertmanager (plain HTTP on loopback, so without the compose stack's TLS and basic auth), the
+    scrape interval, and the dashboards' path."""
     target = workdir / "grafana-provisioning"
     shutil.copytree(REPO / "grafana" / "provisioning", target)
-    for path in target.rglob("*.yml"):
-        text = path.read_text()
-        text = text.replace("http://prometheus:9090", prometheus_url)
-        text = text.replace("http://alertmanager:9093", alertmanager_url)
-        text = text.replace("timeInterval: 15s", f"timeInterval: {scrape_interval}")
-        text = text.replace("/var/lib/grafana/dashboards", str(REPO / "dashboards"))
-        path.write_text(text)
+    urls = {"prometheus": prometheus_url, "alertmanager": alertmanager_url}
+    for path in (target / "datasources").glob("*.yml"):
+        config = yaml.safe_load(path.read_text())
+        for source in config.get("datasources", []):
+            source["url"] = urls[source["type"]]
+            for key in ("basicAuth", "basicAuthUser", "secureJsonData"):
+                source.pop(key, None)
+            settings = source.get("jsonData", {})
+            settings.pop("tlsAuthWithCACert", None)
+            if "timeInterval" in settings:
+                settings["timeInterval"] = scrape_interval
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    for path in (target / "dashboards").glob("*.yml"):
+        path.write_text(path.read_text().replace("/var/lib/grafana/dashboards", str(REPO / "dashboards")))
     return target
 
 
@@ -210,19 +237,27 @@ def grafana(binary: str, workdir: Path, provisioning: Path, port: int, password:
     return Service("grafana", argv, port, workdir / "grafana.log", ready_path="/api/health", env=env)
 
 
-def record_path(workdir: Path, run: SweepRun) -> Path:
-    return workdir / f"record-{run.name}.jsonl"
+def demo_alertmanager_config(workdir: Path, webhook_url: str) -> Path:
+    """The repo's Alertmanager config, its webhook pointed at `webhook_url`, with the demo's group interval."""
+    return processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook_url},
+                                                group_wait=DEMO_GROUP_WAIT, group_interval=DEMO_GROUP_INTERVAL)
+
+
+def record_path(records: Path, run: SweepRun) -> Path:
+    """The run's record in `records`, named as the hook names it, which `dualtrack report RUN` finds."""
+    return records / f"{JOB}-{run.name}-rank0.jsonl"
 
 
 def training_service(workdir: Path, run: SweepRun, pushgateway_url: str, gpu_uuid: str | None,
-                     cuda_device: int | None) -> Service:
-    """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`."""
+                     cuda_device: int | None, records: Path | None = None) -> Service:
+    """Run `run` of the sweep: on simulated GPU `gpu_uuid`, or on real GPU `cuda_device`; its record
+    goes to `records` (default: `workdir`), its log to `workdir`."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if cuda_device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_device)
     argv = [sys.executable, "-m", "stack.demo_training", "--pushgateway", pushgateway_url, "--job", JOB,
             "--run", run.name, "--step-time", f"{STEP_TIME}", *run.args,
-            "--record-path", str(record_path(workdir, run)),
+            "--record-path", str(record_path(records or workdir, run)),
             *(["--gpu-uuid", gpu_uuid] if gpu_uuid else [])]
     return Service(f"training {run.name}", argv, 0, workdir / f"training-{run.name}.log", ready_path=None,
                    env=env)
@@ -244,6 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "history older than 2 min; earlier, only TrainingLossNonFinite fires)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data and logs go (default: a temporary directory)")
+    parser.add_argument("--records", type=Path, default=Path(DEFAULT_RECORDS), metavar="DIR",
+                        help=f"where the runs' records go (default: ./{DEFAULT_RECORDS}, where `dualtrack "
+                             "report RUN` looks; an earlier demo's records of the same runs are appended to)")
     parser.add_argument("--duration", type=float, default=0.0,
                         help="stop after this many seconds (default: run until Ctrl-C)")
     parser.add_argument("--replay", type=Path, default=None, metavar="DIR",
@@ -265,7 +303,7 @@ def load_replayed_blocks(source: Path, data_dir: Path) -> int:
 
 
 def print_summary(services: dict[str, Service], prometheus_alerts: str, password: str | None,
-                  workdir: Path, runs: list[SweepRun], real_gpus: bool) -> None:
+                  workdir: Path, records: Path, runs: list[SweepRun], real_gpus: bool) -> None:
     say()
     log("dualtrack is up:")
     say(f"    Prometheus   {services['prometheus'].url}  (alerts: {prometheus_alerts})")
@@ -278,7 +316,7 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
     else:
         say("    Grafana      not installed here: the dashboards are dashboards/*.json "
             "(docker compose runs Grafana with them)")
-    say(f"    Logs and data in {workdir}")
+    say(f"    Logs and data in {workdir}; the runs' records in {records}")
     say()
     log(f"the sweep (job {JOB}), one run per {'GPU' if real_gpus else 'simulated GPU'}:")
     for gpu, run in enumerate(runs):
@@ -288,10 +326,10 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
 
 def alert_times(explode_after: float) -> dict[str, float]:
     """When the sweep's alerts are expected to print, in seconds after "dualtrack is up"."""
-    times = {"TrainingLossNonFinite": explode_after + EXPLOSION_ALERTS_AFTER,
+    times = {"TrainingLossNonFinite": min(explode_after, BAD_BATCH_AFTER) + EXPLOSION_ALERTS_AFTER,
              "TrainingDataLoaderBottleneck": LOADER_ALERT_AFTER, "GPUMemoryLeakSuspected": LEAK_ALERT_AFTER}
     if explode_after >= 140:  # the explosion's baseline needs 5 samples older than 2 min
-        times["TrainingGradientExplosion"] = times["TrainingLossNonFinite"]
+        times["TrainingGradientExplosion"] = explode_after + EXPLOSION_ALERTS_AFTER
     return times
 
 
@@ -301,11 +339,13 @@ def about(seconds: float) -> str:
 
 def print_expectations(args: argparse.Namespace, real_gpus: bool) -> None:
     times = alert_times(args.explode_after)
-    explosion = "TrainingLossNonFinite" + (" and TrainingGradientExplosion" if "TrainingGradientExplosion" in times
-                                           else " (too early for TrainingGradientExplosion: it needs 2 min "
-                                                "of the run's history)")
+    explosion = (f"TrainingGradientExplosion (its explosion) {about(times['TrainingGradientExplosion'])} after up"
+                 if "TrainingGradientExplosion" in times else
+                 "no TrainingGradientExplosion (its explosion comes too early: the alert needs 2 min of the "
+                 "run's history)")
     log("alerts print here as they fire and resolve, timed from \"dualtrack is up\": expect "
-        f"{explosion} (run explode-lr3e-2) {about(times['TrainingLossNonFinite'])} after up, "
+        f"TrainingLossNonFinite (run explode-lr3e-2, a corrupt batch or its explosion) "
+        f"{about(times['TrainingLossNonFinite'])} after up, {explosion}, "
         f"TrainingDataLoaderBottleneck (run inputbound-workers0) "
         f"{about(times['TrainingDataLoaderBottleneck'])} after up.")
     if real_gpus:
@@ -343,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         real_gpus = gpus > 0
         runs = sweep(args.explode_after)
         uuids = [None] * len(runs) if real_gpus else [simulated_uuid(i) for i in range(len(runs))]
-        printer = AlertPrinter({u: r.name for u, r in zip(uuids, runs) if u},
-                               {r.name: record_path(workdir, r) for r in runs})
+        records = args.records.resolve()
+        records.mkdir(parents=True, exist_ok=True)
+        printer = AlertPrinter({u: r.name for u, r in zip(uuids, runs) if u}, {r.name for r in runs}, records)
         webhook = processes.WebhookReceiver(on_payload=printer).start()
         exporter_args = [] if real_gpus else [
             "--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}",
@@ -356,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "SIMULATED GPUs (no NVIDIA driver here)"))
         services["pushgateway"] = up(processes.pushgateway(workdir, port=port_for("pushgateway"), persistence=True))
         up(processes.janitor(workdir, services["pushgateway"].url))
-        alertmanager_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url})
+        alertmanager_config = demo_alertmanager_config(workdir, webhook.url)
         services["alertmanager"] = up(processes.alertmanager(workdir, alertmanager_config,
                                                              port=port_for("alertmanager")))
         prometheus_port = port_for("prometheus")
@@ -380,13 +421,14 @@ def main(argv: list[str] | None = None) -> int:
         if binary:
             services["grafana"] = up(grafana(binary, workdir, provisioning, grafana_port, password))
             printer.grafana_url = services["grafana"].url
-        trainings = [up(training_service(workdir, run, services["pushgateway"].url, uuid, index % gpus if gpus else None))
+        trainings = [up(training_service(workdir, run, services["pushgateway"].url, uuid,
+                                         index % gpus if gpus else None, records))
                      for index, (run, uuid) in enumerate(zip(runs, uuids))]
         if not real_gpus:
             list_gpu_processes(workdir / GPU_PROCESSES, trainings)
         printer.prometheus_url = services["prometheus"].url
         printer.alerts_url = alerts_page(printer.prometheus_url)
-        print_summary(services, printer.alerts_url, password, workdir, runs, real_gpus)
+        print_summary(services, printer.alerts_url, password, workdir, records, runs, real_gpus)
         printer.up_at = time.monotonic()
         print_expectations(args, real_gpus)
         ended: set[str] = set()

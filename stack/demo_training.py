@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the run then rolls back to its last checkpoint and carries on")
     parser.add_argument("--explode-after", type=float, default=-1.0, metavar="SECONDS",
                         help="the same explosion, at the first step this many seconds after the start")
+    parser.add_argument("--bad-batch-after", type=float, default=-1.0, metavar="SECONDS",
+                        help="one corrupt input batch (a NaN feature) at the first step this many seconds after "
+                             "the start: a non-finite loss, then the run rolls back to its last checkpoint")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--data-workers", type=int, default=4,
                         help="recorded in the run's config (the demo's loader is synthetic)")
@@ -97,7 +100,7 @@ def train(args: argparse.Namespace, stopped: Callable[[], bool] = lambda: False)
         scaler = torch.amp.GradScaler(device.type) if args.grad_scaler else None
         if scaler is not None:
             monitor.watch(model, optimizer, scaler=scaler)
-        step, exploded = 0, False
+        step, exploded, corrupted = 0, False, False
         checkpoint = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
         run_started = time.monotonic()
         for batch_id, (x, y) in enumerate(monitor.loader(batches)):
@@ -110,6 +113,10 @@ def train(args: argparse.Namespace, stopped: Callable[[], bool] = lambda: False)
                 exploded = True
                 for group in optimizer.param_groups:
                     group["lr"] *= 1e4
+            if not corrupted and 0 <= args.bad_batch_after <= started - run_started:
+                corrupted = True
+                x = x.clone()
+                x[0, 0] = math.nan  # a corrupt record in the input
             loss = torch.nn.functional.mse_loss(model(x), y)
             if args.leak and len(kept) < LEAK_CAP:
                 kept.append(x)

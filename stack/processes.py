@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,7 +217,11 @@ def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
     over the repo's (e.g. GRAFANA_URL_LABEL: the Grafana the alerts' dashboard links open).
     """
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
-    config["global"].setdefault("external_labels", {}).update(external_labels or {})
+    labels = config["global"].setdefault("external_labels", {})
+    # ${VAR} in an external label, expanded as Prometheus' expand-external-labels does (unset: empty).
+    labels.update({name: re.sub(r"\$\{(\w+)\}", lambda found: os.environ.get(found.group(1), ""), value)
+                   for name, value in labels.items()})
+    labels.update(external_labels or {})
     if scrape_interval:
         config["global"]["scrape_interval"] = scrape_interval
     if evaluation_interval:

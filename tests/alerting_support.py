@@ -6,7 +6,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import requests
 
@@ -49,10 +49,12 @@ class AlertPipeline:
 
 def start_pipeline(workdir: Path, start_service: Callable[[Service], Service], webhook: WebhookReceiver,
                    exporter_targets: list[str] | None = None, group_wait: str = "1s",
-                   group_interval: str = "1s") -> AlertPipeline:
-    """Start the pipeline: scrape and evaluation every second, Alertmanager group_wait 1 s."""
+                   group_interval: str = "1s", alertmanager_env: dict[str, str] | None = None) -> AlertPipeline:
+    """Start the pipeline: scrape and evaluation every second, Alertmanager group_wait 1 s
+    (`alertmanager_env`: more of render-config.sh's variables, e.g. notification channels)."""
     pushgateway = start_service(processes.pushgateway(workdir))
-    am_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url},
+    am_config = processes.render_alertmanager_config(workdir, {"DUALTRACK_WEBHOOK_URL": webhook.url,
+                                                               **(alertmanager_env or {})},
                                                      group_wait=group_wait, group_interval=group_interval)
     alertmanager = start_service(processes.alertmanager(workdir, am_config))
     prom_config = processes.render_prometheus_config(
@@ -78,10 +80,10 @@ class NonFiniteRun:
         return {"job": "alerting-test", "run": self.run, "rank": "0", "instance": socket.gethostname()}
 
     @classmethod
-    def start(cls, pipeline: AlertPipeline, record_path: Path) -> "NonFiniteRun":
+    def start(cls, pipeline: AlertPipeline, record_path: Path, **monitor_args: Any) -> "NonFiniteRun":
         run = run_id("alert")
         monitor = TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url,
-                                  push_interval=0.5, record_path=record_path)
+                                  push_interval=0.5, record_path=record_path, **monitor_args)
         return cls(monitor, Trainer(), run)
 
     def train(self, steps: int) -> None:

@@ -6,6 +6,9 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
   exists.
 - frameworks: a Hugging Face Trainer, then an Accelerate loop logging through the tracker on every
   rank (DDP, gloo); no job given: the integrations' defaults.
+- hang: every step ends in an all-reduce that also carries the stop decision (DIR/stop exists on
+  either rank), so a rank stopped with SIGSTOP leaves the other waiting in that collective; each rank
+  writes its pid to DIR/rank<N>.pid.
 - fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
   norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone. Then
   FSDP1 with use_orig_params=True under watch(): logs the module's clip_grad_norm_ and the same
@@ -18,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
@@ -118,6 +122,24 @@ def straggler(records: Path) -> None:
     dist.destroy_process_group()
 
 
+def hang(records: Path) -> None:
+    # A collective waits up to 5 min: longer than the test, so no rank ends the hang by a timeout.
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    rank = dist.get_rank()
+    (records / f"rank{rank}.pid").write_text(str(os.getpid()))
+    with TrainingMonitor(job="hang", push_interval=0.5, record_path=records) as monitor:
+        step = 0
+        while True:
+            time.sleep(0.05)  # the rank's "compute"
+            stop = torch.tensor([float((records / "stop").exists())])
+            dist.all_reduce(stop)  # the step's collective: both ranks leave at the same step
+            if stop.item():
+                break
+            monitor.log({"loss": 1.0 / (step + 1)}, step=step)
+            step += 1
+    dist.destroy_process_group()
+
+
 def fsdp(records: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -188,5 +210,5 @@ def fsdp1(records: Path, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    {"ddp": ddp, "frameworks": frameworks, "straggler": straggler,
+    {"ddp": ddp, "frameworks": frameworks, "straggler": straggler, "hang": hang,
      "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))

@@ -19,7 +19,7 @@ XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -32,8 +32,13 @@ LOST_FAIL = 30.0
 SCALE_AT = 2400.0
 OOM_AT = 3000.0
 #: Each rank trains in a container of its own: pid CONTAINER_PID in PID namespace container_namespace(rank),
-#: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE).
+#: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE). In the "co-tenant" scenario
+#: the last rank's neighbour computes (CO_TENANT_SM of the SMs, taken from the rank's process); rank 0's
+#: GPU holds an idle one (IDLE_NEIGHBOUR) all along.
 CONTAINER_PID = 7
+TRAINING_SM = 0.9
+CO_TENANT_SM = 0.4
+IDLE_NEIGHBOUR = ("5151", "jupyter", 2 * 2**30)
 HOST_NAMESPACE = 4026531836
 
 
@@ -47,6 +52,7 @@ class Rank:
     wait_share: float = 0.0
     thermal: bool = False
     co_tenant: bool = False
+    idle_neighbour: bool = False
     nonfinite_from: float | None = None  # time (s from start) of the first non-finite step
     failed_at: float | None = None
     grad_norm: float = 1.0
@@ -82,6 +88,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.lost, state.failed_at = after, FAULT_AT + LOST_FAIL
     elif scenario == "co-tenant" and after and faulty:
         state.step_seconds, state.co_tenant = 1.0, True
+    elif scenario == "co-tenant" and rank == 0:
+        state.idle_neighbour = True
     elif scenario == "starving" and after:
         state.step_seconds, state.wait_share = 1.25, 0.6
     elif scenario == "nan-all":
@@ -89,6 +97,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
+        state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
     elif scenario in ("model", "mig-oom") and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
@@ -126,7 +136,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                                 ("training_first_nonfinite_step", first_nonfinite),
                                 ("training_nonfinite_steps_total", nonfinite_steps),
                                 ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
-                                ("training_grad_norm_max", now.grad_norm + 0.1 * ((int(at) // 15) % 3)),
+                                ("training_grad_norm_max", now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3))),
                                 ("training_loss_scale", now.loss_scale),
                                 ("training_cuda_ooms_total", now.ooms),
                                 ("training_grad_norm_max_step", int(steps)),
@@ -157,7 +167,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0)
+            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0) \
+                + (IDLE_NEIGHBOUR[2] if now.idle_neighbour else 0)
             if mig:
                 lines.append(f'nvml_gpu_mig_memory_used_bytes{{{gpu},gpu_instance="1"}} '
                              f'{(39.5 if now.memory_full else 20) * 2**30}{ts}')
@@ -167,15 +178,19 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
             # NVML names the host pid; the exporter adds its PID namespace and its pid in it
-            processes = [(str(1000 + rank), "python3", 61 * 2**30, container_namespace(rank), CONTAINER_PID)]
+            computing = TRAINING_SM * (1 - now.wait_share) - (CO_TENANT_SM if now.co_tenant else 0.0)
+            processes = [(str(1000 + rank), "python3", 61 * 2**30, container_namespace(rank), CONTAINER_PID, computing)]
             if mig:  # a server in the parent's other GPU instance: isolated from the rank's, no co-tenant
-                processes.append(("4343", "tritonserver", 10 * 2**30, HOST_NAMESPACE, 4343))
+                processes.append(("4343", "tritonserver", 10 * 2**30, HOST_NAMESPACE, 4343, 0.3))
             if now.co_tenant:
-                processes.append(("4242", "stress-ng", 12 * 2**30, HOST_NAMESPACE, 4242))
-            for pid, name, used, namespace, inner in processes:
-                lines.append(f'nvml_gpu_process_memory_used_bytes{{{gpu},pid="{pid}",process="{name}",'
-                             f'container_id="",pod_uid="",slurm_job_id="",pid_namespace="{namespace}",'
-                             f'namespace_pid="{inner}"}} {used}{ts}')
+                processes.append(("4242", "stress-ng", 12 * 2**30, HOST_NAMESPACE, 4242, CO_TENANT_SM))
+            if now.idle_neighbour:
+                processes.append((*IDLE_NEIGHBOUR, HOST_NAMESPACE, int(IDLE_NEIGHBOUR[0]), 0.0))
+            for pid, name, used, namespace, inner, sm in processes:
+                process = (f'{gpu},pid="{pid}",process="{name}",container_id="",pod_uid="",slurm_job_id="",'
+                           f'pid_namespace="{namespace}",namespace_pid="{inner}"')
+                lines.append(f"nvml_gpu_process_memory_used_bytes{{{process}}} {used}{ts}")
+                lines.append(f"nvml_gpu_process_sm_utilization_ratio{{{process}}} {sm}{ts}")
             if scenario in ("xid", "mig") and rank == ranks - 1 and at >= FAULT_AT:
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
             at += scrape

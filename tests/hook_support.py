@@ -173,3 +173,14 @@ def pull_monitor(tmp_path: Path, job: str, **kwargs) -> TrainingMonitor:
     kwargs.setdefault("push_interval", 0.1)
     kwargs.setdefault("listen_port", 0)
     return TrainingMonitor(job=job, **kwargs)
+
+
+def live_stack(tmp_path: Path, start_service: Callable, *exporter_args: str) -> tuple:
+    """(Pushgateway, simulated exporter, Prometheus with the shipped rules, scraping and evaluating
+    every second), started with `start_service` (the conftest fixture, which stops them)."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    exporter = start_service(processes.exporter(tmp_path, [*exporter_args, "--sample-interval=0.2"]))
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
+        scrape_interval="1s", evaluation_interval="1s")
+    return pgw, exporter, start_service(processes.prometheus(tmp_path, config))

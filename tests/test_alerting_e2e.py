@@ -18,9 +18,11 @@ pytestmark = pytest.mark.e2e
 
 
 def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
-        tmp_path, start_service, webhook_receiver):
+        tmp_path, start_service, webhook_receiver, monkeypatch):
+    grafana = "https://grafana.example.org"
+    monkeypatch.setenv("DUALTRACK_GRAFANA_URL", grafana)  # prometheus.yml's one setting, as compose sets it
     pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
-    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
+    run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl", delete_after=2)
     with run.monitor:
         run.train(20)
         processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} >= 20', 30)
@@ -41,15 +43,15 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
     assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
     # The Training run dashboard filtered to the run, from an hour before the evaluation to 10 min after.
-    grafana = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"][processes.GRAFANA_URL_LABEL]
     link = urlsplit(alert["annotations"]["dashboard_url"])
     assert f"{link.scheme}://{link.netloc}{link.path}" == grafana + "/d/dualtrack-training-run"
     query = parse_qs(link.query)
     assert query["var-job"] == [run.labels["job"]] and query["var-run"] == [run.run]
     window = int(query["from"][0]) / 1000, int(query["to"][0]) / 1000
     assert window[0] < logged_at < notification["received_at"] < window[1]
-    # The run finished (closing the monitor pushed state="finished"): the alert resolves.
-    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=30)
+    # The run finished (closing the monitor pushed state="finished", kept on the Pushgateway for its
+    # delete_after): the alert resolves once the run's group is deleted.
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run.run, timeout=90)
 
 
 def test_lost_gpu_reaches_the_webhook(tmp_path, start_service, webhook_receiver):
@@ -98,3 +100,22 @@ def test_eight_ranks_going_nan_together_send_one_notification(tmp_path, start_se
     notification = notifications[0]
     assert notification["groupLabels"] == {"alertname": "TrainingLossNonFinite", "job": "alerting-test", "run": run}
     assert sorted(alert["labels"]["rank"] for alert in notification["alerts"]) == [str(rank) for rank in range(8)]
+
+
+def test_a_short_run_that_goes_nan_and_finishes_notifies_once(tmp_path, start_service, webhook_receiver):
+    """The NaN and the end are in the run's one last push (no push saw it running with the NaN): the
+    finished run's last push on the Pushgateway fires TrainingLossNonFinite, one notification, which
+    resolves when the run's group is deleted."""
+    pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
+    run = run_id("shortnan")
+    trainer = Trainer()
+    with TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url, push_interval=600,
+                         record_path=tmp_path / "short.jsonl", delete_after=10) as monitor:
+        for _ in range(3):
+            trainer.train_step(monitor)
+        trainer.train_step(monitor, loss_scale=float("nan"))
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run, timeout=60)
+    webhook_receiver.wait_for_alert("TrainingLossNonFinite", status="resolved", run=run, timeout=60)
+    firing = [alert for payload in webhook_receiver.notifications() for alert in payload["alerts"]
+              if alert["labels"].get("run") == run and alert["status"] == "firing"]
+    assert len(firing) == 1, firing

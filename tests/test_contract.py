@@ -153,6 +153,8 @@ def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_
     assert live[key("training_grad_norm_max", {})] == 9.9e5
     assert live[key("training_first_nonfinite_step", {})] == 25
     assert live[key("training_first_nonfinite_batch_id", {})] == 1025
+    params = sum(p.numel() for p in Fp16Run().model.parameters())  # watch()'s estimate: 6 x params x tokens
+    assert live[key("training_model_flops_total", {"precision": "bf16"})] == 6 * params * 64 * 32 * len(steps)
     if watch_scaler:
         assert 3 <= skipped < 20
         assert live[key("training_nonfinite_values_total", {"key": "grad_norm"})] == 1
@@ -208,10 +210,11 @@ def test_dualtrack_commands_never_import_torch(tmp_path: Path, command: str) -> 
 # ---------------------------------------------------------------------- one declaration per series
 def _full_snapshot() -> Snapshot:
     """A snapshot in which every declared series has a sample: a failed run with GPUs, CUDA, tokens,
-    window maxima, skipped steps, dropped values and a config."""
+    model FLOPs, window maxima, skipped steps, dropped values and a config."""
     return Snapshot(gauges={"loss": 1.0, "custom": math.nan}, maxima={"loss": 3.0, "grad_norm": 5.0},
                     max_steps={"loss": 1, "grad_norm": 2}, value_sums={"loss": 3.0}, value_counts={"loss": 2},
-                    nonfinite_values={"custom": 1}, step=5, tokens_total=7.0, state="failed",
+                    nonfinite_values={"custom": 1}, step=5, tokens_total=7.0, model_flops_total=4.2e15,
+                    precision="fp8", state="failed",
                     failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
                     process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
@@ -269,13 +272,13 @@ def test_remote_write_sends_the_declared_series() -> None:
 
 def test_replay_writes_only_declared_series_with_their_labels(tmp_path) -> None:
     """Every sample replay writes is a declared series' with the declared labels (a record that
-    exercises every series replay rebuilds: a failed end, skipped steps, CUDA memory, tokens)."""
+    exercises every series replay rebuilds: a failed end, skipped steps, CUDA memory, tokens, FLOPs)."""
     record = tmp_path / "r.jsonl"
     record.write_text("\n".join(json.dumps(line) for line in [
         {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r", "rank": 0, "instance": "n",
-         "local_rank": 0, "world_size": 2, "config": {"lr": 0.1}},
+         "local_rank": 0, "world_size": 2, "precision": "fp16", "config": {"lr": 0.1}},
         {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf"}, "nonfinite": ["grad_norm"],
-         "samples": 8, "tokens": 64, "duration_seconds": 0.2, "data_wait_seconds": 0.01, "loss_scale": 1024.0,
+         "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2, "data_wait_seconds": 0.01, "loss_scale": 1024.0,
          "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
         {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
         {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]) + "\n")

@@ -37,8 +37,8 @@ EXPORTER_METRICS = {
     "nvml_gpu_fan_speed_ratio", "nvml_gpu_pcie_throughput_bytes_per_second",
     "nvml_gpu_nvlink_data_bytes_total", "nvml_gpu_throttle_active", "nvml_gpu_throttle_seconds_total",
     "nvml_gpu_ecc_errors_total", "nvml_gpu_retired_pages_total", "nvml_gpu_remapped_rows_total",
-    "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes", "nvml_gpu_sm_active_ratio",
-    "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "nvml_gpu_lost",
+    "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes", "nvml_gpu_process_sm_utilization_ratio",
+    "nvml_gpu_sm_active_ratio", "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "nvml_gpu_lost",
     "nvml_exporter_collector_success", "nvml_exporter_collector_duration_seconds",
     "nvml_exporter_errors_total", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_gpu_lost_total",
     "nvml_gpu_memory_temperature_celsius",  # added by the exporter (docs/metrics.md)
@@ -256,7 +256,8 @@ REQUIRED_METRICS = {
         "training_tokens_total", "training_loss_scale", "training_skipped_steps_total",
         "job_run:training_steps:rate5m_min", "job_run:training_steps:rate5m_median",
         "job_run:training_steps:rate5m_max", "training_process_info", "nvml_gpu_process_memory_used_bytes",
-        "training_first_nonfinite_step", "training_grad_norm_max_step", "training_last_push_timestamp_seconds"},
+        "training_first_nonfinite_step", "training_grad_norm_max_step", "training_last_push_timestamp_seconds",
+        "nvml_gpu_process_sm_utilization_ratio"},
     "gpu-fleet": {
         "nvml_gpu_utilization_ratio", "nvml_gpu_memory_used_bytes", "nvml_gpu_power_usage_watts",
         "nvml_gpu_temperature_celsius", "nvml_gpu_clock_hertz", "nvml_gpu_throttle_active",
@@ -264,7 +265,8 @@ REQUIRED_METRICS = {
         "nvml_gpu_ecc_errors_total", "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes",
         "nvml_up", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_errors_total", "nvml_gpu_lost",
         "nvml_gpu_busy_seconds_total", "nvml_gpu_idle_seconds_total", "nvml_gpu_sm_active_ratio",
-        "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "ALERTS"},
+        "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "ALERTS",
+        "nvml_gpu_process_sm_utilization_ratio"},
 }
 
 

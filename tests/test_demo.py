@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import pytest
 import requests
+import yaml
 
 from exporter.simulated import simulated_uuid
 from stack.demo import sweep
@@ -50,7 +51,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
 
 
 def demo_argv(workdir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "stack", "--workdir", str(workdir), *args]
+    return [sys.executable, "-m", "stack", "--workdir", str(workdir), "--records", str(workdir / "records"), *args]
 
 
 def wait_for_output(log: Path, pattern: str, timeout: float) -> re.Match:
@@ -154,21 +155,26 @@ def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path
 @pytest.mark.timeout(900)
 def test_time_to_first_alerts_with_the_default_sweep(spawn, tmp_path: Path) -> None:
     """The README's promise on a 2-core machine, timed from "dualtrack is up" as the alert lines
-    are: the explosion's alerts and the data-loader alert near the times the banner announces."""
+    are: the first alert within 2 min, the explosion's and the data-loader alert near the times the
+    banner announces (stack.demo.alert_times, which these measurements set)."""
     from stack.demo import EXPLODE_AFTER, alert_times
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
         spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT)
     first = wait_for_output(log, FIRST_ALERT.pattern, 400)
+    explosion = wait_for_output(log, r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2 "
+                                     r"\(\+(\d+)m(\d+)s after up\)", 400)
     loader = wait_for_output(log, r"FIRING\s+TrainingDataLoaderBottleneck .*run inputbound-workers0 "
                                   r"\(\+(\d+)m(\d+)s after up\)", 700)
     first_at = int(first.group(3)) * 60 + int(first.group(4))
+    explosion_at = int(explosion.group(1)) * 60 + int(explosion.group(2))
     loader_at = int(loader.group(1)) * 60 + int(loader.group(2))
-    print(f"after up: first alert {first_at} s ({first.group(1)}), data-loader alert {loader_at} s")
+    print(f"after up: first alert {first_at} s ({first.group(1)}), gradient explosion {explosion_at} s, "
+          f"data-loader alert {loader_at} s; load average {os.getloadavg()[0]:.1f}")
     expected = alert_times(EXPLODE_AFTER)
-    assert first_at < expected["TrainingLossNonFinite"] + 60, first.group(0)
+    assert first.group(1) == "TrainingLossNonFinite" and first_at <= 120, first.group(0)
+    assert explosion_at < expected["TrainingGradientExplosion"] + 60, explosion.group(0)
     assert loader_at < expected["TrainingDataLoaderBottleneck"] + 90, loader.group(0)
-    assert re.search(r"FIRING\s+TrainingGradientExplosion .*run explode-lr3e-2", log.read_text())
 
 
 def test_a_port_in_time_wait_is_kept_and_a_taken_one_moves_loudly(capsys) -> None:
@@ -224,7 +230,7 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     SIGKILL it), also with SIGINT and SIGTERM inherited as ignored."""
     from exporter.simulated import simulated_uuid
     from stack import processes
-    from stack.demo import sweep, training_service
+    from stack.demo import record_path, sweep, training_service
     from tests.hook_support import pushed_value, record_lines
     monkeypatch.delenv("DUALTRACK_DELETE_AFTER", raising=False)  # the default: wait at exit to delete
     pgw = start_service(processes.pushgateway(tmp_path))
@@ -243,7 +249,7 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     assert service.proc.returncode == -signal.SIGTERM, service.log_tail()
     assert pushed_value(pgw.url, "training_run_state", run.name, state="finished") == 1
     assert pushed_value(pgw.url, "training_run_state", run.name, state="failed") == 0
-    end = record_lines(tmp_path / f"record-{run.name}.jsonl")[1][-1]
+    end = record_lines(record_path(tmp_path, run))[1][-1]
     assert end["event"] == "end" and end["state"] == "finished" and "reason" not in end, end
 
 
@@ -251,7 +257,7 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     """Without Grafana an alert line points at the Prometheus alerts page and the run's report
     command (there is no dashboard to open); with Grafana, at the dashboard filtered to the run."""
     from stack.demo import AlertPrinter
-    printer = AlertPrinter({"GPU-0": "leak-bs128"}, {"leak-bs128": Path("/w/record-leak-bs128.jsonl")})
+    printer = AlertPrinter({"GPU-0": "leak-bs128"}, {"leak-bs128"}, Path("/w/records"))
     printer.prometheus_url, printer.alerts_url = "http://127.0.0.1:9090", "http://127.0.0.1:9090/classic/alerts"
     payload = {"alerts": [{"status": "firing", "labels": {"alertname": "GPUMemoryLeakSuspected", "uuid": "GPU-0"}},
                           {"status": "firing", "labels": {"alertname": "GPUXidError", "uuid": "GPU-9"}}]}
@@ -259,10 +265,87 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     lines = capsys.readouterr().out
     assert "dashboard" not in lines
     assert ("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts, or write the run's report: "
-            f"{sys.executable} -m dualtrack report /w/record-leak-bs128.jsonl --prometheus http://127.0.0.1:9090 "
+            f"{sys.executable} -m dualtrack report leak-bs128 --records /w/records --prometheus http://127.0.0.1:9090 "
             "--out leak-bs128.html") in lines
     assert lines.rstrip().endswith("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts")
     printer.grafana_url = "http://127.0.0.1:3000"
     printer(payload)
     assert "open the dashboard http://127.0.0.1:3000/d/dualtrack-training-run?var-job=demo&var-run=leak-bs128" \
         in capsys.readouterr().out
+
+
+def test_resolved_prints_within_seconds_of_the_alert_leaving_alertmanager(start_service, tmp_path: Path,
+                                                                         capsys) -> None:
+    """The demo's real Alertmanager, config and printer: an alert that resolves prints RESOLVED at the
+    group's next flush (the demo's 10 s group interval), not minutes later (production's 5 min)."""
+    from datetime import datetime, timedelta, timezone
+
+    from stack import processes
+    from stack.demo import AlertPrinter, demo_alertmanager_config
+    printer = AlertPrinter({}, set(), tmp_path)
+    printer.alerts_url = "http://127.0.0.1:9/alerts"
+    webhook = processes.WebhookReceiver(on_payload=printer).start()
+    try:
+        am = start_service(processes.alertmanager(tmp_path, demo_alertmanager_config(tmp_path, webhook.url)))
+        alert = {"labels": {"alertname": "TrainingLossNonFinite", "severity": "critical", "job": "demo",
+                            "run": "explode-lr3e-2", "rank": "0", "instance": "h"}}
+        soon = datetime.now(timezone.utc) + timedelta(minutes=5)
+        requests.post(am.url + "/api/v2/alerts", json=[{**alert, "endsAt": soon.isoformat()}],
+                      timeout=5).raise_for_status()
+        webhook.wait_for_alert("TrainingLossNonFinite", timeout=60)
+        requests.post(am.url + "/api/v2/alerts", json=[{**alert, "endsAt": datetime.now(timezone.utc).isoformat()}],
+                      timeout=5).raise_for_status()
+        webhook.wait_for_alert("TrainingLossNonFinite", status="resolved", timeout=60)
+    finally:
+        webhook.stop()
+    assert re.search(r"RESOLVED TrainingLossNonFinite \[critical\] run explode-lr3e-2", capsys.readouterr().out)
+
+
+def test_the_readmes_report_command_works_as_printed_on_a_demo_run(start_service, tmp_path: Path) -> None:
+    """The README's `dualtrack report <run-id> ...`, typed where the demo ran: the demo keeps its runs'
+    records where the hook and `dualtrack report` look by default (./dualtrack-records)."""
+    from stack import processes
+    from stack.demo import parse_args, sweep, training_service
+    from tests.hook_support import pushed_value
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^dualtrack report <run-id> (.+)$", readme, re.M).group(1).split()
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = sweep(150)[0]
+    service = training_service(tmp_path, run, pgw.url, None, None, records=tmp_path / parse_args([]).records)
+    service.argv += ["--push-interval", "0.5"]
+    start_service(service)
+    wait_until(lambda: (pushed_value(pgw.url, "training_steps_total", run.name) or 0) > 3, 60,
+               what="a few steps of the demo run")
+    report = subprocess.run([sys.executable, "-m", "dualtrack", "report", run.name, *command], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "report.html").stat().st_size > 0 and (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_the_demos_grafana_datasources_reach_its_prometheus_and_alertmanager(start_service, tmp_path: Path) -> None:
+    """Without Grafana: the provisioned datasource files, read as Grafana reads them ($__file{} resolved,
+    basic auth and the CA when they say so), answer queries from the demo's running daemons."""
+    from stack import processes
+    from stack.demo import DEMO_INTERVAL, render_grafana_provisioning
+    am = start_service(processes.alertmanager(tmp_path, processes.render_alertmanager_config(tmp_path)))
+    config = processes.render_prometheus_config(tmp_path, {"prometheus": []}, scrape_interval=DEMO_INTERVAL)
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    provisioning = render_grafana_provisioning(tmp_path, prometheus.url, am.url, DEMO_INTERVAL)
+
+    def resolved(value: str) -> str:
+        return re.sub(r"\$__file\{([^}]+)\}", lambda found: Path(found.group(1)).read_text().strip(), value)
+
+    sources = {source["type"]: source for path in (provisioning / "datasources").glob("*.yml")
+               for source in yaml.safe_load(path.read_text())["datasources"]}
+    assert set(sources) == {"prometheus", "alertmanager"}
+    paths = {"prometheus": "/api/v1/query?query=up", "alertmanager": "/api/v2/status"}
+    for kind, source in sources.items():
+        secure = {key: resolved(value) for key, value in source.get("secureJsonData", {}).items()}
+        auth = (source["basicAuthUser"], secure["basicAuthPassword"]) if source.get("basicAuth") else None
+        verify: bool | str = True
+        if source.get("jsonData", {}).get("tlsAuthWithCACert"):
+            verify = str(tmp_path / f"{kind}-ca.crt")
+            Path(verify).write_text(secure["tlsCACert"])
+        answer = requests.get(source["url"] + paths[kind], auth=auth, verify=verify, timeout=10)
+        assert answer.status_code == 200, (kind, source["url"], answer.text)
+    assert sources["prometheus"]["jsonData"]["timeInterval"] == DEMO_INTERVAL

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import requests
+import yaml
 
 from stack import processes
 from tests.hook_support import pushed_value, record_lines, run_id
@@ -127,6 +131,74 @@ def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack
     finally:
         (tmp_path / "stop").touch()
     finish(proc, tmp_path)
+
+
+#: TrainingRankHung's two windows as shipped (rules/distributed.yml, in seconds: 4 min without a step,
+#: 60 s without a push) and as the test below runs them, so that a hang fires in seconds.
+HANG_WINDOWS = {"240": "10", "60": "5"}
+
+
+def shortened_hang_rules(workdir: Path) -> Path:
+    """The shipped `dualtrack-hang.alerts` group with only its windows shortened (HANG_WINDOWS):
+    every other character of its expression and annotations is as shipped."""
+    groups = yaml.safe_load((processes.RULES_DIR / "distributed.yml").read_text())["groups"]
+    [group] = [group for group in groups if group["name"] == "dualtrack-hang.alerts"]
+    [rule] = group["rules"]
+    assert rule["alert"] == "TrainingRankHung" and "for" not in rule
+    for shipped, short in HANG_WINDOWS.items():
+        window = re.compile(rf"(?<![\w.]){shipped}(?![\w.])")
+        assert window.search(rule["expr"]), f"window {shipped} s not in the rule: update HANG_WINDOWS"
+        rule["expr"] = window.sub(short, rule["expr"])
+        rule["annotations"] = {key: window.sub(short, text) for key, text in rule["annotations"].items()}
+    path = workdir / "hang.yml"
+    path.write_text(yaml.safe_dump({"groups": [group]}, width=1 << 16))
+    return path
+
+
+def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
+    """Two ranks on gloo step through one all-reduce per step; rank 1 is stopped with SIGSTOP, so its
+    hook's pushes stop too while rank 0 waits in the collective and still pushes. TrainingRankHung
+    (its windows shortened, see HANG_WINDOWS) names rank 1 alone, was silent while both ranks
+    stepped, and resolves once rank 1 resumes and the run finishes."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    config = processes.render_prometheus_config(tmp_path, {processes.PUSHGATEWAY_JOB: [pgw.address]},
+                                                scrape_interval="1s", evaluation_interval="1s")
+    rendered = yaml.safe_load(config.read_text())
+    rendered["rule_files"] = [str(shortened_hang_rules(tmp_path))]
+    config.write_text(yaml.safe_dump(rendered, sort_keys=False))
+    prom = start_service(processes.prometheus(tmp_path, config))
+    run = run_id("hang")
+    alerts = f'ALERTS{{alertname="TrainingRankHung",run="{run}",alertstate="firing"}}'
+    proc = torchrun("hang", tmp_path, run, pgw.url)
+    frozen = None
+    try:
+        # Both ranks step, and Prometheus has seen them do so for longer than the hang window.
+        window = float(HANG_WINDOWS["240"])
+        processes.wait_for_series(
+            prom.url, f'count_over_time(training_steps_total{{job="hang",run="{run}"}}[1h]) > {window + 3}'
+            f' and training_steps_total > 0', timeout=120, predicate=lambda r: len(r) == 2)
+        frozen = int((tmp_path / "rank1.pid").read_text())
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.time()
+        firing = processes.wait_for_series(prom.url, alerts, timeout=60)
+        assert [series["metric"]["rank"] for series in firing] == ["1"]
+        assert processes.query(prom.url, f'count_over_time({alerts}[1h])', at=stopped_at) == []
+        [alert] = [a for a in requests.get(f"{prom.url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+                   if a["labels"].get("run") == run]
+        assert alert["annotations"]["summary"].startswith(f"Run {run} hangs: rank 1 stopped reporting at step ")
+        assert "Rank 1 on host" in alert["annotations"]["description"], alert["annotations"]
+        assert f"py-spy dump --pid {frozen} " in alert["annotations"]["description"]
+        # Thawed, the ranks agree to stop in their next all-reduce and finish: the alert resolves.
+        (tmp_path / "stop").touch()
+        os.kill(frozen, signal.SIGCONT)
+        finish(proc, tmp_path, timeout=60)
+        processes.wait_until(lambda: not processes.query(prom.url, alerts), 30, what="the alert to resolve")
+    finally:
+        (tmp_path / "stop").touch()
+        if frozen is not None and alive({frozen}):
+            os.kill(frozen, signal.SIGCONT)  # whatever happened, no stopped process outlives the test
+        kill_tree(proc.pid)
+        proc.wait()
 
 
 def test_fsdp_grad_norms_are_global_or_absent_never_a_shards(tmp_path):

@@ -10,10 +10,12 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from dualtrack import explain as explain_module
 from dualtrack.cli import main
 from stack import processes
+from stack.processes import REPO
 from tests import explain_support as support
 
 pytestmark = pytest.mark.e2e
@@ -126,11 +128,50 @@ def test_a_thermal_throttle_that_slows_the_steps(prometheus, capsys):
 
 
 def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
+    """The neighbour that computes on rank 1's GPU is named with how much it computed, above the idle
+    one that only holds memory on rank 0's GPU (named for the run-wide slowdown, not the straggler)."""
     events = timeline(prometheus, "co-tenant", capsys)["events"]
     (straggler,) = [e for e in events if e["kind"] == "straggler"]
     assert straggler["rank"] == "1" and kinds(straggler) == ["co_tenant"]
-    assert "stress-ng (pid 4242)" in straggler["causes"][0]["evidence"]
-    assert all(kinds(e) == ["co_tenant"] for e in events)
+    (cause,) = straggler["causes"]
+    assert cause["evidence"] == (f"process stress-ng (pid 4242) of no run on {support.uuid_of('co-tenant', 1)}, "
+                                 "12.0 GiB, 40% SM")
+    assert cause["score"] == explain_module.CO_TENANT_COMPUTING_SCORE
+    assert "with another process (stress-ng, pid 4242, computing 40% of the SMs) on that GPU" in straggler["sentence"]
+    (slowdown,) = [e for e in events if e["kind"] == "step_time_regression"]
+    assert [(c["score"], c["evidence"]) for c in slowdown["causes"]] == [
+        (0.75, f"process stress-ng (pid 4242) of no run on {support.uuid_of('co-tenant', 1)}, 12.0 GiB, 40% SM"),
+        (0.7, f"process jupyter (pid 5151) of no run on {support.uuid_of('co-tenant', 0)}, 2.0 GiB, 0% SM")]
+    assert {e["kind"] for e in events} == {"straggler", "step_time_regression"}
+
+
+def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
+    """The rules' co_tenant term (rules/explain.yml), evaluated on the same series at the straggler's
+    evidence time, scores each rank's GPU as explain scores its co-tenant."""
+    events = timeline(prometheus, "co-tenant", capsys)["events"]
+    (slowdown,) = [e for e in events if e["kind"] == "step_time_regression"]
+    by_gpu = {support.uuid_of("co-tenant", rank): str(rank) for rank in range(2)}
+    explained = {by_gpu[c["evidence"].split(" on ")[1].split(",")[0]]: c["score"] for c in slowdown["causes"]}
+    scored = {s["metric"]["rank"]: float(s["value"][1])
+              for s in processes.query(prometheus["url"], infra_cause_rule(), at=slowdown["time"] + 60)
+              if s["metric"]["run"] == "co-tenant" and s["metric"]["cause"] == "co_tenant"}
+    assert scored == explained == {"0": 0.7, "1": 0.75}
+
+
+def test_the_co_tenant_threshold_and_scores_are_the_rules():
+    """One SM threshold and two scores, in explain and in the rules' co_tenant term."""
+    expr = infra_cause_rule()
+    term = expr[expr.index("nvml_gpu_process_sm_utilization_ratio"):expr.index('"cause", "co_tenant"')]
+    assert (f"[10m]) > {explain_module.CO_TENANT_SM}) * 0 + {explain_module.CO_TENANT_COMPUTING_SCORE}" in term
+            and f"[10m]) * 0 + {explain_module.CO_TENANT_SCORE}\n" in term), term
+
+
+def infra_cause_rule() -> str:
+    """The expression of rules/explain.yml's job_run_rank:training_infra_cause:score."""
+    rules = yaml.safe_load((processes.REPO / "rules" / "explain.yml").read_text())
+    (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
+               if rule.get("record") == "job_run_rank:training_infra_cause:score"]
+    return expr
 
 
 def test_a_starving_data_loader(prometheus, capsys):
@@ -139,6 +180,32 @@ def test_a_starving_data_loader(prometheus, capsys):
     for event in events:
         assert kinds(event) == ["data_wait"], event
         assert "the input pipeline" in event["sentence"]
+
+
+def test_a_fine_tunes_spike_that_fires_the_alert_is_a_gradient_spike_event(prometheus, capsys):
+    """Norms around 5e-5 and one push 20x above: TrainingGradientExplosion fires (its condition needs the
+    spike, not the median, above 1e-4), so explain names the spike too."""
+    events = timeline(prometheus, "fine-tune-spike", capsys)["events"]
+    assert [(e["kind"], e["rank"], e["time"]) for e in events] == [
+        ("grad_spike", "0", prometheus["base"] + support.FAULT_AT)], events
+
+
+def test_explain_uses_the_alerts_own_conditions():
+    """One definition: explain's gradient spike is TrainingGradientExplosion's expression, and its data
+    starvation TrainingDataLoaderBottleneck's share and `for`."""
+    from dualtrack import explain as module
+    rules = {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
+             for rule in group["rules"] if "alert" in rule}
+    gating = "and on (job, run, rank, instance) training_run_state{state=\"running\"} == 1"
+    explosion = " ".join(rules["TrainingGradientExplosion"]["expr"].split())
+    assert explosion.endswith(gating)
+    assert explosion[:-len(gating)].strip() == " ".join(module.GRAD_SPIKE.replace("{SEL}", "").split())
+    loader = rules["TrainingDataLoaderBottleneck"]
+    assert f"job_run_rank:training_data_wait_seconds:rate5m > {module.STARVATION_SHARE:g}" in loader["expr"]
+    assert loader["for"] == f"{module.STARVATION_FOR / 60:g}m"
+    recording = {rule["record"]: rule["expr"] for group in yaml.safe_load((REPO / "rules" / "recording.yml").read_text())[
+        "groups"] for rule in group["rules"] if "record" in rule}
+    assert "[5m]" in recording["job_run_rank:training_data_wait_seconds:rate5m"]
 
 
 def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):

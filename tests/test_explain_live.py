@@ -10,20 +10,14 @@ import pytest
 
 from dualtrack.cli import main
 from stack import processes
-from tests.hook_support import run_id
+from tests.hook_support import live_stack, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_live_nan_after_a_simulated_xid_79_blames_that_gpu(tmp_path, start_service, capsys):
-    pgw = start_service(processes.pushgateway(tmp_path))
-    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy,xid", "--simulate.gpus=2",
-                                                           "--sample-interval=0.2"]))
-    config = processes.render_prometheus_config(
-        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
-        scrape_interval="1s", evaluation_interval="1s")
-    prometheus = start_service(processes.prometheus(tmp_path, config))
+    pgw, _, prometheus = live_stack(tmp_path, start_service, "--simulate=healthy,xid", "--simulate.gpus=2")
     uuids = {s["metric"]["gpu"]: s["metric"]["uuid"]
              for s in processes.wait_for_series(prometheus.url, "nvml_gpu_info", 30)}
     run = run_id("live-xid")

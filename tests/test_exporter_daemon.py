@@ -114,3 +114,22 @@ def test_sigint_stops_cleanly_too(tmp_path, start_service):
     exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1"]))
     exporter.proc.send_signal(signal.SIGINT)
     assert exporter.proc.wait(10) == 0
+
+
+def test_the_bare_daemon_listens_on_loopback_and_containers_ask_for_every_interface():
+    """Nothing listens beyond loopback unless asked: the daemon's default is 127.0.0.1:9942 (what the
+    README says); the image, compose and the DaemonSet, whose port is reached through the container's
+    network, each pass :9942 explicitly (compose then publishes it on 127.0.0.1 by default)."""
+    import re
+
+    import yaml
+    assert parse_args([], {}).web_listen_address == "127.0.0.1:9942"
+    assert "dualtrack-exporter                 # serves 127.0.0.1:9942/metrics" in (REPO / "README.md").read_text()
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ENV [^\n]*(\\\n[^\n]*)*DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942", dockerfile, re.M)
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["exporter"]
+    assert compose["environment"]["DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS"] == ":9942"
+    assert compose["ports"] == ["${DUALTRACK_BIND:-127.0.0.1}:9942:9942"]
+    daemonset = yaml.safe_load((REPO / "deploy" / "kubernetes" / "exporter-daemonset.yaml").read_text())
+    container = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "exporter")
+    assert "--web.listen-address=:9942" in container["args"]

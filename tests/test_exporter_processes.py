@@ -14,9 +14,10 @@ from typing import Callable
 import pytest
 
 from exporter.collectors.processes import identify
-from exporter.simulated import SimulatedNVML
+from exporter.simulated import CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
 from stack.processes import REPO, wait_until
 from tests.exporter_support import Rig
+from tests.nvml_faults import Fault
 from tests.process_support import children
 
 #: A process name that is not UTF-8 (PR_SET_NAME takes any 15 bytes).
@@ -160,3 +161,83 @@ def test_the_simulator_lists_the_processes_its_file_names(tmp_path):
     assert [p.pid for p in listed] == [101, 102]
     assert listed[0].usedGpuMemory == listed[1].usedGpuMemory > 20 * 2**30
     assert lib.nvmlDeviceGetComputeRunningProcesses(gpu1) == []
+
+
+SM = "nvml_gpu_process_sm_utilization_ratio"
+
+
+def sm_by_pid(rig: Rig) -> dict[str, float]:
+    return {s["pid"]: rig.value(SM, **s) for s in rig.series(SM)}
+
+
+def test_each_process_sm_utilization_is_the_mean_of_its_samples_since_the_last_read():
+    """The driver is asked for the samples newer than the newest it answered before; each listed
+    process gets the mean of its own (the driver's empty entries, pid 0, are no process); the series
+    carry the memory series' labels."""
+    rig = Rig("co-tenant", 1, pid=1000, collectors=["processes"])
+    asked, answers = [], []
+    driver = rig.lib.nvmlDeviceGetProcessUtilization
+
+    def spy(handle, timestamp):
+        asked.append(timestamp)
+        answers.append([])
+        answers[-1] = driver(handle, timestamp)  # NOT_FOUND: answered nothing
+        return answers[-1]
+
+    rig.lib.nvmlDeviceGetProcessUtilization = spy
+    rig.step()
+    while rig.clock() - rig.lib.start < FAULT_AFTER + 10:
+        rig.step()
+    assert asked[0] == 0 and len(asked) > 2
+    assert all(asked[i] == max([asked[i - 1], *(s.timeStamp for s in answers[i - 1])]) for i in range(1, len(asked)))
+    newest = answers[-1]
+    since = asked[-1]
+    for pid in (1000, CO_TENANT_PID):
+        mine = [s.smUtil / 100 for s in newest if s.pid == pid and s.timeStamp > since]
+        assert mine and sm_by_pid(rig)[str(pid)] == pytest.approx(sum(mine) / len(mine))
+    assert sm_by_pid(rig)[str(CO_TENANT_PID)] == pytest.approx(0.4)
+    assert 0.45 < sm_by_pid(rig)["1000"] < 0.6
+    memory = "nvml_gpu_process_memory_used_bytes"
+    assert sorted(map(sorted, (s.items() for s in rig.series(SM)))) == \
+        sorted(map(sorted, (s.items() for s in rig.series(memory))))
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+
+
+def test_no_new_sample_not_found_means_every_process_computed_nothing():
+    """NOT_FOUND: no sample newer than the timestamp (the driver takes none while processes idle):
+    each listed process reads 0, and it is no error."""
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              faults=[Fault(function="nvmlDeviceGetProcessUtilization", error="NotFound", at=20)])
+    rig.step(5)
+    assert sm_by_pid(rig)["1000"] > 0.85
+    rig.step(15)
+    for _ in range(5):  # the collector's next run (every 5th sample)
+        rig.step()
+    assert sm_by_pid(rig) == {"1000": 0.0}
+    assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+
+
+@pytest.mark.parametrize("lacking", ["board", "binding"])
+def test_a_board_or_binding_without_per_process_utilization_is_asked_once_and_exports_no_series(lacking):
+    """NOT_SUPPORTED (some boards; MIG, the simulator's test shows), or an nvidia-ml-py without the
+    function: no utilization series and no error, the processes' memory still exported, and the
+    driver not asked again."""
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              devices={0: DeviceTraits(process_utilization=False)} if lacking == "board" else None,
+              binding_lacks=("nvmlDeviceGetProcessUtilization",) if lacking == "binding" else ())
+    for _ in range(12):
+        rig.step()
+    assert rig.series(SM) == [] and len(rig.series("nvml_gpu_process_memory_used_bytes")) == 1
+    assert rig.lib.calls["nvmlDeviceGetProcessUtilization"] == (lacking == "board")
+    assert rig.series("nvml_exporter_errors_total") == []
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 1
+
+
+def test_a_failed_utilization_read_is_counted_and_the_memory_series_stay():
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              faults=[Fault(function="nvmlDeviceGetProcessUtilization", error="Timeout")])
+    rig.step()
+    assert rig.series(SM) == [] and len(rig.series("nvml_gpu_process_memory_used_bytes")) == 1
+    assert rig.value("nvml_exporter_errors_total", collector="processes", error="timeout") == 1
+    assert rig.value("nvml_exporter_collector_success", collector="processes") == 0

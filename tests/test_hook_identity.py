@@ -54,6 +54,36 @@ def test_without_a_launcher_two_runs_started_in_the_same_second_differ(tmp_path,
     assert all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run) for run in runs)
 
 
+def test_an_automatic_run_id_is_said_once_at_start_and_public_as_monitor_run(tmp_path):
+    """The id the hook chose is the one `dualtrack report`/`explain` and the alerts need: rank 0 says it
+    in one line on stderr (logging not configured, as in a plain script); an id the user chose is not
+    repeated."""
+    script = ("from trainer_hook import TrainingMonitor\n"
+              f"with TrainingMonitor(job='ident', pushgateway=False, record_path={str(tmp_path)!r}) as m:\n"
+              "    print(m.run)\n"
+              f"with TrainingMonitor(job='ident', run='chosen', pushgateway=False, record_path={str(tmp_path)!r}) as m:\n"
+              "    print(m.run)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES})
+    assert result.returncode == 0, result.stderr
+    automatic, chosen = result.stdout.split()
+    assert chosen == "chosen" and re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", automatic)
+    lines = [line for line in result.stderr.splitlines() if "run " in line]
+    assert lines == [f"trainer_hook: job ident run {automatic} (rank 0 of 1); pass run= or set $DUALTRACK_RUN "
+                     "to choose the id"], result.stderr
+
+
+def test_with_logging_configured_the_run_id_goes_through_the_logger(tmp_path, bare_env, caplog):
+    caplog.set_level(logging.INFO, logger="trainer_hook")
+    with TrainingMonitor(job="ident", pushgateway=False, record_path=tmp_path) as monitor:
+        assert [r.getMessage() for r in caplog.records if "run " in r.getMessage()] == [
+            f"job ident run {monitor.run} (rank 0 of 1); pass run= or set $DUALTRACK_RUN to choose the id"]
+    caplog.clear()
+    bare_env.setenv("DUALTRACK_RUN", "from-env")
+    with TrainingMonitor(job="ident", pushgateway=False, record_path=tmp_path) as monitor:
+        assert monitor.run == "from-env" and not caplog.records
+
+
 def test_run_id_is_sanitized_to_a_label_value(tmp_path, bare_env):
     bare_env.setenv("TORCHELASTIC_RUN_ID", "job\nwith\tcontrol" + "x" * 400)
     run = settings(tmp_path).run

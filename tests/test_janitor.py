@@ -238,3 +238,18 @@ def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
                  if arg.startswith("--persistence.file="))
     assert any(isinstance(volume, str) and volume.startswith("pushgateway-data:")
                and store.startswith(volume.split(":")[1] + "/") for volume in services["pushgateway"]["volumes"])
+
+
+def test_once_with_dry_run_says_what_it_would_delete_or_that_nothing_is_due(pgw):
+    """`dualtrack janitor --once --dry-run` as a user types it: one line even when nothing is due."""
+    def once(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dualtrack", "janitor", f"--pushgateway={pgw.url}", "--once",
+                               "--dry-run", *args], capture_output=True, text=True, timeout=60)
+    empty = once()
+    assert empty.returncode == 0 and "nothing due for deletion among 0 group(s)" in empty.stderr, empty.stderr
+    run = run_id("dryonce")
+    with TrainingMonitor(job="jan", run=run, pushgateway=pgw.url, record_path=False, delete_after=None) as m:
+        m.log({"loss": 1.0}, step=0)
+    processes.wait_until(lambda: "would delete 1 of 1 group(s)" in once("--finished-retention=0.1s").stderr, 10,
+                         what="a dry-run pass that finds the finished run due")
+    assert run in runs(pgw.url)

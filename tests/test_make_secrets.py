@@ -109,3 +109,16 @@ def test_each_daemon_accepts_only_the_users_it_needs_and_healthcheck_only_the_ex
                      "exporter": {"prometheus", "healthcheck"}}
     assert (tmp_path / "grafana-admin.password").read_text().strip()  # Grafana's login: no web-config user
     assert not any("grafana-admin" in names for names in users.values())
+
+
+@pytest.mark.parametrize("package", ["bcrypt", "yaml"])
+def test_a_python_without_bcrypt_or_yaml_gets_one_line_not_a_traceback(tmp_path, package):
+    """The README runs it with the system python3, which may lack bcrypt (Debian's lacks it)."""
+    blocked = f"import sys, runpy; sys.modules[{package!r}] = None; sys.argv = ['make_secrets.py', '--dir', " \
+              f"{str(tmp_path / 'set')!r}]; runpy.run_path({str(REPO / 'deploy/compose/make_secrets.py')!r}, " \
+              "run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"make_secrets: error: the {package} package is missing"), result.stderr
+    assert not (tmp_path / "set").exists()

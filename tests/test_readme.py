@@ -69,6 +69,23 @@ def test_readme_banner_and_docs_give_the_demo_alert_times_counted_from_up(capsys
     assert f"in the demo it prints about {expected['GPUMemoryLeakSuspected']} min after its leak starts" in docs
 
 
+HOOK_DOC = REPO / "docs" / "hook.md"
+
+
+def test_the_hook_doc_quotes_the_readmes_log_cost_and_installs_without_placeholders() -> None:
+    """docs/hook.md's log() figures are the README's Performance table's, its install commands run
+    as written (no `<... URL>` placeholder), and both pin the torch version the tests run with."""
+    readme, hook = README.read_text(), " ".join(HOOK_DOC.read_text().split())
+    floats = re.search(r"\| `log\(\)`, 3 / 30 / 300 float keys \| median ([\d.]+) / ", readme).group(1)
+    tensors = re.search(r"\| `log\(\)`, 3 / 30 / 300 CPU 0-d tensor keys \| median [\d.]+ / ([\d.]+) / ", readme).group(1)
+    assert f"{floats} µs for 3 Python floats, {tensors} µs for 30 CPU 0-d tensors" in hook
+    assert not re.search(r"<[^>]*(URL|url)[^>]*>", HOOK_DOC.read_text())
+    tested = re.search(r'pip_install "torch==([\d.]+)"', (REPO / "scripts" / "setup").read_text()).group(1)
+    assert f"is tested with torch {tested} and without torch" in " ".join(readme.split())
+    for text in (readme, hook):
+        assert f"pip install 'torch=={tested}' '" in text
+
+
 def test_the_layout_table_names_every_module() -> None:
     """Each package's row of the README's layout table names each of its modules (a sub-package by
     its folder), so a new module cannot go unmentioned."""

@@ -126,6 +126,16 @@ def test_each_subcommand_has_help() -> None:
         assert result.returncode == 0 and "--out" in result.stdout and result.stderr == ""
 
 
+def test_the_top_level_help_speaks_of_commands_not_modules() -> None:
+    result = subprocess.run([sys.executable, "-m", "dualtrack", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    assert "module" not in result.stdout.lower() and "package" not in result.stdout.lower(), result.stdout
+    assert "commands:" in result.stdout and "COMMAND --help" in result.stdout
+    for command in ("explain", "janitor", "replay", "report"):
+        assert f"    {command} " in result.stdout
+
+
 def test_the_stack_loads_only_the_blocks_of_a_replay_directory(tmp_path: Path) -> None:
     from stack.demo import load_replayed_blocks, parse_args
     record = write(tmp_path / "a.jsonl", [START] + [step(n, 1000.0 + n) for n in range(3)])

@@ -2,8 +2,11 @@
 real Prometheus scraping the (simulated) exporter, and bad input."""
 from __future__ import annotations
 
+import calendar
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,21 @@ def test_gpu_track_and_alerts_section_come_from_prometheus(tmp_path: Path, start
         trainer.train_step(monitor, loss_scale=float("nan"))
         processes.wait_for_series(prometheus.url, f'ALERTS{{alertname="TrainingLossNonFinite",run="{run}",'
                                                   f'alertstate="firing"}}', 30)
+        # The run is live: the report says so, and shows no alert firing later than now (the alert
+        # has fired for a few evaluations, so the report's query steps see it).
+        processes.wait_for_series(prometheus.url, f'count_over_time(ALERTS{{alertname="TrainingLossNonFinite",'
+                                                  f'run="{run}",alertstate="firing"}}[1m]) >= 3', 30)
+        live = tmp_path / "live.html"
+        assert main(["report", run, "--records", str(tmp_path / "records"), "--out", str(live),
+                     "--prometheus", prometheus.url]) == 0
+        written = time.time()
+        page = live.read_text()
+        assert "died without closing" not in page and f"running (no end line yet; its process {os.getpid()} is " \
+            "alive on this host)" in page
+        table = page[page.index('<table id="alerts">'):page.index("</table>", page.index('<table id="alerts">'))]
+        seen = [calendar.timegm(time.strptime(text, "%Y-%m-%d %H:%M:%S UTC"))
+                for text in re.findall(r"<td>(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC)</td>", table)]
+        assert seen and max(seen) <= written, f"an alert seen firing after the report was written: {table}"
     out = tmp_path / "gpu.html"
     assert main(["report", run, "--records", str(tmp_path / "records"), "--out", str(out),
                  "--prometheus", prometheus.url, "--png"]) == 0

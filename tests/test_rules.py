@@ -22,6 +22,7 @@ CONTRACT = {
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
     "TrainingLossScaleCollapse", "TrainingStragglerRank", "GPUSuspectedFaulty",
+    "TrainingRankHung",
 }
 RUNBOOKS_LABEL = processes.RUNBOOKS_URL_LABEL
 GRAFANA_LABEL = processes.GRAFANA_URL_LABEL
@@ -102,18 +103,28 @@ def test_every_training_alert_links_to_its_run_on_the_training_dashboard():
 
 
 def test_grafana_url_is_one_setting_kept_out_of_alert_labels():
+    """Compose: one variable, DUALTRACK_GRAFANA_URL, is both Grafana's root URL and the links' base
+    (Prometheus expands it in its external label)."""
     config = yaml.safe_load((REPO / "prometheus.yml").read_text())
-    url = urlparse(config["global"]["external_labels"][GRAFANA_LABEL])
-    assert url.scheme in ("http", "https") and url.netloc and not url.path.endswith("/"), url
+    assert config["global"]["external_labels"][GRAFANA_LABEL] == "${DUALTRACK_GRAFANA_URL}"
     assert {"action": "labeldrop", "regex": GRAFANA_LABEL} in config["alerting"]["alert_relabel_configs"]
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert "--enable-feature=expand-external-labels" in services["prometheus"]["command"]
+    default = "${DUALTRACK_GRAFANA_URL:-http://localhost:3000}"
+    assert services["prometheus"]["environment"]["DUALTRACK_GRAFANA_URL"] == default
+    assert services["grafana"]["environment"]["GF_SERVER_ROOT_URL"] == default
+    assert services["grafana"]["ports"] == ["${DUALTRACK_BIND:-127.0.0.1}:3000:3000"]  # the default's port
 
 
-def test_a_rendered_config_can_point_the_links_at_its_own_grafana(tmp_path):
+def test_a_rendered_config_can_point_the_links_at_its_own_grafana(tmp_path, monkeypatch):
     """The no-Docker demo renders prometheus.yml with its own Grafana's address (stack/demo.py)."""
     config = yaml.safe_load(processes.render_prometheus_config(
         tmp_path, {}, external_labels={GRAFANA_LABEL: "http://127.0.0.1:3999"}).read_text())
     labels = config["global"]["external_labels"]
     assert labels[GRAFANA_LABEL] == "http://127.0.0.1:3999"
+    monkeypatch.setenv("DUALTRACK_GRAFANA_URL", "https://grafana.example.org")  # as Prometheus expands it
+    expanded = yaml.safe_load(processes.render_prometheus_config(tmp_path, {}).read_text())
+    assert expanded["global"]["external_labels"][GRAFANA_LABEL] == "https://grafana.example.org"
     assert labels[RUNBOOKS_LABEL] == yaml.safe_load((REPO / "prometheus.yml").read_text())[
         "global"]["external_labels"][RUNBOOKS_LABEL]
 
@@ -123,6 +134,8 @@ def test_kubernetes_prometheus_gets_the_same_link_settings():
     external labels the annotations read, and drops them from alerts, as prometheus.yml does."""
     values = yaml.safe_load((REPO / "deploy" / "kubernetes" / "helm" / "kube-prometheus-stack-values.yaml").read_text())
     spec = values["prometheus"]["prometheusSpec"]
+    # One setting: the chart's Grafana root URL is the links' base (a YAML anchor in the values file).
+    assert spec["externalLabels"][GRAFANA_LABEL] == values["grafana"]["grafana.ini"]["server"]["root_url"]
     for label in (RUNBOOKS_LABEL, GRAFANA_LABEL):
         assert urlparse(spec["externalLabels"][label]).scheme == "https", label
         assert {"action": "labeldrop", "regex": label} in spec["additionalAlertRelabelConfigs"]
@@ -137,7 +150,8 @@ def test_every_alert_fires_in_a_unit_test_and_healthy_runs_stay_silent():
                               if "ALERTS" in t["expr"] and not t["exp_samples"]]
     assert {rule["alert"] for rule in rules("alert")} <= fired
     assert "count_over_time(ALERTS[3h])" in silent_checks  # the healthy run: no alert at all
-    assert 'count_over_time(ALERTS{alertname=~"Training.*"}[90m])' in silent_checks  # finished run
+    # a finished run: nothing but TrainingLossNonFinite for the NaN in its last push
+    assert 'count_over_time(ALERTS{alertname=~"Training.*",alertname!="TrainingLossNonFinite"}[90m])' in silent_checks
 
 
 def test_recording_rule_names_and_uses():

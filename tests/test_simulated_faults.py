@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, SimulatedNVML
+from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
 from tests.exporter_support import FakeClock, Rig
 
 
@@ -34,6 +34,37 @@ def test_co_tenant_adds_a_foreign_process_and_its_memory():
         rig.step()
     assert {s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")} == {"1000", str(CO_TENANT_PID)}
     assert rig.value("nvml_gpu_memory_used_bytes", gpu="0", uuid=rig.lib._uuids[0]) == before + CO_TENANT_BYTES
+
+
+def test_the_co_tenant_computes_and_per_process_samples_come_as_from_a_driver():
+    """nvmlDeviceGetProcessUtilization as a driver answers it: samples newer than the timestamp
+    (CPU microseconds), per process, not in time order, padded with empty entries; NOT_FOUND when
+    none is newer; NOT_SUPPORTED in MIG mode and on boards without it. The co-tenant takes 40 % of
+    the SMs once its fault starts."""
+    clock = FakeClock()
+    lib = SimulatedNVML(["co-tenant", "healthy", "healthy"], 3, pid=1000, clock=clock,
+                        devices={1: DeviceTraits(mig=True), 2: DeviceTraits(process_utilization=False)})
+    lib.nvmlInit()
+    gpu0, gpu1, gpu2 = (lib.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+    for handle in (gpu1, gpu2):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            lib.nvmlDeviceGetProcessUtilization(handle, 0)
+    clock.advance(10)
+    samples = lib.nvmlDeviceGetProcessUtilization(gpu0, 0)
+    real = [s for s in samples if s.pid]
+    assert {s.pid for s in real} == {1000} and len(samples) > len(real)  # padded
+    assert all(s.timeStamp == 0 for s in samples if not s.pid)
+    assert all(90 <= s.smUtil <= 97 for s in real)
+    newest = max(s.timeStamp for s in real)
+    assert newest <= clock() * 1e6
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        lib.nvmlDeviceGetProcessUtilization(gpu0, newest)
+    clock.advance(FAULT_AFTER)
+    samples = [s for s in lib.nvmlDeviceGetProcessUtilization(gpu0, newest) if s.pid]
+    assert all(s.timeStamp > newest for s in samples)
+    assert {s.smUtil for s in samples if s.pid == CO_TENANT_PID} == {40}
+    assert [s.timeStamp for s in samples] != sorted(s.timeStamp for s in samples)  # no time order
+    lib.nvmlShutdown()
 
 
 def test_xid_scenario_sends_one_xid_79_after_the_healthy_start():

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from . import tensors
 from .contract import SKIP_REASON, Accumulator, Snapshot, Window, json_number, raise_max, record_id
+from .flops import ModelFlops
 from .tensors import Stack
 
 log = logging.getLogger("trainer_hook")
@@ -40,8 +41,9 @@ class Entry(NamedTuple):
 class Aggregator:
     """Turns drained entries into record lines and running state; publishes snapshots."""
 
-    def __init__(self, names: dict[Any, Any], max_hold: float) -> None:
+    def __init__(self, names: dict[Any, Any], max_hold: float, flops: ModelFlops) -> None:
         self._names = names  # log key -> metric suffix, filled by the training thread
+        self._flops = flops  # the run's model FLOPs per token or sample (the monitor sets them)
         self._max_hold = max_hold
         self._recent: deque[tuple[float, Window]] = deque()  # (published at, window maxima)
         self._lock = threading.RLock()  # close() may run in a signal handler
@@ -68,10 +70,11 @@ class Aggregator:
         step = self._resolve_step(extra.get("step"))
         loss_scale = extra.get("loss_scale")
         skipped = round(extra.get("skipped", 0))  # an unreadable tensor is dropped (and counted)
+        flops = self._flops.of(tokens, samples)
         nonfinite = self._run.fold(step, values, self._names.__getitem__, time=entry.time,
                                    batch_id=batch_id, samples=samples, tokens=tokens,
                                    duration=entry.duration, skipped=skipped,
-                                   loss_scale=loss_scale).nonfinite
+                                   loss_scale=loss_scale, flops=flops).nonfinite
         line: dict[str, Any] = {"time": round(entry.time, 6), "step": step,
                                 "batch_id": batch_id, "samples": json_number(samples),
                                 "tokens": json_number(tokens),
@@ -82,6 +85,8 @@ class Aggregator:
             line["skipped"] = SKIP_REASON
         if loss_scale is not None:
             line["loss_scale"] = json_number(loss_scale)
+        if flops is not None:
+            line["flops"] = json_number(flops)
         if nonfinite:
             line["nonfinite"] = [str(key) for key in nonfinite]
             if not self._warned_nonfinite:

@@ -31,6 +31,10 @@ RUN_STATES = ("running", "finished", "failed")
 #: Upper bounds (seconds) of training_step_duration_seconds; +Inf is implicit.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                 60.0)
+#: Precisions of training_model_flops_total{precision}: which of its GPUs' peak FLOP/s the run's MFU
+#: divides by (rules/gpu_peaks.yml, generated from dualtrack/gpu_peaks.py).
+PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
+DEFAULT_PRECISION = "bf16"
 #: Keys exported with a window maximum (training_<key>_max) and its step (training_<key>_max_step).
 WINDOW_MAX_KEYS = ("loss", "grad_norm")
 #: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.
@@ -101,6 +105,9 @@ SERIES: tuple[Series, ...] = (
     Series("steps", "counter", "log() calls (training steps) so far."),
     Series("samples", "counter", "Samples passed as samples= so far."),
     Series("tokens", "counter", "Tokens passed as tokens= so far."),
+    Series("model_flops", "counter", "Model FLOPs of the steps so far (flops_per_token x tokens, flops_per_sample "
+           "x samples, or the estimate 6 x parameters x tokens); precision: the peak FLOP/s the run's MFU divides "
+           "by.", ("precision",)),
     Series("step_duration_seconds", "histogram", "Wall time between consecutive log() calls."),
     Series("data_wait_seconds", "counter", "Time the training loop waited for its batches (loader(), "
            "log(data_wait=))."),
@@ -293,6 +300,7 @@ class Snapshot:
     steps_total: int = 0
     samples_total: float = 0.0
     tokens_total: float | None = None
+    model_flops_total: float | None = None  # None until a step's model FLOPs are known
     bucket_counts: tuple[int, ...] = (0,) * (len(STEP_BUCKETS) + 1)  # cumulative
     duration_sum: float = 0.0
     nonfinite_steps_total: int = 0
@@ -306,6 +314,7 @@ class Snapshot:
     # Filled in by the monitor when it publishes:
     data_wait_seconds: float = 0.0
     state: str = "running"
+    precision: str = DEFAULT_PRECISION  # of training_model_flops_total
     failure_reason: str = ""  # a failed run's end: the exception's class name (or "SIGTERM")
     start_time: float = 0.0
     published: float = 0.0  # Unix time of the publish (training_last_push_timestamp_seconds)
@@ -340,7 +349,7 @@ class Accumulator:
     def fold(self, step: int, values: Mapping[Any, float], name: Callable[[Any], str | None], *,
              time: float, batch_id: Any = None, samples: float | None = None,
              tokens: float | None = None, duration: float | None = None, skipped: int = 0,
-             loss_scale: float | None = None) -> Folded:
+             loss_scale: float | None = None, flops: float | None = None) -> Folded:
         """Fold one step in. `values`: logged key -> float; `name(key)`: its suffix (None: not exported).
 
         A non-finite value counts in training_nonfinite_values_total and makes the step non-finite,
@@ -348,6 +357,7 @@ class Accumulator:
         nothing, and a skipped step neither starts nor ends a non-finite streak. Only finite values
         go into the sums and the window maxima; on a tie the earlier step is kept. Keys beyond the
         first MAX_KEYS of the run are counted in state.dropped["too_many_keys"], nothing else.
+        `flops`: the step's model FLOPs (training_model_flops_total), when known.
         """
         state = self.state
         state.step = step
@@ -382,6 +392,8 @@ class Accumulator:
             state.samples_total += samples
         if tokens is not None and math.isfinite(tokens):
             state.tokens_total = (state.tokens_total or 0.0) + tokens
+        if flops is not None and math.isfinite(flops):
+            state.model_flops_total = (state.model_flops_total or 0.0) + flops
         if duration is not None and math.isfinite(duration):
             self.bucket_counts[bisect.bisect_left(STEP_BUCKETS, duration)] += 1
             state.duration_sum += duration

@@ -51,6 +51,8 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "steps": _attribute("steps_total"),
     "samples": _attribute("samples_total"),
     "tokens": lambda snap, _: None if snap.tokens_total is None else _one(snap.tokens_total),
+    "model_flops": lambda snap, _: (None if snap.model_flops_total is None
+                                    else [((snap.precision,), (snap.model_flops_total,))]),
     "step_duration_seconds": lambda snap, _: [((), (list(zip(_BOUNDS, snap.bucket_counts)),
                                                     snap.duration_sum))],
     "data_wait_seconds": _attribute("data_wait_seconds"),

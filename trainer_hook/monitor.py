@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -16,14 +17,15 @@ from prometheus_client import start_http_server
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
-from .contract import (DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
+from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
                        config_labels, merge_maxima, metric_suffix)
 from .exposition import registry_for
+from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
-from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, resolve
+from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
 from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
@@ -71,7 +73,9 @@ class TrainingMonitor:
                  bearer_token: str | None = None, ca_file: str | None = None,
                  tls_verify: bool = True, client_cert: tuple[str, str] | None = None,
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
-                 delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None) -> None:
+                 delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None,
+                 flops_per_token: float | None = None, flops_per_sample: float | None = None,
+                 precision: str = DEFAULT_PRECISION) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -106,7 +110,8 @@ class TrainingMonitor:
         self._gpu: tuple[tuple[str, str], ...] | None = None
         # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
         self._cuda_possible = torch is not None and torch.version.cuda is not None
-        self._aggregator = Aggregator(self._names, s.max_hold)
+        self._flops = ModelFlops(s.flops_per_token, s.flops_per_sample)
+        self._aggregator = Aggregator(self._names, s.max_hold, self._flops)
         self.record = Record(s.record_path, s.record_max_bytes)
         self._server = None
         self._latest = Snapshot()  # until the first publish, a few lines below
@@ -128,13 +133,31 @@ class TrainingMonitor:
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
         self._worker.start()
         lifecycle.register(self)
+        if run is None and not os.environ.get(ENV_RUN) and s.rank == 0:
+            self._announce_run()
+
+    def _announce_run(self) -> None:
+        """One line naming the run id the hook chose (rank 0 only): the id `dualtrack report/explain`
+        and the alerts use. Through the `trainer_hook` logger when logging is configured, else on stderr."""
+        s = self.settings
+        message = (f"job {s.job} run {s.run} (rank {s.rank} of {s.world_size}); pass run= or set "
+                   f"$DUALTRACK_RUN to choose the id")
+        if log.hasHandlers():
+            log.info(message)
+        else:
+            print(f"trainer_hook: {message}", file=sys.stderr, flush=True)
+
+    @property
+    def run(self) -> str:
+        """The run id (`run=`, `$DUALTRACK_RUN`, else the launch's id): the `run` label of every series."""
+        return self.settings.run
 
     def _start_line(self) -> dict[str, Any]:
         """The record's first line: who wrote it (format 2 adds START_PROCESS_KEYS)."""
         s = self.settings
         return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
                 "rank": s.rank, **{key: getattr(self._process, key) for key in START_PROCESS_KEYS},
-                "instance": s.instance, "config": self._run_labels}
+                "instance": s.instance, "precision": s.precision, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
@@ -265,6 +288,10 @@ class TrainingMonitor:
                             "framework's global norm as grad_norm instead)")
         for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
+        if not sharded:  # a shard's parameters are not the model's: no estimate from them
+            self._flops.estimated_per_token = estimate_per_token(
+                model.parameters() if model is not None else
+                {id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
 
         def before_step(opt: Any, args: Any, kwargs: Any) -> None:
             try:
@@ -380,7 +407,7 @@ class TrainingMonitor:
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
-            published=time.time(),
+            published=time.time(), precision=self.settings.precision,
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
     def _offer(self, snapshot: Snapshot) -> None:

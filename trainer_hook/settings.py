@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
-from .contract import label_value
+from .contract import PRECISIONS, label_value
 
 log = logging.getLogger("trainer_hook")
 
@@ -65,6 +65,9 @@ class Settings:
     delete_after: float | None
     record_max_bytes: int | None
     remote_write: Endpoint | None  # its repr() shows no secret
+    flops_per_token: float | None
+    flops_per_sample: float | None
+    precision: str
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -199,7 +202,7 @@ def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_to
                ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
     """The Pushgateway's URL and credentials: each argument left None falls back to its environment
     variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN, _CA_FILE), checked by
-    dualtrack.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
+    trainer_hook.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
     with the same variables). Warns once when credentials would go over plain http:// to another host.
     Raises ValueError with one line."""
     endpoint = resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
@@ -213,7 +216,7 @@ def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | No
                  ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint | None:
     """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its credentials:
     the arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE, _CA_FILE,
-    by dualtrack.connection's one rule. None when no URL is given. Raises ValueError with one line."""
+    by trainer_hook.connection's one rule. None when no URL is given. Raises ValueError with one line."""
     url = url or os.environ.get(f"{ENV_REMOTE_WRITE}_URL") or None
     if url is None:
         return None
@@ -249,6 +252,10 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["tls_verify"], a["strict"] = bool(a["tls_verify"]), bool(a["strict"])
     a["max_hold"] = 0.0 if a["max_hold"] == 0 else _positive("max_hold", a["max_hold"])
     a["delete_after"] = _delete_after(a["delete_after"])
+    a["flops_per_token"] = _flops("flops_per_token", a["flops_per_token"])
+    a["flops_per_sample"] = _flops("flops_per_sample", a["flops_per_sample"])
+    if a["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {a['precision']!r}")
     return Settings(**a)
 
 
@@ -265,6 +272,26 @@ def _listen(port: int | None, address: str) -> tuple[int | None, str]:
     return port, address
 
 
+def _as_float(value: Any) -> float:
+    """float(value); NaN for anything that is not a number (a bool included)."""
+    if isinstance(value, bool):
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _flops(name: str, value: float | None) -> float | None:
+    """Model FLOPs per token or per sample: a positive finite number, or None."""
+    if value is None:
+        return None
+    number = _as_float(value)
+    if not 0 < number < float("inf"):
+        raise ValueError(f"{name} must be a positive number of FLOPs, got {value!r}")
+    return number
+
+
 def _delete_after(value: float | None) -> float | None:
     """Seconds a finished run's group stays on the Pushgateway; None keeps it.
 
@@ -278,10 +305,7 @@ def _delete_after(value: float | None) -> float | None:
         value, what = env, f"${ENV_DELETE_AFTER}"
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if isinstance(value, bool) or not 0 <= seconds < float("inf"):
+    seconds = _as_float(value)
+    if not 0 <= seconds < float("inf"):
         raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
     return seconds

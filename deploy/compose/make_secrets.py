@@ -16,7 +16,8 @@ Writes into deploy/compose/secrets/ (git-ignored), refusing to overwrite an exis
 Modes, set when each file is created (whatever the umask): certificates 0644; ca.key 0600; the other
 keys, passwords and web-configs 0600, or 0640 with group --group (the containers' users read them
 through that group: compose's `group_add`). A directory it creates is 0700 (0750 with --group).
-Needs the openssl command and the bcrypt package (installed with dualtrack).
+Needs the openssl command and the bcrypt and PyYAML packages (installed with dualtrack; run it with the
+environment dualtrack is installed in, or `apt-get install python3-bcrypt python3-yaml`).
 """
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import bcrypt
-import yaml
+try:
+    import bcrypt
+    import yaml
+except ImportError as missing:  # the system python3 without them: one line, not a traceback
+    sys.exit(f"make_secrets: error: the {missing.name} package is missing from {sys.executable}: run this "
+             "script with the Python dualtrack is installed in (e.g. .venv/bin/python), or "
+             "`apt-get install python3-bcrypt python3-yaml`")
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "secrets"

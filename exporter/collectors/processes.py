@@ -10,6 +10,15 @@ reports its PID in its own PID namespace: the series carry that namespace (the i
 hook's training_process_info matches. Text from /proc is not trusted to be UTF-8 (any user can
 name a process with any bytes): undecodable bytes are replaced. Process names and PIDs can be
 sensitive: `--no-collector.processes` turns all of this off.
+
+Each listed process's SM utilization comes from nvmlDeviceGetProcessUtilization (nvidia-smi pmon's
+"sm" column): the driver's per-process samples newer than the last seen timestamp (CPU time in
+microseconds), read like the utilization collector reads nvmlDeviceGetSamples (the first read takes
+what the driver kept). The gauge is the mean of a process's samples since the last read; a listed
+process without one (NOT_FOUND: none newer, the driver takes none while a process idles) computed
+nothing, 0. The driver pads its answer with empty entries (pid 0, timestamp 0), skipped, in no time
+order, which a mean does not need. GPUs or drivers without it (NOT_SUPPORTED, some boards and MIG)
+export no utilization series.
 """
 from __future__ import annotations
 
@@ -125,6 +134,8 @@ class ProcessesCollector(Collector):
         self.own_namespace = pid_namespace(self.proc_root / "self" / "ns" / "pid") if host_pids else ""
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
+        self.last_timestamp = 0  # NVML microseconds of the newest per-process sample seen (0: all kept)
+        self.utilization_absent = False  # the GPU or driver has no per-process utilization
 
     def collect(self, ctx: SampleContext) -> None:
         try:
@@ -144,9 +155,41 @@ class ProcessesCollector(Collector):
         seen: dict[int, ProcessIdentity] = {}
         for process in processes:
             pid = int(process.pid)
-            identity = seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
-                                    if self.host_pids else ProcessIdentity())
-            ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, str(pid), identity.name,
-                     identity.container_id, identity.pod_uid, identity.slurm_job_id, identity.pid_namespace,
-                     identity.namespace_pid)
+            seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
+                         if self.host_pids else ProcessIdentity())
+            ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, *_labels(pid, seen[pid]))
         self.known = seen  # forget exited processes (a reused PID is looked up afresh)
+        utilization = self._sm_utilization(ctx) if seen else None
+        if utilization is not None:
+            for pid, identity in seen.items():
+                ctx.emit("nvml_gpu_process_sm_utilization_ratio", utilization.get(pid, 0.0), *_labels(pid, identity))
+
+    def _sm_utilization(self, ctx: SampleContext) -> dict[int, float] | None:
+        """Each process's mean SM utilization (0..1) over the driver's samples since the last read;
+        None when the GPU has none (remembered) or the read failed (counted)."""
+        if self.utilization_absent:
+            return None
+        try:
+            samples = self.device.call("nvmlDeviceGetProcessUtilization", self.last_timestamp)
+        except Absent:  # remembered here: Device.call would remember it per timestamp
+            self.utilization_absent = True
+            return None
+        except CallFailed as exc:
+            if exc.error != "not_found":  # NOT_FOUND: no sample newer than the timestamp
+                ctx.errors.append(exc.error)
+                return None
+            samples = []
+        by_pid: dict[int, list[float]] = {}
+        for sample in samples:
+            if sample.pid and sample.timeStamp > self.last_timestamp:
+                # clamped: drivers have answered more than 100 %
+                by_pid.setdefault(int(sample.pid), []).append(min(max(sample.smUtil / 100, 0.0), 1.0))
+        self.last_timestamp = max([self.last_timestamp, *(s.timeStamp for s in samples)])
+        return {pid: sum(values) / len(values) for pid, values in by_pid.items()}
+
+
+def _labels(pid: int, identity: ProcessIdentity) -> tuple[str, ...]:
+    """The per-process series' labels: pid, process, container_id, pod_uid, slurm_job_id, pid_namespace,
+    namespace_pid."""
+    return (str(pid), identity.name, identity.container_id, identity.pod_uid, identity.slurm_job_id,
+            identity.pid_namespace, identity.namespace_pid)
