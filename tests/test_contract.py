@@ -24,8 +24,9 @@ from tests.hook_support import pull_monitor, pulled, run_id, wait_pulled
 from tests.test_hook_watch import Fp16Run
 from trainer_hook import TrainingMonitor, remote_write
 from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, Dropped, ProcessIdentity, Series, Snapshot,
-                                   metric_suffix)
+                                   label_value, metric_suffix)
 from trainer_hook.exposition import families
+from trainer_hook.text import one_line
 
 #: Live series a record cannot hold, so replay cannot rebuild them: the GPUs and the process
 #: (training_gpu_info, training_process_info), the monitor's own faults (dropped values, push and
@@ -332,3 +333,14 @@ def test_the_docs_tables_agree_with_the_declaration(doc: str, labels_column: int
         named = {_declared(name).name for name in documented if name not in KNOWN_KEYS and name != "key"}
         assert named == {series.name for series in SERIES}
         assert set(KNOWN_KEYS) <= set(documented)
+
+
+def test_label_values_and_the_commands_messages_share_one_control_character_rule() -> None:
+    """Every character the `dualtrack` command escapes in a message (C0, DEL, C1: a terminal's CSI
+    \\x9b as well as ESC) is blanked in a label value, and no other."""
+    for code in range(0x3000):
+        char = chr(code)
+        escaped = one_line(f"a{char}b") != f"a{char}b"
+        blanked = label_value(f"a{char}b") != f"a{char}b"
+        assert blanked == escaped and (not blanked or label_value(f"a{char}b") == "a b"), hex(code)
+    assert label_value("run\x1b]0;x\x07\x9b31m\nname") == "run ]0;x 31m name"
