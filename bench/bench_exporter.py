@@ -1,11 +1,20 @@
-"""Exporter benchmark: dualtrack's sampler + snapshot design next to a naive "call NVML per field on
-every scrape" exporter (nvitop-exporter's call pattern), in one run, on the same simulated NVML:
-8 H100s whose every NVML call costs 1 ms.
+"""Exporter benchmark: dualtrack's sampler + snapshot design next to nvitop-exporter, in one run, on the
+same simulated NVML: 8 H100s whose every NVML call costs 1 ms.
 
-    .venv/bin/python bench/bench_exporter.py [--scrapes 300] [--window 10]
+    .venv/bin/python bench/bench_exporter.py [--scrapes 300] [--window 10] [--nvitop-python PATH]
 
-Reports scrape latency p50/p99, CPU per second while idle (the sampler's cost), CPU per scrape,
-resident memory, NVML calls per GPU per sample (counted in the simulated NVML), and series per GPU.
+The baseline is the real nvitop-exporter (its own code, on the simulated NVML through
+bench/nvitop_simulated.py), run by `--nvitop-python`: a Python that has nvitop-exporter installed,
+in a virtual environment of its own (it is no dependency of dualtrack):
+
+    python3 -m venv /tmp/venv-nvitop && /tmp/venv-nvitop/bin/pip install nvitop-exporter==1.7.2
+
+Without it (or when that Python cannot import nvitop_exporter) the baseline is a stand-in, labelled
+"naive": nvitop-exporter's 17 NVML calls per GPU, made on every scrape.
+
+Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle (the sampler's cost), CPU per scrape, CPU
+at one scrape per 15 s (idle CPU + CPU per scrape / 15), resident memory, NVML calls per GPU per
+sample (counted in the simulated NVML), series per GPU, and the ratios dualtrack / baseline.
 The "generic path" column is the same daemon with the same flags rendering every scrape with
 prometheus_client and without pre-rendered sample lines (how scrapes were served before); its
 scrapes alternate with the pre-rendered daemon's.
@@ -13,12 +22,15 @@ scrapes alternate with the pre-rendered daemon's.
 from __future__ import annotations
 
 import argparse
+import gzip
+import http.client
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -29,10 +41,12 @@ from stack.processes import free_port, wait_until  # noqa: E402
 
 GPUS = 8
 CALL_COST = 0.001
+SCRAPE_INTERVAL = 15.0  # seconds: Prometheus' usual scrape interval, for the "CPU at 15 s scrapes" row
+NVITOP_LAUNCHER = REPO / "bench" / "nvitop_simulated.py"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-# --- the naive baseline ----------------------------------------------------------------------------
+# --- the naive stand-in: the baseline where nvitop-exporter is not installed --------------------------
 class NaiveCollector:
     """What nvitop-exporter does per GPU and refresh: 17 separate NVML calls, here on every scrape."""
 
@@ -117,17 +131,28 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetric
               "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2's scrape Accept header
 
 
-def scrape_latencies(session: requests.Session, urls: list[str], count: int,
-                     accept: str = "*/*") -> list[tuple[list[float], int]]:
-    """`count` scrapes of every URL, alternating between them: (latencies, body size) per URL."""
-    results: list[tuple[list[float], int]] = [([], 0) for _ in urls]
-    for _ in range(count):
-        for i, url in enumerate(urls):
-            started = time.perf_counter()
-            response = session.get(url, timeout=30, headers={"Accept": accept})
-            results[i][0].append(time.perf_counter() - started)
-            results[i] = (results[i][0], len(response.content))
-    return results
+class Scraper:
+    """Scrapes as Prometheus does: one kept-alive connection per target (re-opened when the server closes
+    it), Accept-Encoding gzip, the body read but not decompressed. http.client rather than requests,
+    whose own ~2 ms per request on this VM would be added to every daemon's latency alike."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.targets = [(http.client.HTTPConnection(parts.hostname, parts.port, timeout=30), parts.path)
+                        for parts in map(urlsplit, urls)]
+
+    def latencies(self, count: int, accept: str = "*/*") -> list[tuple[list[float], int]]:
+        """`count` scrapes of every target, alternating between them: (latencies, body size) per target."""
+        results: list[tuple[list[float], int]] = [([], 0) for _ in self.targets]
+        for _ in range(count):
+            for i, (connection, path) in enumerate(self.targets):
+                started = time.perf_counter()
+                connection.request("GET", path, headers={"Accept": accept, "Accept-Encoding": "gzip"})
+                response = connection.getresponse()
+                body = response.read()
+                results[i][0].append(time.perf_counter() - started)
+                gzipped = response.getheader("Content-Encoding") == "gzip"
+                results[i] = (results[i][0], len(gzip.decompress(body) if gzipped else body))
+        return results
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -137,7 +162,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, float]:
     """Ours, in this process over `samples` steady-state samples of 8 GPUs (no call cost): NVML calls
-    per GPU per sample counted in the simulated NVML, and the sampler's own CPU time per sample
+    per GPU per sample counted in the simulated NVML (every call, those without a device argument too), and the sampler's own CPU time per sample
     (process CPU minus the CPU the simulation itself spent); `prerender=False`: without rendering
     the sample lines, as with the generic path."""
     import exporter.sampler
@@ -148,13 +173,14 @@ def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, 
     try:
         rig = Rig(gpus=GPUS)
         rig.step()
-        first = sum(rig.lib.calls_by_gpu.values()) / GPUS
+        calls = lambda: sum(rig.lib.calls.values()) - rig.lib.calls["nvmlInit"]  # noqa: E731
+        first = calls() / GPUS
         per_sample = []
         cpu, simulated = time.process_time(), rig.lib.cpu_seconds
         for _ in range(samples):
-            before = sum(rig.lib.calls_by_gpu.values())
+            before = calls()
             rig.step()
-            per_sample.append((sum(rig.lib.calls_by_gpu.values()) - before) / GPUS)
+            per_sample.append((calls() - before) / GPUS)
         cpu, simulated = time.process_time() - cpu, rig.lib.cpu_seconds - simulated
     finally:
         exporter.sampler.sample_lines = rendering
@@ -163,14 +189,14 @@ def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, 
             "exporter_cpu": (cpu - simulated) / samples, "simulation_cpu": simulated / samples}
 
 
-def naive_calls_per_gpu() -> tuple[float, int]:
+def naive_calls_per_gpu() -> float:
     from exporter.simulated import SimulatedNVML
     lib = SimulatedNVML("healthy", GPUS)
     lib.nvmlInit()
     collector = NaiveCollector(lib)
     before = sum(lib.calls_by_gpu.values())
-    families = list(collector.collect())
-    return (sum(lib.calls_by_gpu.values()) - before) / GPUS, len(families)
+    list(collector.collect())
+    return (sum(lib.calls_by_gpu.values()) - before) / GPUS
 
 
 def daemon_flags(port: int, interval: float) -> list[str]:
@@ -178,10 +204,51 @@ def daemon_flags(port: int, interval: float) -> list[str]:
             f"--sample-interval={interval:g}", f"--web.listen-address=127.0.0.1:{port}"]
 
 
+def nvitop_python(requested: str | None) -> str | None:
+    """The Python that runs nvitop-exporter: `requested`, else this one; None if it cannot import it."""
+    python = requested or sys.executable
+    check = subprocess.run([python, "-c", "import nvitop_exporter"], capture_output=True)
+    if check.returncode == 0:
+        return python
+    if requested:
+        sys.exit(f"bench_exporter: {requested} cannot import nvitop_exporter")
+    return None
+
+
+def nvitop_version(python: str) -> str:
+    return subprocess.run([python, "-c", "from importlib.metadata import version; print(version('nvitop-exporter'))"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def nvitop_calls_per_gpu(python: str) -> float:
+    """nvitop-exporter's NVML calls per GPU per refresh, counted in the simulated NVML."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([python, str(NVITOP_LAUNCHER), f"--gpus={GPUS}", "--count=20"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def baseline_daemon(python: str | None, port: int) -> tuple[str, list[str]]:
+    """(column name, argv) of the baseline: the real nvitop-exporter, or the naive stand-in."""
+    if python is None:
+        return "naive stand-in (NVML per scrape)", [sys.executable, __file__, f"--naive-server={port}"]
+    return (f"nvitop-exporter {nvitop_version(python)}",
+            [python, str(NVITOP_LAUNCHER), f"--gpus={GPUS}", f"--call-cost={CALL_COST}", "--",
+             f"--port={port}", "--bind-address=127.0.0.1", "--interval=1"])
+
+
+def series_per_gpu(body: bytes) -> int:
+    """Sample lines of GPU 0 in an exposition (gpu="0" for dualtrack, index="0" for nvitop-exporter)."""
+    return sum(1 for line in body.decode().splitlines()
+               if not line.startswith("#") and ('gpu="0"' in line or 'index="0"' in line))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scrapes", type=int, default=300)
     parser.add_argument("--window", type=float, default=10.0, help="seconds of idle CPU measurement")
+    parser.add_argument("--nvitop-python", help="a Python with nvitop-exporter installed (default: this one, "
+                                                "if it has it; else the naive stand-in)")
     parser.add_argument("--naive-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--generic-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,32 +258,37 @@ def main() -> int:
     if args.generic_server:
         return serve_generic(daemon_flags(args.generic_server, 1))
 
+    python = nvitop_python(args.nvitop_python)
     ports = [free_port() for _ in range(4)]
     ours = [sys.executable, "-m", "exporter"]
+    base_name, base_argv = baseline_daemon(python, ports[3])
     daemons = [
         start("pre-rendered (now)", ours + daemon_flags(ports[0], 1), ports[0]),
         start("generic path (before)", [sys.executable, __file__, f"--generic-server={ports[1]}"], ports[1]),
         start("dualtrack, sampler idle", ours + daemon_flags(ports[2], 3600), ports[2]),
-        start("naive per-scrape", [sys.executable, __file__, f"--naive-server={ports[3]}"], ports[3]),
+        start(base_name, base_argv, ports[3]),
     ]
     (fast, fast_proc, fast_url), (generic, generic_proc, generic_url) = daemons[0], daemons[1]
-    idle_name, (naive, naive_proc, naive_url) = daemons[2][0], daemons[3]
+    idle_name, (base, base_proc, base_url) = daemons[2][0], daemons[3]
     try:
         time.sleep(3)  # let the samplers reach steady state (GPM, processes, clocks all sampled)
         idle_cpu = {name: cpu_seconds(proc.pid) for name, proc, _ in daemons}
         time.sleep(args.window)
         idle_cpu = {name: (cpu_seconds(proc.pid) - idle_cpu[name]) / args.window for name, proc, _ in daemons}
-        session = requests.Session()
         ours_urls, ours_procs = [fast_url, generic_url], [fast_proc, generic_proc]
-        scrape_latencies(session, ours_urls + [naive_url], 20)  # warm-up
-        before = [cpu_seconds(proc.pid) for proc in ours_procs]
-        text = dict(zip((fast, generic), scrape_latencies(session, ours_urls, args.scrapes)))
-        cpu_per_scrape = {name: (cpu_seconds(proc.pid) - start_cpu) / args.scrapes
-                          for name, proc, start_cpu in zip((fast, generic), ours_procs, before)}
-        om = dict(zip((fast, generic), scrape_latencies(session, ours_urls, args.scrapes, OPENMETRICS)))
-        before = cpu_seconds(naive_proc.pid)
-        text[naive] = scrape_latencies(session, [naive_url], args.scrapes)[0]
-        cpu_per_scrape[naive] = (cpu_seconds(naive_proc.pid) - before) / args.scrapes
+        scraper = Scraper(ours_urls + [base_url])
+        scraper.latencies(20)  # warm-up
+        # every daemon's scrapes alternate, so that load on the machine falls on all alike
+        all_procs = ours_procs + [base_proc]
+        before = [cpu_seconds(proc.pid) for proc in all_procs]
+        started = time.monotonic()
+        text = dict(zip((fast, generic, base), scraper.latencies(args.scrapes)))
+        elapsed = time.monotonic() - started
+        # CPU per scrape: CPU over the scrapes minus what the daemon spends anyway (its idle rate)
+        cpu_per_scrape = {name: (cpu_seconds(proc.pid) - start_cpu - idle_cpu[name] * elapsed) / args.scrapes
+                          for name, proc, start_cpu in zip((fast, generic, base), all_procs, before)}
+        om = dict(zip((fast, generic), Scraper(ours_urls).latencies(args.scrapes, OPENMETRICS)))
+        base_body = requests.get(base_url, timeout=30).content
         rss = {name: rss_mb(proc.pid) for name, proc, _ in daemons}
         bare = subprocess.run([sys.executable, "-c", "import prometheus_client, pynvml, pathlib; "
                                "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
@@ -228,41 +300,54 @@ def main() -> int:
             proc.wait(10)
 
     sampling = {fast: in_process_sampling(), generic: in_process_sampling(prerender=False)}
-    naive_calls, naive_series = naive_calls_per_gpu()
+    base_calls = nvitop_calls_per_gpu(python) if python else naive_calls_per_gpu()
     sampler_cpu = {name: idle_cpu[name] - idle_cpu[idle_name] for name in (fast, generic)}
+    at_15s = {name: idle_cpu[name] + cpu_per_scrape[name] / SCRAPE_INTERVAL for name in (fast, generic, base)}
 
     def ms(latencies: list[float], q: float) -> str:
         return f"{percentile(latencies, q) * 1e3:.1f}"
 
+    def ratio(ours_value: float, base_value: float) -> str:
+        return f"{ours_value / base_value:.2f}x" if base_value else "-"
+
     rows = [
         ("scrape latency p50, text 0.0.4 (ms)", ms(text[fast][0], 0.5), ms(text[generic][0], 0.5),
-         ms(text[naive][0], 0.5), ""),
+         ms(text[base][0], 0.5), ratio(percentile(text[fast][0], 0.5), percentile(text[base][0], 0.5)), ""),
         ("scrape latency p99, text 0.0.4 (ms)", ms(text[fast][0], 0.99), ms(text[generic][0], 0.99),
-         ms(text[naive][0], 0.99), "< 5"),
-        ("scrape latency p50, OpenMetrics (ms)", ms(om[fast][0], 0.5), ms(om[generic][0], 0.5), "-", ""),
-        ("scrape latency p99, OpenMetrics (ms)", ms(om[fast][0], 0.99), ms(om[generic][0], 0.99), "-", "< 5"),
-        ("CPU per scrape, text (ms)", *(f"{cpu_per_scrape[name] * 1e3:.1f}" for name in (fast, generic, naive)), ""),
-        ("CPU while not scraped (% of a core)", *(f"{idle_cpu[name] * 100:.2f}" for name in (fast, generic, naive)), ""),
+         ms(text[base][0], 0.99), ratio(percentile(text[fast][0], 0.99), percentile(text[base][0], 0.99)),
+         "<= 0.25x"),
+        ("scrape latency p50, OpenMetrics (ms)", ms(om[fast][0], 0.5), ms(om[generic][0], 0.5), "-", "", ""),
+        ("scrape latency p99, OpenMetrics (ms)", ms(om[fast][0], 0.99), ms(om[generic][0], 0.99), "-", "", ""),
+        ("CPU per scrape, text (ms)", *(f"{cpu_per_scrape[name] * 1e3:.1f}" for name in (fast, generic, base)),
+         ratio(cpu_per_scrape[fast], cpu_per_scrape[base]), ""),
+        ("CPU while not scraped (% of a core)", *(f"{idle_cpu[name] * 100:.2f}" for name in (fast, generic, base)),
+         ratio(idle_cpu[fast], idle_cpu[base]), ""),
+        ("CPU at one scrape per 15 s (% of a core)", *(f"{at_15s[name] * 100:.2f}" for name in (fast, generic, base)),
+         ratio(at_15s[fast], at_15s[base]), "<= 0.35x"),
         ("  of which sampler + simulated NVML (% of a core)", f"{sampler_cpu[fast] * 100:.2f}",
-         f"{sampler_cpu[generic] * 100:.2f}", "-", ""),
+         f"{sampler_cpu[generic] * 100:.2f}", "-", "", ""),
+        ("  of which the rest: XID watcher, main loop (% of a core)", *[f"{idle_cpu[idle_name] * 100:.2f}"] * 2,
+         "-", "", ""),
         ("sampler alone, 1 s interval (% of a core)", f"{sampling[fast]['exporter_cpu'] * 100:.2f}",
-         f"{sampling[generic]['exporter_cpu'] * 100:.2f}", "-", "<= 1"),
+         f"{sampling[generic]['exporter_cpu'] * 100:.2f}", "-", "", "<= 1"),
         ("  simulated NVML, 1 s interval (% of a core)", f"{sampling[fast]['simulation_cpu'] * 100:.2f}",
-         f"{sampling[generic]['simulation_cpu'] * 100:.2f}", "-", ""),
-        ("resident memory (MB)", *(f"{rss[name]:.1f}" for name in (fast, generic, naive)), "< 40"),
-        ("  bare python + prometheus_client + pynvml (MB)", *[f"{bare_mb:.1f}"] * 3, ""),
-        ("NVML calls per GPU per sample/scrape (avg)", f"{sampling[fast]['average']:.1f}",
-         f"{sampling[generic]['average']:.1f}", f"{naive_calls:.1f}", "<= 10"),
+         f"{sampling[generic]['simulation_cpu'] * 100:.2f}", "-", "", ""),
+        ("resident memory (MB)", *(f"{rss[name]:.1f}" for name in (fast, generic, base)), ratio(rss[fast], rss[base]),
+         "<= 0.9x"),
+        ("  bare python + prometheus_client + pynvml (MB)", *[f"{bare_mb:.1f}"] * 3, "", ""),
+        ("NVML calls per GPU per sample (avg)", f"{sampling[fast]['average']:.1f}",
+         f"{sampling[generic]['average']:.1f}", f"{base_calls:.1f}", ratio(sampling[fast]["average"], base_calls),
+         "<= 5"),
         ("NVML calls per GPU per sample (max; first sample)", f"{sampling[fast]['max']:.0f}; {sampling[fast]['first']:.0f}",
-         f"{sampling[generic]['max']:.0f}; {sampling[generic]['first']:.0f}", f"{naive_calls:.0f}", ""),
-        ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[generic]['series']}", f"{naive_series}", ""),
-        ("exposition size (bytes, 8 GPUs; text)", *(f"{text[name][1]}" for name in (fast, generic, naive)), ""),
+         f"{sampling[generic]['max']:.0f}; {sampling[generic]['first']:.0f}", "-", "", ""),
+        ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[generic]['series']}",
+         f"{series_per_gpu(base_body)}", "", ""),
+        ("exposition size (bytes, 8 GPUs; text)", *(f"{text[name][1]}" for name in (fast, generic, base)), "", ""),
     ]
     print(f"8 simulated H100s, every NVML call costs {CALL_COST * 1e3:.0f} ms; {args.scrapes} sequential scrapes "
-          f"per format (pre-rendered and generic alternating); load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs")
-    header = ("", "dualtrack " + fast, "dualtrack " + generic, naive, "target")
-    widths = [max(len(row[i]) for row in rows + [header]) for i in range(5)]
+          f"per format (all daemons alternating); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    header = ("", "dualtrack " + fast, "dualtrack " + generic, base, "dualtrack / baseline", "target")
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     return 0

@@ -22,23 +22,18 @@ from exporter import xids
 from trainer_hook.text import one_line
 
 from . import prometheus
-from .text import fail, warner
+from . import thresholds as limits
 from .summary import utc
+from .text import fail, warner
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
 warn = warner("explain")
 #: Evidence is looked for in this window before an event (seconds).
-WINDOW = 600.0
+WINDOW = limits.EVIDENCE_WINDOW
 #: At most this many points per series in a range query over the whole run.
 MAX_POINTS = 1500
-#: A slowdown counts when it lasts this long (seconds).
-SUSTAINED = 600.0
-#: The alerts' own conditions, so that an event and its alert agree (tests/test_explain.py checks them
-#: against rules/alerts.yml): TrainingDataLoaderBottleneck, the data-wait share above STARVATION_SHARE
-#: of the time (rate over 5 min) for STARVATION_FOR seconds; TrainingGradientExplosion, GRAD_SPIKE
-#: (SEL: the run's matchers).
-STARVATION_SHARE = 0.3
-STARVATION_FOR = 240.0
+#: TrainingGradientExplosion's own condition, so that an event and its alert agree (tests/test_explain.py
+#: checks it against rules/alerts.yml; SEL: the run's matchers).
 GRAD_SPIKE = """(
     max_over_time(training_grad_norm_max{SEL}[2m])
       > 10 * quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)
@@ -55,14 +50,6 @@ THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdo
                   "hw_slowdown": ("hw_slowdown",)}
 HARDWARE = {"gpu_lost", "xid", "ecc", "remapped_rows", "thermal_throttle", "power_throttle", "hw_slowdown",
             "clock_drop", "link_drop"}
-#: A lost GPU (it stopped answering NVML) outranks every other cause, XID 79 included.
-GPU_LOST_SCORE = 0.99
-#: A co-tenant (a GPU process of no run) computes when its SM utilization went above CO_TENANT_SM in
-#: the window: it scores CO_TENANT_COMPUTING_SCORE, one that only holds memory CO_TENANT_SCORE. The
-#: same numbers as rules/explain.yml's co_tenant term.
-CO_TENANT_SM = 0.05
-CO_TENANT_SCORE = 0.7
-CO_TENANT_COMPUTING_SCORE = 0.75
 PROCESS_MEMORY = "nvml_gpu_process_memory_used_bytes"
 PROCESS_SM = "nvml_gpu_process_sm_utilization_ratio"
 #: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
@@ -317,7 +304,7 @@ def grad_spikes(reader: Reader) -> list[Event]:
 
 
 def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int,
-               duration: float = SUSTAINED) -> int | None:
+               duration: float) -> int | None:
     """Index of the first point at or after `start` from which `bad` holds for `duration` seconds."""
     i = start
     while i < len(values):
@@ -332,10 +319,16 @@ def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], st
     return None
 
 
+def _rate_window(reader: Reader) -> float:
+    """The window of step rates: the rules' 5 min, at least 4 points at coarse resolution."""
+    return max(limits.RATE_WINDOW, 4 * reader.res)
+
+
 def slowdowns(reader: Reader) -> list[Event]:
-    """step_time_regression (the run's median step time up 25 % on the previous 30 min, for 10 min)
-    and straggler (a rank below 75 % of the run's median step rate for 10 min)."""
-    window = f"{int(max(120, 4 * reader.res))}s"
+    """step_time_regression (the run's median step time up 20 % on the previous 30 min, for 10 min)
+    and straggler (TrainingStragglerRank's condition: a rank below 75 % of the run's median step rate
+    for 10 min); the numbers are dualtrack/thresholds.py's."""
+    window = f"{int(_rate_window(reader))}s"
     rates = reader.by_rank(f"rate(training_steps_total{{SEL}}[{window}])")
     by_time: dict[float, dict[str, float]] = {}
     for rank, values in rates.items():
@@ -348,16 +341,18 @@ def slowdowns(reader: Reader) -> list[Event]:
     seconds = [(t, 1 / r if r > 0 else math.inf) for t, r in median]
     baseline: list[float] = []
     for i, (at, _) in enumerate(seconds):
-        prior = [s for _, s in seconds[bisect.bisect_left(times, at - 1800):i] if math.isfinite(s)]
+        first = bisect.bisect_left(times, at - limits.REGRESSION_BASELINE)
+        prior = [s for _, s in seconds[first:i] if math.isfinite(s)]
         baseline.append(statistics.median(prior) if len(prior) >= 5 else math.nan)
     i = 0
     while True:
-        found = _sustained(seconds, lambda k: seconds[k][1] > 1.25 * baseline[k] and math.isfinite(seconds[k][1]), i)
+        found = _sustained(seconds, lambda k: seconds[k][1] >= limits.REGRESSION_RATIO * baseline[k]
+                           and math.isfinite(seconds[k][1]), i, limits.REGRESSION_FOR)
         if found is None:
             break
         at, before = seconds[found][0], baseline[found]
         k = found
-        while k < len(seconds) and seconds[k][1] > 1.1 * before:
+        while k < len(seconds) and seconds[k][1] > limits.REGRESSION_RECOVERED * before:
             k += 1
         settled = statistics.median(s for _, s in seconds[found:k])
         events.append(Event("step_time_regression", reader.step_at(None, at), at, None, None,
@@ -368,9 +363,10 @@ def slowdowns(reader: Reader) -> list[Event]:
         for rank, values in rates.items():
             share = [(t, v / medians[t] if medians.get(t) else 1.0) for t, v in values]
             i = 0
-            while (found := _sustained(share, lambda k: share[k][1] < 0.75 and values[k][1] > 0, i)) is not None:
+            while (found := _sustained(share, lambda k: share[k][1] < limits.STRAGGLER_SHARE and values[k][1] > 0, i,
+                                       limits.STRAGGLER_FOR)) is not None:
                 k = found
-                while k < len(share) and share[k][1] < 0.9:
+                while k < len(share) and share[k][1] < limits.STRAGGLER_RECOVERED:
                     k += 1
                 at = share[found][0]
                 low = statistics.median(s for _, s in share[found:k])
@@ -382,19 +378,20 @@ def slowdowns(reader: Reader) -> list[Event]:
 
 def starvation(reader: Reader) -> list[Event]:
     """A rank that waited for batches more than STARVATION_SHARE of the time (over 5 min) for
-    STARVATION_FOR seconds: TrainingDataLoaderBottleneck's condition."""
+    STARVATION_FOR seconds (dualtrack/thresholds.py): TrainingDataLoaderBottleneck's condition."""
     window = f"{int(max(300, reader.res))}s"
     hits = []
     for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
         i = 0
-        while (found := _sustained(values, lambda k: values[k][1] > STARVATION_SHARE, i, STARVATION_FOR)) is not None:
+        while (found := _sustained(values, lambda k: values[k][1] > limits.STARVATION_SHARE, i,
+                                   limits.STARVATION_FOR)) is not None:
             k = found
-            while k < len(values) and values[k][1] > STARVATION_SHARE / 2:
+            while k < len(values) and values[k][1] > limits.STARVATION_SHARE / 2:
                 k += 1
             at = values[found][0]
             hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))
             i = k
-    return _group(hits, "data_starvation", SUSTAINED)
+    return _group(hits, "data_starvation", WINDOW)
 
 
 def loss_scale_collapses(reader: Reader) -> list[Event]:
@@ -470,38 +467,41 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     if uuids:
         sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
         client = reader.client
-        if wanted & {"gpu_lost", "xid", "ecc", "remapped_rows", "link_drop"}:
+        if wanted & {counter.kind for counter in COUNTERS.values()}:
             step = max(1.0, (at - start) / 600)
-            counters = client.query_range(
-                '{__name__=~"nvml_gpu_xid_errors_total|nvml_gpu_ecc_errors_total|nvml_gpu_remapped_rows_total|'
-                f'nvml_gpu_pcie_replay_errors_total|nvml_exporter_gpu_lost_total",{sel}}}', start, at, step)
+            counters = client.query_range(f'{{__name__=~"{"|".join(COUNTERS)}",{sel}}}', start, at, step)
             for series in counters:
                 causes.extend(_counter_cause(series, event, where, wanted, start, step))
         if wanted & set(THROTTLE_KINDS):
             shares = client.query(f"increase(nvml_gpu_throttle_seconds_total{{{sel}}}[{rng}]) / {WINDOW + reader.res}", at)
-            for kind, reasons in THROTTLE_KINDS.items():
-                for series in shares:
-                    share = float(series["value"][1])
-                    if kind in wanted and series["metric"].get("reason") in reasons and share >= 0.05:
-                        uuid = series["metric"].get("uuid", "")
-                        reason = series["metric"]["reason"]
-                        causes.append(Cause(kind, f"{reason} on {uuid} {share:.0%} of the {WINDOW / 60:.0f} min before",
-                                            round(min(0.9, 0.5 + share / 2), 2),
-                                            f"with {reason.replace('_', ' ')} {where(uuid)} {share:.0%} of the time before"))
+            # The share of a kind is the sum of its reasons' on a GPU, as in the rules.
+            throttled: dict[tuple[str, str], dict[str, float]] = {}
+            for series in shares:
+                reason, uuid = series["metric"].get("reason", ""), series["metric"].get("uuid", "")
+                for kind in wanted & {k for k, reasons in THROTTLE_KINDS.items() if reason in reasons}:
+                    throttled.setdefault((kind, uuid), {})[reason] = float(series["value"][1])
+            for (kind, uuid), reasons in sorted(throttled.items()):
+                share, named = sum(reasons.values()), " and ".join(r for r, v in sorted(reasons.items()) if v > 0)
+                if share > limits.THROTTLE_SHARE:
+                    causes.append(Cause(kind, f"{named} on {uuid} {share:.0%} of the {WINDOW / 60:.0f} min before",
+                                        limits.score(kind),
+                                        f"with {named.replace('_', ' ')} {where(uuid)} {share:.0%} of the time before"))
         if "clock_drop" in wanted:
             drops = client.query(f"min_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}]) / on (uuid, clock) "
-                                 f"max_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}] offset {rng}) < 0.8 "
+                                 f"max_over_time(nvml_gpu_clock_hertz{{clock=\"sm\",{sel}}}[{rng}] offset {rng}) < {limits.CLOCK_DROP} "
                                  f"unless on (uuid) increase(nvml_gpu_throttle_seconds_total{{reason=\"gpu_idle\",{sel}}}[{rng}]) > 60", at)
             for series in drops:
                 uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
-                causes.append(Cause("clock_drop", f"SM clock of {uuid} fell to {ratio:.0%} of the 10 min before", 0.45,
+                causes.append(Cause("clock_drop", f"SM clock of {uuid} fell to {ratio:.0%} of the 10 min before",
+                                    limits.score("clock_drop"),
                                     f"with the SM clock {where(uuid)} at {ratio:.0%}"))
         if "link_drop" in wanted:
-            links = client.query(f"sum by (uuid) (rate(nvml_gpu_nvlink_data_bytes_total{{{sel}}}[{rng}])) < 0.5 * "
+            links = client.query(f"sum by (uuid) (rate(nvml_gpu_nvlink_data_bytes_total{{{sel}}}[{rng}])) < {limits.LINK_DROP} * "
                                  f"sum by (uuid) (rate(nvml_gpu_nvlink_data_bytes_total{{{sel}}}[{rng}] offset {rng}))", at)
             for series in links:
                 uuid = series["metric"].get("uuid", "")
-                causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before", 0.5,
+                causes.append(Cause("link_drop", f"NVLink traffic of {uuid} halved in the 10 min before",
+                                    limits.score("link_drop"),
                                     f"with NVLink traffic {where(uuid)} halved"))
         if "memory_pressure" in wanted:
             # A MIG instance's own memory (nvml_gpu_mig_memory_*) counts, not its parent's.
@@ -511,13 +511,13 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
             for parent, instance in slices:
                 match = f"uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
                 fills.append(f"nvml_gpu_mig_memory_used_bytes{{{match}}} / nvml_gpu_mig_memory_total_bytes{{{match}}}")
-            full = client.query(" or ".join(f"max_over_time(({fill})[{rng}:]) > 0.95" for fill in fills), at) if fills else []
+            full = client.query(" or ".join(f"max_over_time(({fill})[{rng}:]) > {limits.MEMORY_FULL}" for fill in fills), at) if fills else []
             for series in full:
                 uuid, ratio = series["metric"].get("uuid", ""), float(series["value"][1])
                 instance = series["metric"].get("gpu_instance")
                 memory = f"the memory of GPU instance {instance}" if instance else "the memory"
                 causes.append(Cause("memory_pressure", f"{uuid}{f' GPU instance {instance}' if instance else ''} memory "
-                                                       f"{ratio:.0%} full", 0.8 if event.kind == "oom" else 0.5,
+                                                       f"{ratio:.0%} full", limits.score("memory_pressure", event.kind == "oom"),
                                     f"with {ratio:.0%} of {memory} used {where(uuid)}"))
         if "co_tenant" in wanted and whole:
             causes.extend(_co_tenant_causes(client, whole_sel, rng, at, where))
@@ -525,15 +525,58 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
         rank_sel = reader.selector + (f",rank={prometheus.quote(event.rank)}" if event.rank is not None else "")
         short = f"{int(max(120, 4 * reader.res))}s"
         waits = reader.client.query(f"max_over_time(rate(training_data_wait_seconds_total{{{rank_sel}}}[{short}])"
-                                    f"[{rng}:{int(reader.res)}s]) > 0.2", at)
+                                    f"[{rng}:{int(reader.res)}s]) > {limits.DATA_WAIT_SHARE}", at)
         for series in sorted(waits, key=lambda s: -float(s["value"][1]))[:1]:
             rank, share = series["metric"].get("rank", "?"), float(series["value"][1])
             causes.append(Cause("data_wait", f"rank {rank} waited for data up to {share:.0%} of the time in the "
                                              f"{WINDOW / 60:.0f} min before",
-                                round(min(0.9, share + 0.2), 2), f"with rank {rank} waiting for data {share:.0%} of the time"))
+                                limits.data_wait_score(share), f"with rank {rank} waiting for data {share:.0%} of the time"))
     causes.sort(key=lambda c: -c.score)
     return causes or [Cause("none_found", f"no infra evidence on {', '.join(uuids) or 'the run (no training_gpu_info)'} "
                                           f"in the {WINDOW / 60:.0f} min before", 0.0, "")]
+
+
+@dataclass(frozen=True)
+class CounterCause:
+    """An exporter counter whose rise before an event is a cause: its kind, whether a series is the
+    kind's severe form (dualtrack/thresholds.py scores both), its evidence and its phrase (format
+    fields: the series' labels, uuid, count, delta, at, where, meaning)."""
+
+    kind: str
+    severe: Callable[[dict[str, str]], bool]
+    evidence: str
+    phrase: str
+
+
+def _xid(labels: dict[str, str]) -> int:
+    code = labels.get("xid", "")
+    return int(code) if code.isdigit() else 0
+
+
+COUNTERS = {
+    "nvml_exporter_gpu_lost_total": CounterCause(
+        "gpu_lost", lambda labels: True, "{uuid} lost (stopped answering NVML) at {at}, {delta} before",
+        "{delta} after a GPU loss {where} (it stopped answering NVML)"),
+    "nvml_gpu_xid_errors_total": CounterCause(
+        "xid", lambda labels: xids.is_disruptive(_xid(labels)), "XID {xid} ({meaning}) on {uuid} at {at}, {delta} before",
+        "{delta} after XID {xid} ({meaning}) {where}"),
+    "nvml_gpu_ecc_errors_total": CounterCause(
+        "ecc", lambda labels: labels.get("error") == "uncorrected", "{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",
+        "{delta} after {error} ECC errors {where}"),
+    "nvml_gpu_remapped_rows_total": CounterCause(
+        "remapped_rows", lambda labels: labels.get("severity") == "uncorrectable",
+        "{count:.0f} {severity} row(s) remapped on {uuid}, {delta} before", "{delta} after {severity} row remapping {where}"),
+    "nvml_gpu_pcie_replay_errors_total": CounterCause(  # the lesser link_drop: NVLink traffic halved is the severe one
+        "link_drop", lambda labels: False, "{count:.0f} PCIe replay(s) on {uuid}, {delta} before",
+        "{delta} after PCIe replays {where}"),
+}
+
+
+class _Fields(dict):
+    """Format fields: a label the series does not carry is empty."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
 
 
 def _co_tenant_causes(client: prometheus.Prometheus, selector: str, rng: str, at: float,
@@ -549,10 +592,10 @@ def _co_tenant_causes(client: prometheus.Prometheus, selector: str, rng: str, at
     causes = []
     for (uuid, pid, process), used in sorted(by_process(PROCESS_MEMORY).items()):
         name, sm = process or "?", computing.get((uuid, pid, process))
-        computes = sm is not None and sm > CO_TENANT_SM
+        computes = sm is not None and sm > limits.CO_TENANT_SM
         causes.append(Cause("co_tenant", f"process {name} (pid {pid}) of no run on {uuid}, {used / 2**30:.1f} GiB"
                                          + ("" if sm is None else f", {sm:.0%} SM"),
-                            CO_TENANT_COMPUTING_SCORE if computes else CO_TENANT_SCORE,
+                            limits.score("co_tenant", computes),
                             f"with another process ({name}, pid {pid}"
                             + (f", computing {sm:.0%} of the SMs" if computes else "") + f") {where(uuid)}"))
     return causes
@@ -560,38 +603,22 @@ def _co_tenant_causes(client: prometheus.Prometheus, selector: str, rng: str, at
 
 def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], str], wanted: set[str], window_start: float,
                    step: float) -> list[Cause]:
-    """A counter (XID, ECC, remapped rows, PCIe replays) that rose in the window: one cause."""
+    """A counter of COUNTERS (XID, ECC, remapped rows, PCIe replays, GPU lost) that rose in the window: one cause."""
     labels = series["metric"]
+    counter = COUNTERS.get(labels.get("__name__", ""))
     values = _values(series)
-    if not values:
+    if counter is None or counter.kind not in wanted or not values:
         return []
     # A series that appears inside the window rose from 0 (an XID series appears with its first XID).
     before = values[0][1] if values[0][0] <= window_start + step / 2 else 0.0
     rose_at = next((at for at, value in values if value > before), None)
     if rose_at is None:
         return []
-    uuid, name, count = labels.get("uuid", ""), labels.get("__name__", ""), values[-1][1] - before
-    delta = _ago(event.time - rose_at)
-    if name == "nvml_exporter_gpu_lost_total" and "gpu_lost" in wanted:
-        return [Cause("gpu_lost", f"{uuid} lost (stopped answering NVML) at {utc(rose_at)}, {delta} before",
-                      GPU_LOST_SCORE, f"{delta} after a GPU loss {where(uuid)} (it stopped answering NVML)")]
-    if name == "nvml_gpu_xid_errors_total" and "xid" in wanted:
-        code = int(labels.get("xid", "0") or 0)
-        meaning = xids.meaning(code)
-        return [Cause("xid", f"XID {code} ({meaning}) on {uuid} at {utc(rose_at)}, {delta} before",
-                      0.95 if xids.is_disruptive(code) else 0.3, f"{delta} after XID {code} ({meaning}) {where(uuid)}")]
-    if name == "nvml_gpu_ecc_errors_total" and "ecc" in wanted:
-        error = labels.get("error", "")
-        return [Cause("ecc", f"{count:.0f} {error} ECC error(s) on {uuid}, {delta} before",
-                      0.9 if error == "uncorrected" else 0.3, f"{delta} after {error} ECC errors {where(uuid)}")]
-    if name == "nvml_gpu_remapped_rows_total" and "remapped_rows" in wanted:
-        severity = labels.get("severity", "")
-        return [Cause("remapped_rows", f"{count:.0f} {severity} row(s) remapped on {uuid}, {delta} before",
-                      0.85 if severity == "uncorrectable" else 0.4, f"{delta} after {severity} row remapping {where(uuid)}")]
-    if name == "nvml_gpu_pcie_replay_errors_total" and "link_drop" in wanted:
-        return [Cause("link_drop", f"{count:.0f} PCIe replay(s) on {uuid}, {delta} before", 0.4,
-                      f"{delta} after PCIe replays {where(uuid)}")]
-    return []
+    uuid = labels.get("uuid", "")
+    fields = _Fields(labels, uuid=uuid, count=values[-1][1] - before, delta=_ago(event.time - rose_at), at=utc(rose_at),
+                     where=where(uuid), meaning=xids.meaning(_xid(labels)))
+    return [Cause(counter.kind, counter.evidence.format_map(fields), limits.score(counter.kind, counter.severe(labels)),
+                  counter.phrase.format_map(fields))]
 
 
 def sentence(event: Event, ranks: int) -> str:

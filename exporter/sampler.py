@@ -119,6 +119,7 @@ class GpuSampler:
         self.busy_in = ""
         self.hang_reported = False
         self._latest: dict[str, tuple[Values, CollectorRun]] = {}
+        self._rendered: tuple[str, Values, tuple[bytes, ...]] | None = None  # uuid, values, lines of the last sample
         self._fields = {id(c): tuple(c.fields()) for c in collectors}  # field ids are static
         slow = [c for c in collectors if c.period > 1]
         self._phase = {id(c): position % c.period for position, c in enumerate(slow)}
@@ -172,7 +173,9 @@ class GpuSampler:
             for metric, series in collector_values.items():
                 values.setdefault(metric, {}).update(series)
         runs = {name: run for name, (_, run) in self._latest.items()}
-        lines = sample_lines(self.device.index, self.device.uuid, values)
+        previous = self._rendered[1:] if self._rendered and self._rendered[0] == self.device.uuid else None
+        lines = sample_lines(self.device.index, self.device.uuid, values, previous)
+        self._rendered = (self.device.uuid, values, lines)
         self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 
     def _mark_lost(self, now: float, error: str) -> None:

@@ -33,8 +33,13 @@ def line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
     return f"{name}{{{pairs}}} {floatToGoString(value)}\n" if pairs else f"{name} {floatToGoString(value)}\n"
 
 
-def sample_lines(index: int, uuid: str, values: Values) -> tuple[bytes, ...]:
-    """One GPU's sample lines, one entry per GPU_METRICS family (b"" where it has none)."""
-    return tuple("".join(line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
+def sample_lines(index: int, uuid: str, values: Values,
+                 previous: tuple[Values, tuple[bytes, ...]] | None = None) -> tuple[bytes, ...]:
+    """One GPU's sample lines, one entry per GPU_METRICS family (b"" where it has none). `previous`:
+    the same GPU's last (values, lines); a family whose series are unchanged keeps its lines (static
+    readings, and those of collectors that did not run this sample, are not formatted again)."""
+    old_values, old_lines = previous or ({}, ())
+    return tuple(old_lines[i] if previous is not None and values.get(spec.name) == old_values.get(spec.name) else
+                 "".join(line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
                          for labels, value in gpu_series(spec, index, uuid, values)).encode()
-                 for spec in GPU_METRICS)
+                 for i, spec in enumerate(GPU_METRICS))

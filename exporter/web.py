@@ -27,6 +27,9 @@ from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTI
 
 RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 
+# gzip's fastest level: a 60 KB exposition of 8 GPUs shrinks 9-fold in 0.13 ms (level 6: 10-fold in 0.56 ms)
+GZIP_LEVEL = 1
+
 log = logging.getLogger("exporter.web")
 Render = Callable[[str | None], tuple[bytes, str]]  # Accept header -> (body, content type)
 
@@ -187,7 +190,7 @@ class _Server(Server):
             body, content_type = render_registry(self.registry.restricted_registry(names), accept)
         else:
             body, content_type = self.render_all(accept)
-        return gzip.compress(body, compresslevel=6) if compress else body, content_type
+        return gzip.compress(body, compresslevel=GZIP_LEVEL) if compress else body, content_type
 
     def is_ready(self) -> bool:
         try:

@@ -17,8 +17,6 @@ import ssl
 import threading
 from collections import OrderedDict
 
-import bcrypt
-
 AUTH_CACHE_SIZE = 64
 MAX_PASSWORD_BYTES = 72  # bcrypt reads no more
 
@@ -32,6 +30,8 @@ class Authenticator:
     """
 
     def __init__(self, users: dict[str, bytes], cache: bool = True) -> None:
+        import bcrypt  # here, not at start: an exporter without basic auth never loads it
+        self._bcrypt = bcrypt
         self._users = users
         self._cache: OrderedDict[bytes, None] | None = OrderedDict() if cache else None
         self._cache_lock = threading.Lock()
@@ -52,9 +52,9 @@ class Authenticator:
                     return True
         with self._bcrypt_lock:
             if hashed is None:
-                bcrypt.checkpw(password, self._dummy_hash())
+                self._bcrypt.checkpw(password, self._dummy_hash())
                 return False
-            ok = bcrypt.checkpw(password, hashed)
+            ok = self._bcrypt.checkpw(password, hashed)
         if ok and self._cache is not None:
             with self._cache_lock:
                 self._cache[key] = None
@@ -65,7 +65,7 @@ class Authenticator:
     def _dummy_hash(self) -> bytes:
         if self._dummy is None:
             cost = int(next(iter(self._users.values())).split(b"$")[2])
-            self._dummy = bcrypt.hashpw(b"dualtrack-no-such-user", bcrypt.gensalt(cost))
+            self._dummy = self._bcrypt.hashpw(b"dualtrack-no-such-user", self._bcrypt.gensalt(cost))
         return self._dummy
 
 

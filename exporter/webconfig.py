@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 HASH_HINT = "make one with: python -c \"import bcrypt; print(bcrypt.hashpw(b'PASSWORD', bcrypt.gensalt()).decode())\""
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
 
@@ -58,6 +56,7 @@ class WebConfig:
 
 def load_web_config(path: str) -> WebConfig:
     """Read and check the web config at `path`; raise WebConfigError with one clear line."""
+    import yaml  # here, not at start: an exporter without --web.config.file never loads it
     where = f"web config {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")

@@ -18,8 +18,9 @@ FAULT_AT = 1800.0
 XID_LEAD = 45.0
 NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
-THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
+THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
+                    "hw_thermal_slowdown")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -39,6 +40,12 @@ CONTAINER_PID = 7
 TRAINING_SM = 0.9
 CO_TENANT_SM = 0.4
 IDLE_NEIGHBOUR = ("5151", "jupyter", 2 * 2**30)
+#: In "co-tenant-sync" the last rank's neighbour computes from FAULT_AT and, training being synchronous,
+#: every rank's step time is 1.22 or 1.27 times as long, in turns (a 22-27 % slowdown).
+SYNC_SLOWDOWNS = (1.22, 1.27)
+#: In "power" the last rank's GPU is power-capped (sw_power_cap) and power-braked (hw_power_brake_slowdown),
+#: each POWER_SHARE of the time, from 10 min before FAULT_AT; every rank's step time goes to 0.8 s at FAULT_AT.
+POWER_SHARE = 0.045
 HOST_NAMESPACE = 4026531836
 
 
@@ -51,6 +58,7 @@ class Rank:
     step_seconds: float = NORMAL_STEP
     wait_share: float = 0.0
     thermal: bool = False
+    power_share: float = 0.0  # of the time in each power reason
     co_tenant: bool = False
     idle_neighbour: bool = False
     nonfinite_from: float | None = None  # time (s from start) of the first non-finite step
@@ -88,6 +96,12 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.lost, state.failed_at = after, FAULT_AT + LOST_FAIL
     elif scenario == "co-tenant" and after and faulty:
         state.step_seconds, state.co_tenant = 1.0, True
+    elif scenario == "co-tenant-sync" and after:
+        state.step_seconds = NORMAL_STEP * SYNC_SLOWDOWNS[int(at // SCRAPE) % 2]
+        state.co_tenant = faulty
+    elif scenario == "power":
+        state.step_seconds = 0.8 if after else NORMAL_STEP
+        state.power_share = POWER_SHARE if faulty and at >= FAULT_AT - 600 else 0.0
     elif scenario == "co-tenant" and rank == 0:
         state.idle_neighbour = True
     elif scenario == "starving" and after:
@@ -114,7 +128,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
         gpu = f'job="dualtrack-exporter",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
-        steps = waited = thermal = idle = 0.0
+        steps = waited = thermal = idle = power = 0.0
         first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
         at = 0.0
         lines: list[str] = []
@@ -161,9 +175,11 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             if mig:
                 lines.append(f'nvml_gpu_mig_info{{{gpu},gpu_instance="1",mig_uuid="{hook_uuid}"}} 1{ts}')
             thermal += scrape if now.thermal else 0.0
+            power += scrape * now.power_share
             idle += scrape * now.wait_share
             for reason in THROTTLE_REASONS:
-                value = thermal if reason == "sw_thermal_slowdown" else idle if reason == "gpu_idle" else 0.0
+                value = {"sw_thermal_slowdown": thermal, "gpu_idle": idle, "sw_power_cap": power,
+                         "hw_power_brake_slowdown": power}.get(reason, 0.0)
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')

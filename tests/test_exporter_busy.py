@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.exporter_support import Rig
+from exporter.collectors.utilization import RATES_PERIOD
 from exporter.simulated import H, DeviceTraits
 
 
@@ -141,3 +142,37 @@ def test_a_busy_gpu_reads_busy_whatever_the_jitter_and_period_of_the_drivers_sam
     truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0  # ~93 % of 60 s
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) - busy0 == pytest.approx(truth, rel=rel)
     assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) - idle0 == 0
+
+
+def test_the_gpu_ratio_comes_from_the_sample_buffer_and_the_rates_call_is_rare():
+    rig = Rig("healthy", gpus=1, collectors=["utilization"])
+    uuid = rig.sampler.devices[0].uuid
+    for _ in range(3 * RATES_PERIOD):
+        rig.step()
+        assert 0.85 < rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid) <= 1
+        assert 0.3 < rig.value("nvml_gpu_memory_controller_utilization_ratio", gpu="0", uuid=uuid) < 0.5
+    assert rig.lib.calls["nvmlDeviceGetUtilizationRates"] == 3  # the memory-controller ratio, every RATES_PERIOD
+    assert rig.lib.calls["nvmlDeviceGetSamples"] == 3 * RATES_PERIOD
+
+
+def test_while_the_sample_buffer_is_dry_the_rates_call_answers():
+    # busy 2 s / idle 2 s: the driver's buffer gets no samples while the GPU idles
+    rig = Rig("input-bound", gpus=1, collectors=["utilization"], interval=0.5)
+    uuid = rig.sampler.devices[0].uuid
+    ratios, rates_calls = [], []
+    for _ in range(40):
+        before = rig.lib.calls["nvmlDeviceGetUtilizationRates"]
+        rig.step()
+        ratios.append(rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid))
+        rates_calls.append(rig.lib.calls["nvmlDeviceGetUtilizationRates"] - before)
+    assert set(ratios) == {0.0, 1.0}
+    assert all(calls == 1 for ratio, calls in zip(ratios, rates_calls) if ratio == 0.0)
+    assert sum(rates_calls) < len(rates_calls)
+
+
+def test_without_the_sample_buffer_the_rates_call_answers_every_sample():
+    rig = Rig("healthy", gpus=1, collectors=["utilization"], binding_lacks=("nvmlDeviceGetSamples",))
+    for _ in range(5):
+        rig.step()
+    assert rig.lib.calls["nvmlDeviceGetUtilizationRates"] == 5
+    assert 0.8 < rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=rig.sampler.devices[0].uuid) <= 1

@@ -53,18 +53,21 @@ def test_units_are_base_units():
     assert 500 < rig.value("nvml_gpu_power_usage_watts", gpu="0", uuid=uuid) < 700
 
 
-def test_nvml_calls_per_gpu_per_sample_stay_within_ten():
+def test_nvml_calls_per_gpu_per_sample_stay_within_five():
+    # every NVML call, the GPM metrics computation (no device argument) included, over two cycles of
+    # the slowest period (10 samples)
     rig = Rig(gpus=8)
     rig.step()  # first sample also reads static identity
-    before = sum(rig.lib.calls_by_gpu.values())
+    calls = lambda: sum(rig.lib.calls.values())  # noqa: E731
+    before = calls()
     per_sample = []
     for _ in range(20):
-        start = sum(rig.lib.calls_by_gpu.values())
+        start = calls()
         rig.step()
-        per_sample.append((sum(rig.lib.calls_by_gpu.values()) - start) / 8)
-    average = (sum(rig.lib.calls_by_gpu.values()) - before) / (20 * 8)
-    assert max(per_sample) <= 10, per_sample
-    assert average <= 8, average
+        per_sample.append((calls() - start) / 8)
+    average = (calls() - before) / (20 * 8)
+    assert max(per_sample) <= 8, per_sample
+    assert average <= 5, average
 
 
 def test_gpu_without_fan_or_power_exports_no_such_series_and_no_error():
@@ -146,7 +149,8 @@ def test_error_on_one_field_is_counted_and_breaks_nothing_else():
     assert gpus_with(rig, "nvml_gpu_energy_joules_total") == {"0", "1"}
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
     assert rig.value("nvml_exporter_errors_total", collector="power", error="unknown") == 2
-    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="timeout") == 2
+    # thermal runs on the first sample, then every 10th: once in these two
+    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="timeout") == 1
     assert rig.value("nvml_exporter_collector_success", collector="power") == 0
     assert rig.value("nvml_exporter_collector_success", collector="memory") == 1
     assert rig.value("nvml_gpu_lost", gpu="0", uuid=rig.sampler.devices[0].uuid) == 0
@@ -161,7 +165,10 @@ def test_unknown_error_from_one_sensor_is_a_failed_field_not_a_lost_gpu():
     assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"1"}
     assert rig.value("nvml_gpu_lost", gpu="0", uuid=uuid) == 0
     assert rig.value("nvml_exporter_gpu_lost_total", gpu="0", uuid=uuid) == 0
-    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="unknown") == 10
+    # every failed read is counted: thermal runs every 10th sample, on the same samples on both GPUs
+    reads = rig.lib.calls["nvmlDeviceGetTemperatureV"] // 2
+    assert reads >= 2
+    assert rig.value("nvml_exporter_errors_total", collector="thermal", error="unknown") == reads
 
 
 def test_pcie_byte_counters_unknown_to_the_driver_fall_back_to_the_throughput_call():
@@ -387,7 +394,7 @@ def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
 ])
 def test_temperature_comes_from_nvmlDeviceGetTemperatureV_where_present(binding_lacks, faults, call):
     rig = Rig(gpus=1, collectors=["thermal"], binding_lacks=binding_lacks, faults=faults)
-    for _ in range(3):
+    for _ in range(21):  # thermal runs every 10th sample: three runs
         rig.step()
     assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"0"}
     assert rig.lib.calls[call] == 3

@@ -116,6 +116,15 @@ def test_sigint_stops_cleanly_too(tmp_path, start_service):
     assert exporter.proc.wait(10) == 0
 
 
+def test_the_daemon_loads_no_library_that_only_some_configurations_need():
+    # yaml (--web.config.file), bcrypt (basic auth), statistics (and its decimal, fractions) cost RSS
+    # on every exporter; they are imported where they are needed
+    optional = ("yaml", "bcrypt", "statistics", "decimal")
+    code = f"import sys, exporter.cli; print(' '.join(m for m in {optional!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == []
+
+
 def test_the_bare_daemon_listens_on_loopback_and_containers_ask_for_every_interface():
     """Nothing listens beyond loopback unless asked: the daemon's default is 127.0.0.1:9942 (what the
     README says); the image, compose and the DaemonSet, whose port is reached through the container's

@@ -15,6 +15,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from exporter.exposition import Exposition
+from exporter.metrics import GPU_METRICS
 from exporter.textformat import sample_lines
 from stack import processes
 from tests.exporter_support import Rig
@@ -164,3 +165,14 @@ def test_the_sampler_does_not_import_the_scrape_side():
     code = "import sys, exporter.sampler; print('exporter.exposition' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "False"
+
+
+def test_a_sample_formats_only_the_families_that_changed(rig):
+    before = rig.sampler.store.current.samples[0]
+    rig.step()
+    after = rig.sampler.store.current.samples[0]
+    names = [spec.name for spec in GPU_METRICS]
+    static, moving = names.index("nvml_gpu_clock_max_hertz"), names.index("nvml_gpu_busy_seconds_total")
+    assert after.lines[static] is before.lines[static]  # kept, not formatted again
+    assert after.lines[moving] != before.lines[moving]
+    assert after.lines == sample_lines(after.index, after.uuid, after.values)  # what a fresh rendering gives

@@ -1,10 +1,13 @@
 """The simulated NVML's scenarios behave as documented (what demos and dashboard previews show)."""
 from __future__ import annotations
 
+import threading
+
 import pynvml
 import pytest
 
 from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
+from stack.processes import wait_until
 from tests.nvml_faults import FaultPlanError, load_fault_plan
 from tests.exporter_support import FakeClock
 
@@ -106,3 +109,41 @@ def test_nothing_answers_before_init_or_after_shutdown_and_shutdown_frees():
         lib.nvmlEventSetWait(event_set, 10)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         lib.nvmlGpmSampleGet(handle, gpm_sample)
+
+
+def test_an_event_wait_with_no_xid_to_come_blocks_instead_of_polling_and_shutdown_ends_it():
+    # a driver blocks in nvmlEventSetWait; polling would cost the exporter's process CPU a GPU does not
+    lib = SimulatedNVML("healthy", 1)
+    lib.nvmlInit()
+    events = lib.nvmlEventSetCreate()
+    lib.nvmlDeviceRegisterEvents(lib.nvmlDeviceGetHandleByIndex(0), lib.nvmlEventTypeXidCriticalError, events)
+    waits = []
+    block = lib._shut_down.wait
+    lib._shut_down.wait = lambda timeout: waits.append(timeout) or block(timeout)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        lib.nvmlEventSetWait(events, 200)
+    assert len(waits) == 1, waits
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(pytest.raises(pynvml.NVMLError_Uninitialized, lib.nvmlEventSetWait,
+                                                                          events, 60_000)))
+    waiter.start()
+    wait_until(lambda: len(waits) == 2, timeout=10, what="the second wait blocking")
+    lib.nvmlShutdown()
+    waiter.join(10)
+    assert not waiter.is_alive() and outcome
+
+
+def test_the_sample_buffer_read_from_a_timestamp_computes_only_the_newer_entries():
+    clock = FakeClock()
+    lib = SimulatedNVML("healthy", 1, clock=clock)
+    lib.nvmlInit()
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(20)
+    _, everything = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    since = everything[-11].timeStamp
+    computed = []
+    utilization = lib.utilization
+    lib.utilization = lambda gpu, t: computed.append(t) or utilization(gpu, t)
+    _, newer = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, since)
+    assert [s.timeStamp for s in newer] == [s.timeStamp for s in everything[-10:]]
+    assert len(computed) <= 15  # not the whole buffer (120 entries)

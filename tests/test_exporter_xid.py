@@ -69,7 +69,7 @@ def test_an_xid_storm_logs_one_line_per_gpu_and_xid_a_minute(caplog):
 def test_a_gpu_lost_for_good_does_not_mask_the_other_gpus_xids():
     # GPU 1 falls off the bus and never comes back; the shared event set then answers GPU_IS_LOST
     faults = [Fault(gpu=1, function="*", error="GpuIsLost", at=2), Fault(gpu=0, xid=48, at=3, times=2)]
-    rig = Rig(gpus=2, faults=faults, collectors=["memory", "xid"])
+    rig = Rig(gpus=2, faults=faults, collectors=["throttle", "xid"])  # throttle: an NVML call every sample
     rig.sampler.xid.start()
     try:
         rig.step()

@@ -1,7 +1,8 @@
 """Current and maximum clocks. nvidia-smi: clocks.gr, clocks.sm, clocks.mem, clocks.video, clocks.max.*.
 
-NVML: nvmlDeviceGetClockInfo per clock domain (every `period` samples: clocks move with load but a
-dashboard does not need them every second), nvmlDeviceGetMaxClockInfo once (static).
+NVML: nvmlDeviceGetClockInfo per clock domain (every `period` (10) samples: four calls, and what
+makes the clocks drop is told every sample by the throttle reasons), nvmlDeviceGetMaxClockInfo once
+(static).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ MHZ = 1e6
 
 class ClocksCollector(Collector):
     name = "clocks"
-    period = 5
+    period = 10
     help = "current and maximum clocks"
 
     def __init__(self, device, **kwargs) -> None:

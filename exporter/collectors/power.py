@@ -34,7 +34,7 @@ class PowerCollector(Collector):
 
 class PerformanceStateCollector(Collector):
     name = "pstate"
-    period = 5
+    period = 10
     help = "performance state (P0-P15)"
 
     def collect(self, ctx: SampleContext) -> None:

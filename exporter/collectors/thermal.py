@@ -1,6 +1,8 @@
 """Temperatures, temperature thresholds and fans.
 
 nvidia-smi: temperature.gpu, temperature.memory, `-q -d TEMPERATURE` (thresholds), fan.speed.
+Temperatures every `period` (10) samples: they change over tens of seconds, and thermal slowdown
+itself is the throttle collector's, read every sample.
 NVML: nvmlDeviceGetTemperatureV(GPU) where the driver and binding have it (the older
 nvmlDeviceGetTemperature is deprecated for removal in CUDA 14) else nvmlDeviceGetTemperature, field
 NVML_FI_DEV_MEMORY_TEMP (HBM; a 0 is "not reported", as some boards answer), the thresholds with
@@ -24,6 +26,7 @@ THRESHOLDS = {"shutdown": "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", "slowdown": "NV
 
 class ThermalCollector(Collector):
     name = "thermal"
+    period = 10
     help = "GPU and memory temperature, temperature thresholds"
 
     def __init__(self, device, **kwargs) -> None:

@@ -10,11 +10,16 @@ while the GPU idles): that sample counts for one typical period, and the rest of
 sample covers, which counts as idle. The first poll only learns where the buffer ends: its ~15 s
 are from before the exporter started. Without the buffer (older drivers, some MIG setups) the polled
 rate is integrated instead.
+
+Cadence: with the buffer, the GPU ratio is the newest buffer sample's (the driver's latest sample
+period, what nvmlDeviceGetUtilizationRates answers too), so nvmlDeviceGetUtilizationRates is called
+only every RATES_PERIOD samples, for the memory-controller ratio, and on a poll that finds no new
+buffer sample (an idle GPU, a product sampling once a second). Without the buffer it is called on
+every sample.
 """
 from __future__ import annotations
 
 from collections import deque
-from statistics import median
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, union_value
@@ -24,6 +29,7 @@ MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1
 DEFAULT_PERIOD = 1 / 6  # seconds: the period of most products, until spacings are seen
 JITTER_BOUND = 1.5  # a spacing up to this many typical periods is the sample's own period
 LAG_PERIODS = 2  # poll time not yet covered by samples, in typical periods, that is lag rather than idle
+RATES_PERIOD = 10  # samples between two nvmlDeviceGetUtilizationRates calls while the buffer answers
 
 
 class UtilizationCollector(Collector):
@@ -39,19 +45,30 @@ class UtilizationCollector(Collector):
         self.uncovered = 0.0  # poll time since the newest sample: lag up to LAG_PERIODS, then idle
         self.last_poll: float | None = None
         self.integrating = False
+        self.polls = 0
+        self.memory_ratio: float | None = None  # of the last nvmlDeviceGetUtilizationRates answer
 
     def collect(self, ctx: SampleContext) -> None:
-        rates = ctx.call("nvmlDeviceGetUtilizationRates")
-        if rates is not None:
-            ctx.emit("nvml_gpu_utilization_ratio", _ratio(rates.gpu))
-            ctx.emit("nvml_gpu_memory_controller_utilization_ratio", _ratio(rates.memory))
         elapsed = None if self.last_poll is None else ctx.now - self.last_poll
+        newest: float | None = None  # the newest new buffer sample's ratio
+        buffered = True
         try:
-            self._integrate_buffer(ctx, elapsed)
+            newest = self._integrate_buffer(ctx, elapsed)
         except Absent:
-            self._integrate_poll(rates, elapsed)
+            buffered = False
         except CallFailed as exc:
             ctx.errors.append(exc.error)  # the samples stay in the buffer; read next time
+        rates = None
+        if not buffered or newest is None or self.polls % RATES_PERIOD == 0:
+            rates = ctx.call("nvmlDeviceGetUtilizationRates")
+            self.memory_ratio = None if rates is None else _ratio(rates.memory)
+        if not buffered:
+            self._integrate_poll(rates, elapsed)
+        if newest is None and rates is not None:
+            newest = _ratio(rates.gpu)
+        ctx.emit("nvml_gpu_utilization_ratio", newest)
+        ctx.emit("nvml_gpu_memory_controller_utilization_ratio", self.memory_ratio)
+        self.polls += 1
         self.last_poll = ctx.now
         if self.integrating:
             ctx.emit("nvml_gpu_busy_seconds_total", self.busy)
@@ -62,8 +79,9 @@ class UtilizationCollector(Collector):
         if utilization < self.idle_threshold:
             self.idle += seconds
 
-    def _integrate_buffer(self, ctx: SampleContext, elapsed: float | None) -> None:
-        """Credit each new sample for its own period; poll time no sample covers is idle.
+    def _integrate_buffer(self, ctx: SampleContext, elapsed: float | None) -> float | None:
+        """Credit each new sample for its own period; poll time no sample covers is idle. Returns the
+        newest new sample's ratio, None when there is none.
 
         The driver stops filling its buffer while the GPU is idle (nvmlDeviceGetSamples answers
         NOT_FOUND, or SUCCESS with no samples). The newest sample always lags the poll by up to a
@@ -82,6 +100,7 @@ class UtilizationCollector(Collector):
         self.integrating = True
         previous = self.last_timestamp
         covered = 0.0
+        newest = None
         typical = self._typical()
         for sample in sorted(samples, key=lambda s: s.timeStamp):
             if previous is not None and sample.timeStamp <= previous:
@@ -90,11 +109,11 @@ class UtilizationCollector(Collector):
             if spacing is not None and spacing <= MAX_PERIOD:
                 self.spacings.append(spacing)
             previous = sample.timeStamp
+            newest = _ratio(union_value(self.device.nvml.value_types, kind, sample.sampleValue).value)
             if elapsed is not None:
                 # its own spacing, or one typical period after a gap (or for the first sample ever seen)
                 period = spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
-                value = union_value(self.device.nvml.value_types, kind, sample.sampleValue).value
-                self._add(_ratio(value), period)
+                self._add(newest, period)
                 covered += period
         self.last_timestamp = previous
         if elapsed is not None and 0 < elapsed <= self.max_gap:
@@ -104,10 +123,12 @@ class UtilizationCollector(Collector):
         if self.uncovered > lag:
             self.idle += self.uncovered - lag
             self.uncovered = lag
+        return newest
 
     def _typical(self) -> float:
-        """The driver's typical sampling period: the median of recent spacings, seconds."""
-        return median(self.spacings) if self.spacings else DEFAULT_PERIOD
+        """The driver's typical sampling period: the (upper) median of recent spacings, seconds. Sorted
+        here rather than with statistics.median, whose import (decimal, fractions) costs 0.4 MB of RSS."""
+        return sorted(self.spacings)[len(self.spacings) // 2] if self.spacings else DEFAULT_PERIOD
 
     def _integrate_poll(self, rates, elapsed: float | None) -> None:
         if rates is None:
