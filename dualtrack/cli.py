@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.
@@ -22,28 +21,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def one_line(text: str) -> str:
-    """`text` with control characters (newlines from a file or run name, terminal escapes, C1
-    controls) written as escapes."""
-    return _CONTROL.sub(lambda found: repr(found[0])[1:-1], text)
-
-
-def fail(command: str, message: str, code: int = 1) -> int:
-    """Print one error line for `dualtrack COMMAND` on stderr; return the exit code."""
-    print(f"dualtrack {command}: error: {one_line(message)}", file=sys.stderr)
-    return code
-
-
-def warner(command: str) -> Callable[[str], None]:
-    """A function that prints one warning line for `dualtrack COMMAND` on stderr."""
-    def warn(message: str) -> None:
-        print(f"dualtrack {command}: warning: {one_line(message)}", file=sys.stderr)
-    return warn
 
 
 #: What `dualtrack --help` says (for users: commands, not modules).

@@ -19,11 +19,12 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from exporter import xids
+from trainer_hook.text import one_line
 
 from . import prometheus
 from . import thresholds as limits
-from .cli import fail, one_line, warner
 from .summary import utc
+from .text import fail, warner
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
 warn = warner("explain")

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -31,23 +30,16 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from .cli import one_line
-from .connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.settings import ENV_PUSHGATEWAY
+from trainer_hook.text import one_line
+
+from .text import duration
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
-ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN, _CA_FILE, as for the hook
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 log = logging.getLogger("dualtrack.janitor")
-
-
-def duration(text: str) -> float:
-    """'90', '90s', '15m', '24h', '1d' -> seconds (argparse type)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15m, 24h or 1d")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +112,7 @@ class Janitor:
 
     def __init__(self, url: str, open_: Callable, handler: Callable, args: argparse.Namespace) -> None:
         self.url = url
-        self.open = open_  # dualtrack.connection.opener: the listing, with its Date header
+        self.open = open_  # trainer_hook.connection.opener: the listing, with its Date header
         self.handler = handler  # prometheus_client's push handler: the deletions
         self.args = args
         self._reported: set[str] = set()  # malformed groups already logged

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from prometheus_client.utils import floatToGoString
 from trainer_hook.contract import (DEFAULT_PRECISION, PRECISIONS, PREFIX, RUN_STATES, SKIP_REASON, STEP_BUCKETS,
                                    Accumulator, label_name, label_value)
 
@@ -41,15 +42,6 @@ def escape(value: str) -> str:
 
 def labels_text(labels: dict[str, str]) -> str:
     return ",".join(f'{name}="{escape(value)}"' for name, value in labels.items())
-
-
-def fmt(value: float) -> str:
-    """OpenMetrics number: NaN, +Inf, -Inf spelled as the format wants."""
-    if value != value:
-        return "NaN"
-    if value in (math.inf, -math.inf):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
 
 
 class RunSeries:
@@ -119,26 +111,26 @@ class RunSeries:
                                 loss_scale=scale, flops=number(line.get("flops")))
         out = [f"training_step{{{labels}}} {line['step']}{ts}"]
         for name, value in folded.gauges.items():
-            out.append(f"{PREFIX}{name}{{{labels}}} {fmt(value)}{ts}")
+            out.append(f"{PREFIX}{name}{{{labels}}} {floatToGoString(value)}{ts}")
         # At step resolution a window is one step: its largest finite value, at this step.
         for name, (value, step) in self._run.take_window().items():
-            out.append(f"{PREFIX}{name}_max{{{labels}}} {fmt(value)}{ts}")
+            out.append(f"{PREFIX}{name}_max{{{labels}}} {floatToGoString(value)}{ts}")
             out.append(f"{PREFIX}{name}_max_step{{{labels}}} {step}{ts}")
         out.append(f"training_steps_total{{{labels}}} {state.steps_total}{ts}")
-        out.append(f"training_samples_total{{{labels}}} {fmt(state.samples_total)}{ts}")
+        out.append(f"training_samples_total{{{labels}}} {floatToGoString(state.samples_total)}{ts}")
         if state.tokens_total is not None:
-            out.append(f"training_tokens_total{{{labels}}} {fmt(state.tokens_total)}{ts}")
+            out.append(f"training_tokens_total{{{labels}}} {floatToGoString(state.tokens_total)}{ts}")
         if state.model_flops_total is not None:
             out.append(f'training_model_flops_total{{{labels},precision="{self.precision}"}} '
-                       f'{fmt(state.model_flops_total)}{ts}')
+                       f'{floatToGoString(state.model_flops_total)}{ts}')
         wait = number(line.get("data_wait_seconds"))
         if wait is not None and math.isfinite(wait):
             self._data_wait = (self._data_wait or 0.0) + wait
         if self._data_wait is not None:
-            out.append(f"training_data_wait_seconds_total{{{labels}}} {fmt(self._data_wait)}{ts}")
+            out.append(f"training_data_wait_seconds_total{{{labels}}} {floatToGoString(self._data_wait)}{ts}")
         for name, value in folded.gauges.items():  # the keys this step logged: the others did not change
             out.append(f'training_logged_value_sum{{{labels},key="{name}"}} '
-                       f'{fmt(state.value_sums.get(name, 0.0))}{ts}')
+                       f'{floatToGoString(state.value_sums.get(name, 0.0))}{ts}')
             out.append(f'training_logged_value_count{{{labels},key="{name}"}} '
                        f'{state.value_counts.get(name, 0)}{ts}')
             if name not in self._keys or not math.isfinite(value):  # its first value, or one more
@@ -150,13 +142,13 @@ class RunSeries:
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} '
                        f'{state.skipped_steps_total}{ts}')
         if scale is not None:
-            out.append(f"training_loss_scale{{{labels}}} {fmt(scale)}{ts}")
+            out.append(f"training_loss_scale{{{labels}}} {floatToGoString(scale)}{ts}")
         cuda = line.get("cuda")
         if isinstance(cuda, dict):
             for field, name in (("allocated", "allocated"), ("reserved", "reserved")):
                 value = number(cuda.get(field))
                 if value is not None:
-                    out.append(f"training_cuda_memory_{name}_bytes{{{labels}}} {fmt(value)}{ts}")
+                    out.append(f"training_cuda_memory_{name}_bytes{{{labels}}} {floatToGoString(value)}{ts}")
         if folded.nonfinite or line["time"] - self._refreshed >= REFRESH_SECONDS:
             slow = self._refresh("running", ts)
             if slow:
@@ -196,20 +188,20 @@ class RunSeries:
         out = self._states(run_state, ts)
         out.append(f"training_run_info{{{self.info_labels}}} 1{ts}")
         if self.run.start_time is not None:
-            out.append(f"training_start_timestamp_seconds{{{labels}}} {fmt(self.run.start_time)}{ts}")
-        out.append(f"training_last_update_timestamp_seconds{{{labels}}} {fmt(state.last_update)}{ts}")
+            out.append(f"training_start_timestamp_seconds{{{labels}}} {floatToGoString(self.run.start_time)}{ts}")
+        out.append(f"training_last_update_timestamp_seconds{{{labels}}} {floatToGoString(state.last_update)}{ts}")
         for key in ("world_size", "local_rank"):
             value = number(start.get(key))
             if value is not None:
-                out.append(f"training_{key}{{{labels}}} {fmt(value)}{ts}")
+                out.append(f"training_{key}{{{labels}}} {floatToGoString(value)}{ts}")
         for name in ("first_nonfinite_step", "first_nonfinite_batch_id", "last_nonfinite_step",
                      "last_nonfinite_batch_id"):
-            out.append(f"training_{name}{{{labels}}} {fmt(getattr(state, name))}{ts}")
+            out.append(f"training_{name}{{{labels}}} {floatToGoString(getattr(state, name))}{ts}")
         if not state.skipped_steps_total:  # once it counts, it is written at every step
             out.append(f'training_skipped_steps_total{{{labels},reason="{SKIP_REASON}"}} 0{ts}')
         buckets = self._run.cumulative_buckets()
         for bound, count in zip(_BOUNDS, buckets):
             out.append(f'training_step_duration_seconds_bucket{{{labels},le="{bound}"}} {count}{ts}')
         out.append(f"training_step_duration_seconds_count{{{labels}}} {buckets[-1]}{ts}")
-        out.append(f"training_step_duration_seconds_sum{{{labels}}} {fmt(state.duration_sum)}{ts}")
+        out.append(f"training_step_duration_seconds_sum{{{labels}}} {floatToGoString(state.duration_sum)}{ts}")
         return out

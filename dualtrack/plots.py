@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
+
+from trainer_hook.text import one_line
 
 from .summary import RECORD_PANELS, RunSummary
 
@@ -17,7 +18,6 @@ TITLES = {"loss": "loss", "grad_norm": "grad norm", "learning_rate": "learning r
 NONFINITE_COLOR = "#d62728"
 #: Record text in the figure (run names, batch ids) is cut to this many characters.
 MAX_TEXT = 120
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass
@@ -146,7 +146,7 @@ def save_png(figure: Any, path: Any) -> None:
 
 def _text(value: str) -> str:
     """Record text as drawn: control characters as spaces, at most MAX_TEXT characters."""
-    value = _CONTROL.sub(" ", value)
+    value = one_line(value, blank=True)
     return value if len(value) <= MAX_TEXT else value[:MAX_TEXT - 1] + "…"
 
 

@@ -10,7 +10,7 @@ Flags (each with an environment fallback, like the hook's DUALTRACK_PUSHGATEWAY_
     --prometheus-timeout SECONDS         (default 10)
 
 Passwords and tokens never go on the command line (other users see it in `ps`), and never into a
-message, a report or repr(): dualtrack.connection checks the URL and credentials.
+message, a report or repr(): trainer_hook.connection checks the URL and credentials.
 
 Each query has a total deadline (connecting, the answer's head and its whole body: a server that
 trickles bytes cannot hold it longer) and a size cap; whatever goes wrong on the way (refused, reset,
@@ -19,9 +19,9 @@ a bad status line, a truncated body, TLS, a timeout, not JSON) is one QueryError
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
-import math
 import os
 import threading
 import urllib.error
@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from .cli import one_line
-from .connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.text import one_line
+
+from .text import duration
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
 #: Seconds one query may take in all, unless --prometheus-timeout says otherwise.
@@ -56,14 +58,6 @@ class _TooLarge(Exception):
     """The answer is larger than the client reads."""
 
 
-def _seconds(text: str) -> float:
-    """A --prometheus-timeout value: finite seconds above 0 (argparse reports the ValueError)."""
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(text)
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
     """The connection flags; `purpose` ends the --prometheus help (what the command does with it)."""
     parser.add_argument("--prometheus", metavar="URL", default=None,
@@ -77,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
                         help=f"file holding a bearer token (default ${ENV_URL}_TOKEN)")
     parser.add_argument("--prometheus-ca-file", metavar="FILE", default=None,
                         help=f"CA certificate for an https:// URL (default ${ENV_URL}_CA_FILE)")
-    parser.add_argument("--prometheus-timeout", metavar="SECONDS", type=_seconds, default=DEFAULT_TIMEOUT,
-                        help=f"the most one query may take, answer included (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument("--prometheus-timeout", metavar="SECONDS", type=functools.partial(duration, positive=True),
+                        default=DEFAULT_TIMEOUT, help="the most one query may take, answer included: seconds, "
+                        f"or a duration like 500ms or 1m (default {DEFAULT_TIMEOUT:g})")
 
 
 def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometheus | None":
@@ -129,15 +124,16 @@ class Prometheus:
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """The instant vector `expr` gives now, or at `at`: series of {"metric": {label: value}, "value":
-        (time, value)}, the time a float, the value Prometheus' text of a float; raises QueryError for
-        anything else."""
+        (time, value)}, the time a float, the value Prometheus' text of a float (for a range selector,
+        `expr[5m]`, the matrix: "values": [(time, value), ...]); raises QueryError for anything else."""
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
         found = self._get("query", params, "result")
         try:
-            return [{"metric": _labels(series), "value": (float(series["value"][0]), _number(series["value"][1]))}
-                    for series in found]
+            return [{"metric": _labels(series), "values": [_point(point) for point in series["values"]]}
+                    if isinstance(series, dict) and "values" in series else
+                    {"metric": _labels(series), "value": _point(series["value"])} for series in found]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise QueryError(f"query failed (query): malformed series ({type(exc).__name__})") from None
 
@@ -209,6 +205,11 @@ class Prometheus:
                     raise _TooLarge()
                 chunks.append(chunk)
             return b""
+
+
+def _point(point: Any) -> tuple[float, str]:
+    """A (time, value) pair of an answer: the time a float, the value Prometheus' text of a float."""
+    return float(point[0]), _number(point[1])
 
 
 def _number(value: Any) -> str:

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from .cli import one_line
-
 from trainer_hook.contract import (FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value,
                                    metric_suffix)
+from trainer_hook.text import one_line
 
 #: The newest record format this reader knows: the one the hook of this version writes.
 KNOWN_FORMAT = FORMAT_VERSION

@@ -18,7 +18,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from .cli import fail
+from .text import fail
 from .manifest import Coverage, ManifestError, install
 from .records import InputError, Reader
 from .workspace import Interrupted, remove_stale, workspace

@@ -24,6 +24,9 @@ from typing import Callable
 import requests
 import yaml
 
+from dualtrack.prometheus import Prometheus
+from trainer_hook.connection import Endpoint
+
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus.yml"
 RULES_DIR = REPO / "rules"
@@ -362,11 +365,9 @@ def exporter(workdir: Path, args: list[str], port: int | None = None,
 
 
 def query(prometheus_url: str, expr: str, timeout: float = 5.0, at: float | None = None) -> list[dict]:
-    """Instant query (at unix time `at`, default now); returns the result vector (list of {metric, value})."""
-    params = {"query": expr} if at is None else {"query": expr, "time": at}
-    response = requests.get(f"{prometheus_url}/api/v1/query", params=params, timeout=timeout)
-    response.raise_for_status()
-    return response.json()["data"]["result"]
+    """Instant query (at unix time `at`, default now) through dualtrack's Prometheus client: the result
+    vector (list of {metric, value: (time, value text)}); raises QueryError."""
+    return Prometheus(Endpoint(prometheus_url), timeout).query(expr, at)
 
 
 def wait_for_series(prometheus_url: str, expr: str, timeout: float = 60.0,

@@ -34,9 +34,10 @@ def decode(body: bytes) -> tuple[dict, list]:
 
 
 @contextlib.contextmanager
-def receiver(respond: Callable[[Received], int] = lambda _: 204) -> Iterator[tuple[str, list[Received]]]:
-    """Yields (URL, the requests received so far); `respond(request)` gives each one's status (it
-    may block, as a hung receiver)."""
+def receiver(respond: Callable[[Received], int | tuple[int, bytes]] = lambda _: 204
+             ) -> Iterator[tuple[str, list[Received]]]:
+    """Yields (URL, the requests received so far); `respond(request)` gives each one's status, or
+    (status, body) (it may block, as a hung receiver)."""
     got: list[Received] = []
     lock = threading.Lock()
 
@@ -47,10 +48,12 @@ def receiver(respond: Callable[[Received], int] = lambda _: 204) -> Iterator[tup
             request = Received(dict(self.headers), series, raw)
             with lock:
                 got.append(request)
-            status = respond(request)
+            answer = respond(request)
+            status, text = answer if isinstance(answer, tuple) else (answer, b"")
             self.send_response(status)
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(text)))
             self.end_headers()
+            self.wfile.write(text)
 
         def log_message(self, *args: object) -> None:
             pass

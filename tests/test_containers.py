@@ -23,9 +23,11 @@ import pytest
 import requests
 import yaml
 
+from dualtrack.prometheus import Prometheus
 from exporter.simulated import simulated_uuid
 from stack.processes import REPO, wait_until
 from tests.containers.engine import CACHE, Podman, ensure_images, missing_tools
+from trainer_hook.connection import Endpoint
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1200)]
 
@@ -87,10 +89,9 @@ class Stack:
         return requests.get(self.url(port) + path, params=params, auth=(user, self.password(user)),
                             verify=self.ca, timeout=10)
 
-    def query(self, promql: str, **params) -> list[dict]:
-        response = self.get(9090, "/api/v1/query", query=promql, **params)
-        response.raise_for_status()
-        return response.json()["data"]["result"]
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        endpoint = Endpoint(self.url(9090), basic_auth=("admin", self.password("admin")), ca_file=str(self.ca))
+        return Prometheus(endpoint, timeout=10).query(promql, at)
 
     def container(self, service: str) -> dict:
         ids = self.compose("ps", "-q", service).stdout.split()
@@ -331,4 +332,4 @@ def test_down_then_up_keeps_prometheus_data_and_pushgateway_groups(stack):
     wait_until(lambda: stack.health("prometheus") == "healthy", 150, interval=1, what="prometheus healthy again")
     groups = stack.get(9091, "/api/v1/metrics").json()["data"]
     assert any(g["labels"].get("job") == "containers-persist" for g in groups), "the Pushgateway lost its groups"
-    assert stack.query("containers_persisted", time=before), "Prometheus lost its data"
+    assert stack.query("containers_persisted", at=before), "Prometheus lost its data"

@@ -22,7 +22,11 @@ from stack import processes
 from stack.processes import REPO
 from tests.hook_support import pull_monitor, pulled, run_id, wait_pulled
 from tests.test_hook_watch import Fp16Run
-from trainer_hook import TrainingMonitor
+from trainer_hook import TrainingMonitor, remote_write
+from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, Dropped, ProcessIdentity, Series, Snapshot,
+                                   label_value, metric_suffix)
+from trainer_hook.exposition import families
+from trainer_hook.text import one_line
 
 #: Live series a record cannot hold, so replay cannot rebuild them: the GPUs and the process
 #: (training_gpu_info, training_process_info), the monitor's own faults (dropped values, push and
@@ -73,6 +77,19 @@ def live_series(text: str, run: str) -> Series:
     return series
 
 
+def replayed_text(record: Path) -> str:
+    """What `dualtrack replay` writes for `record` (the OpenMetrics text it turns into blocks)."""
+    class Capture:
+        text = ""
+
+        def write(self, text: str, samples: int) -> None:
+            self.text += text
+
+    capture = Capture()
+    write_openmetrics(Reader([record]), capture)
+    return capture.text
+
+
 def replayed_series(text: str) -> tuple[Series, Series]:
     """(the last sample of each replayed series, the largest of each window-maximum series and the
     *_max_step at that sample)."""
@@ -119,15 +136,7 @@ def test_the_live_hook_and_replay_export_the_same_series_for_the_same_steps(tmp_
         feed(monitor, watch_scaler)
     live = live_series(requests.get(pushgateway.url + "/metrics", timeout=5).text, run)
 
-    class Capture:
-        text = ""
-
-        def write(self, text: str, samples: int) -> None:
-            self.text += text
-
-    capture = Capture()
-    write_openmetrics(Reader([record]), capture)
-    last, largest = replayed_series(capture.text)
+    last, largest = replayed_series(replayed_text(record))
 
     assert {name for name, _ in live} - NOT_REPLAYED == {name for name, _ in last}
     differ = {}
@@ -197,3 +206,141 @@ def test_dualtrack_commands_never_import_torch(tmp_path: Path, command: str) -> 
     torch_loaded, code = done.stdout.split("TORCH ")[-1].split()
     assert code == {"janitor": "1"}.get(command, "0"), done.stderr
     assert torch_loaded == "False", f"dualtrack {command} imported torch"
+
+
+# ---------------------------------------------------------------------- one declaration per series
+def _full_snapshot() -> Snapshot:
+    """A snapshot in which every declared series has a sample: a failed run with GPUs, CUDA, tokens,
+    model FLOPs, window maxima, skipped steps, dropped values and a config."""
+    return Snapshot(gauges={"loss": 1.0, "custom": math.nan}, maxima={"loss": 3.0, "grad_norm": 5.0},
+                    max_steps={"loss": 1, "grad_norm": 2}, value_sums={"loss": 3.0}, value_counts={"loss": 2},
+                    nonfinite_values={"custom": 1}, step=5, tokens_total=7.0, model_flops_total=4.2e15,
+                    precision="fp8", state="failed",
+                    failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
+                    cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
+                    process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
+                    skipped_steps_total=3)
+
+
+def _declared(sample: str) -> Series:
+    """The declared series a sample name (without PREFIX) belongs to."""
+    found = [series for series in SERIES if sample in series.sample_names()[1:] or sample == series.name]
+    assert len(found) == 1, f"training_{sample} is not declared in trainer_hook.contract.SERIES"
+    return found[0]
+
+
+def test_every_name_a_series_takes_is_reserved_run_failure_info_included() -> None:
+    """A logged key named like a series the hook computes (any of its samples) is dropped as
+    reserved_name: a logged `run_failure_info` would collide with a failed run's own."""
+    for series in SERIES:
+        for name in series.sample_names():
+            assert name in RESERVED
+            assert metric_suffix(name) == "reserved_name" and isinstance(metric_suffix(name), Dropped), name
+    assert RESERVED == {name for series in SERIES for name in series.sample_names()}
+    assert metric_suffix("train/run_failure_info") == "reserved_name"
+
+
+def test_a_logged_run_failure_info_does_not_collide_with_the_failed_runs_own(tmp_path) -> None:
+    """The logged key is dropped (reason reserved_name), so training_run_failure_info stays the
+    failed run's own family (a gauge of the same name beside it is a push the Pushgateway refuses)."""
+    with pull_monitor(tmp_path, "collide") as monitor:
+        monitor.log({"run_failure_info": 5.0, "loss": 1.0}, step=0)
+        wait_pulled(monitor, "training_dropped_values_total", lambda v: v == 1, reason="reserved_name")
+        assert pulled(monitor, "training_run_failure_info") is None
+
+
+def test_the_live_exposition_is_the_declaration() -> None:
+    """Every declared series is exported with its declared type, HELP and labels, and nothing else
+    is (besides the logged keys' gauges)."""
+    exported = {family.name: family for family in families(_full_snapshot(), {"run": "r", "rank": "0"})}
+    for series in SERIES:
+        family = exported.pop(PREFIX + series.name)
+        assert (family.type, family.documentation) == (series.type, series.help), series.name
+        labels = {name for sample in family.samples for name in sample.labels} - {"run", "rank", "le"}
+        if series.name == "run_info":
+            assert labels == {"lr"}
+        else:
+            assert labels == set(series.labels), series.name
+    assert {name for name in exported} == {"training_loss", "training_custom"}
+    assert exported["training_loss"].documentation == KNOWN_KEYS["loss"]
+
+
+def test_remote_write_sends_the_declared_series() -> None:
+    samples = remote_write.batch(_full_snapshot(), {"job": "j", "run": "r"}, 1000.0).samples
+    names = {dict(labels)["__name__"][len(PREFIX):] for labels, _ in samples}
+    assert {_declared(name).name for name in names - {"loss", "custom"}} == {series.name for series in SERIES}
+
+
+def test_replay_writes_only_declared_series_with_their_labels(tmp_path) -> None:
+    """Every sample replay writes is a declared series' with the declared labels (a record that
+    exercises every series replay rebuilds: a failed end, skipped steps, CUDA memory, tokens, FLOPs)."""
+    record = tmp_path / "r.jsonl"
+    record.write_text("\n".join(json.dumps(line) for line in [
+        {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r", "rank": 0, "instance": "n",
+         "local_rank": 0, "world_size": 2, "precision": "fp16", "config": {"lr": 0.1}},
+        {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf"}, "nonfinite": ["grad_norm"],
+         "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2, "data_wait_seconds": 0.01, "loss_scale": 1024.0,
+         "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
+        {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
+        {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]) + "\n")
+    seen = set()
+    for line in replayed_text(record).splitlines():
+        match = _SAMPLE.match(line)
+        assert match, line
+        name, labels = match[1][len(PREFIX):], set(dict(_LABEL.findall(match[2])))
+        labels -= {"job", "run", "rank", "instance", "replayed", "le"}
+        if name in ("loss", "grad_norm", "loss_scale"):
+            assert labels == set()
+            continue
+        series = _declared(name)
+        seen.add(series.name)
+        assert labels == ({"lr"} if series.name == "run_info" else set(series.labels)), line
+    assert seen == {series.name for series in SERIES} - {name[len(PREFIX):] for name in NOT_REPLAYED} \
+        - {"dropped_values", "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms"}
+
+
+_DOC_ROW = re.compile(r"^\| ((?:`training_\w+`(?:, )?)+) \| ([^|]+) \|(.*)\|$")
+
+
+def _documented(path: Path, labels_column: int) -> dict[str, tuple[str, set[str]]]:
+    """metric suffix -> (type, label names) of each `training_*` row of the table in `path`."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        match = _DOC_ROW.match(line)
+        if match:
+            kind = match[2].split()[0]
+            labels = set(re.findall(r"`(\w+)", match[3].split("|")[labels_column]))
+            for name in re.findall(r"`training_(\w+)`", match[1]):
+                rows[name] = (kind, labels)
+    return rows
+
+
+@pytest.mark.parametrize("doc, labels_column", [("docs/hook.md", 1), ("docs/metrics.md", 0)])
+def test_the_docs_tables_agree_with_the_declaration(doc: str, labels_column: int) -> None:
+    """Each documented training_* series is declared, with the declared type and labels; the hook's
+    full table (docs/hook.md) names every declared series and documented key."""
+    documented = _documented(REPO / doc, labels_column)
+    assert documented
+    for name, (kind, labels) in documented.items():
+        if name in KNOWN_KEYS or name == "key":
+            assert (kind, labels) == ("gauge", set()), name
+            continue
+        series = _declared(name)
+        assert kind == series.type, f"{doc}: training_{name} is a {series.type}"
+        expected = set(series.labels) | ({"le"} if series.type == "histogram" else set())
+        assert labels == expected, f"{doc}: training_{name} has the labels {sorted(expected)}"
+    if doc == "docs/hook.md":
+        named = {_declared(name).name for name in documented if name not in KNOWN_KEYS and name != "key"}
+        assert named == {series.name for series in SERIES}
+        assert set(KNOWN_KEYS) <= set(documented)
+
+
+def test_label_values_and_the_commands_messages_share_one_control_character_rule() -> None:
+    """Every character the `dualtrack` command escapes in a message (C0, DEL, C1: a terminal's CSI
+    \\x9b as well as ESC) is blanked in a label value, and no other."""
+    for code in range(0x3000):
+        char = chr(code)
+        escaped = one_line(f"a{char}b") != f"a{char}b"
+        blanked = label_value(f"a{char}b") != f"a{char}b"
+        assert blanked == escaped and (not blanked or label_value(f"a{char}b") == "a b"), hex(code)
+    assert label_value("run\x1b]0;x\x07\x9b31m\nname") == "run ]0;x 31m name"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dualtrack.cli import main
-from dualtrack.connection import resolve
+from trainer_hook.connection import resolve
 from stack import processes
 from tests.certs import bcrypt_hash
 from tests.hook_support import http_gateway, run_id

@@ -20,6 +20,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualtrack.prometheus import Prometheus
 from stack import processes
 from tests.exporter_support import faulty_exporter
 from tests.process_support import children
@@ -27,6 +28,7 @@ from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
                                    label_values_args, load, metric_names, queries, query_variables,
                                    recording_rule_names, substitute)
 from tests.test_exporter_processes import UNSHARE
+from trainer_hook.connection import Endpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -288,8 +290,7 @@ def test_a_gpu_belongs_to_the_run_only_while_the_run_is_live_on_it(stack):
     processes.wait_until(lambda: not processes.query(stack.prom.url, expr), 30, interval=0.5,
                          what="the ended run's Infra panel to empty")
     assert processes.query(stack.prom.url, f'nvml_gpu_power_usage_watts{{uuid="{stack.uuid}"}}')
-    response = requests.get(f"{stack.prom.url}/api/v1/query_range", timeout=5, params={
-        "query": expr, "start": ended - 20, "end": time.time(), "step": "1"})
-    times = [float(t) for series in response.json()["data"]["result"] for t, _ in series["values"]]
+    matrix = Prometheus(Endpoint(stack.prom.url), timeout=5).query_range(expr, ended - 20, time.time(), 1)
+    times = [t for series in matrix for t, _ in series["values"]]
     assert times and min(times) < ended, "the run's GPU showed while it ran"
     assert max(times) < ended + 10, "and not after it ended"

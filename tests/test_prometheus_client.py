@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from dualtrack import goodput, prometheus
-from dualtrack.cli import main
-from dualtrack.connection import resolve
+from dualtrack.cli import build_parser, main
+from trainer_hook.connection import resolve
 from stack import processes
 from tests import hostile_http as hostile
 
@@ -72,6 +72,14 @@ def test_a_bad_timeout_gets_one_line(capsys):
             main(["explain", "r1", "--prometheus", "http://127.0.0.1:9", f"--prometheus-timeout={value}"])
         err = capsys.readouterr().err
         assert exited.value.code == 2 and err.count("\n") == 1 and "--prometheus-timeout" in err, err
+
+
+def test_the_timeout_and_the_janitors_durations_are_read_by_one_parser():
+    """--prometheus-timeout takes what the janitor's --timeout takes (plain seconds as before)."""
+    parser = build_parser()
+    for text, seconds in (("5", 5.0), ("0.5", 0.5), ("500ms", 0.5), ("2m", 120.0)):
+        assert parser.parse_args(["explain", "r1", f"--prometheus-timeout={text}"]).prometheus_timeout == seconds
+        assert parser.parse_args(["janitor", f"--timeout={text}"]).timeout == seconds
 
 
 def test_goodput_asks_for_the_run_named_even_when_it_holds_a_placeholder():

@@ -84,3 +84,22 @@ def test_the_hook_doc_quotes_the_readmes_log_cost_and_installs_without_placehold
     assert f"is tested with torch {tested} and without torch" in " ".join(readme.split())
     for text in (readme, hook):
         assert f"pip install 'torch=={tested}' '" in text
+
+
+def test_the_layout_table_names_every_module() -> None:
+    """Each package's row of the README's layout table names each of its modules (a sub-package by
+    its folder), so a new module cannot go unmentioned."""
+    rows = {match[1]: match[2] for match in re.finditer(r"^\| `(\w+)/` \| (.*) \|$", README.read_text(), re.M)}
+    missing = []
+    for package in ("exporter", "trainer_hook", "dualtrack", "stack"):
+        row = rows[package]
+        for path in sorted((REPO / package).iterdir()):
+            if path.suffix == ".py" and path.stem not in ("__init__", "__main__"):
+                named = f"`{path.name}`" in row
+            elif (path / "__init__.py").is_file():
+                named = f"`{path.name}/`" in row
+            else:
+                continue
+            if not named:
+                missing.append(f"{package}/{path.name}")
+    assert missing == [], "not in the README's layout table"

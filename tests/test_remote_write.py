@@ -87,7 +87,8 @@ def test_requests_follow_remote_write_1_0(tmp_path):
 
 def test_a_refusing_receiver_is_warned_about_once_and_counted(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="trainer_hook")
-    with receiver(lambda _: 400) as (url, got):
+    # The receiver's answer is shown, its control characters escaped (a terminal escape, a C1 CSI).
+    with receiver(lambda _: (400, "out of order sample \x1b[2J\x9b31m\nsecond line".encode())) as (url, got):
         mon = monitor(url, tmp_path)
         for step in range(5):
             mon.log({"loss": 1.0}, step=step)
@@ -95,7 +96,8 @@ def test_a_refusing_receiver_is_warned_about_once_and_counted(tmp_path, caplog):
         mon.close()
         refused = len(got)
     refusals = [r for r in caplog.records if "refused the samples" in r.getMessage()]
-    assert len(refusals) == 1 and "HTTP 400" in refusals[0].getMessage()
+    assert len(refusals) == 1 and "HTTP 400: out of order sample \\x1b[2J\\x9b31m" in refusals[0].getMessage()
+    assert not any(c in refusals[0].getMessage() for c in "\x1b\x9b\n")
     assert mon._writer.failures == refused  # every request was tried once: 4xx is not retried
     assert mon._latest.push_failures >= 1  # published in training_push_failures_total
 

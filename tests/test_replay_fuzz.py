@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from dualtrack import prometheus
 from dualtrack.cli import main
-from dualtrack.connection import resolve
+from trainer_hook.connection import resolve
 from dualtrack.records import CLOCK_SLACK_SECONDS
 from tests import hostile_http
 

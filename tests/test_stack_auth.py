@@ -17,7 +17,9 @@ import pytest
 import requests
 import yaml
 
+from dualtrack.prometheus import Prometheus
 from stack import processes
+from trainer_hook.connection import Endpoint
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
@@ -124,11 +126,10 @@ def test_the_hook_pushes_only_with_the_right_password_and_prometheus_scrapes_it_
 
     grafana = ("grafana", password(secrets_dir, "grafana"))  # what the provisioned datasource logs in as
 
+    client = Prometheus(Endpoint(prometheus.url, basic_auth=grafana, ca_file=str(ca)), timeout=5)
+
     def series(expr: str) -> list[dict]:
-        response = requests.get(prometheus.url + "/api/v1/query", params={"query": expr}, auth=grafana,
-                                verify=ca, timeout=5)
-        response.raise_for_status()
-        return response.json()["data"]["result"]
+        return client.query(expr)
 
     runs = processes.wait_until(lambda: series('training_loss{job="auth"}'), 30, interval=0.25,
                                 what="training_loss scraped over TLS with auth")

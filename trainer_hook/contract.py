@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
+from .text import one_line
+
 PREFIX = "training_"
 #: The record format written on start lines ("format"); lines without it are format 1.
 FORMAT_VERSION = 2
@@ -65,29 +67,104 @@ MASK = "***"
 #: W&B/HF spellings of the standard keys.
 ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "grad_norm",
            "grad_norm_total": "grad_norm", "train_loss": "loss"}
-#: Series the hook computes itself; a log key may not shadow them.
-RESERVED = frozenset({
-    "step", "steps_total", "samples_total", "tokens_total", "step_duration_seconds",
-    "step_duration_seconds_bucket", "step_duration_seconds_count", "step_duration_seconds_sum",
-    "data_wait_seconds_total", "nonfinite_steps_total", "last_nonfinite_step",
-    "last_nonfinite_batch_id", "loss_max", "grad_norm_max", "run_info", "gpu_info",
-    "dropped_values_total", "push_failures_total", "record_failures_total",
-    "last_update_timestamp_seconds", "last_push_timestamp_seconds", "start_timestamp_seconds", "run_state",
-    "cuda_memory_allocated_bytes", "cuda_memory_reserved_bytes", "cuda_alloc_retries_total",
-    "cuda_ooms_total", "local_rank", "world_size", "process_info", "logged_value_sum",
-    "logged_value_count", "nonfinite_values_total", "first_nonfinite_step",
-    "first_nonfinite_batch_id", "loss_max_step", "grad_norm_max_step", "skipped_steps_total",
-    # counters' family names, which would clash with a gauge of the same name
-    "steps", "samples", "tokens", "data_wait_seconds", "nonfinite_steps", "dropped_values",
-    "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms", "logged_value",
-    "nonfinite_values", "skipped_steps", "model_flops_total", "model_flops",
-})
+
+
+class Series(NamedTuple):
+    """One model-track series as the hook exports it (and replay rebuilds it): `training_<name>`."""
+
+    name: str  # after PREFIX; a counter's family name, without _total
+    type: str  # "gauge", "counter", "summary" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ()  # besides job, run, rank, instance (and pull mode's constant labels)
+
+    def sample_names(self) -> tuple[str, ...]:
+        """Its family name and the names its samples carry (after PREFIX)."""
+        return tuple(self.name + suffix for suffix in _SAMPLE_SUFFIXES[self.type])
+
+
+_SAMPLE_SUFFIXES = {"gauge": ("",), "counter": ("", "_total"), "summary": ("", "_sum", "_count"),
+                    "histogram": ("", "_bucket", "_count", "_sum")}
+
+
+def _window_series(key: str) -> tuple[Series, Series]:
+    return (Series(f"{key}_max", "gauge", f"Largest finite {key} over the steps of the last max_hold seconds, at "
+                   "least since the previous push (NaN/Inf are counted in training_nonfinite_values_total)."),
+            Series(f"{key}_max_step", "gauge", f"Step at which training_{key}_max was seen."))
+
+
+#: Every series the hook computes itself, in exposition order: the one declaration the live exposition
+#: (trainer_hook.exposition), remote write, replay (dualtrack.openmetrics), RESERVED and the docs' tables
+#: follow (tests/test_contract.py checks each). A logged key's own gauge (training_<key>) is logged_series().
+SERIES: tuple[Series, ...] = (
+    Series("step", "gauge", "Step passed to the last log() call."),
+    *(series for key in WINDOW_MAX_KEYS for series in _window_series(key)),
+    Series("logged_value", "summary", "Finite logged values per key: rate(_sum)/rate(_count) is their exact "
+           "mean over any range.", ("key",)),
+    Series("nonfinite_values", "counter", "NaN or infinite logged values per key (never in "
+           "training_logged_value_sum).", ("key",)),
+    Series("steps", "counter", "log() calls (training steps) so far."),
+    Series("samples", "counter", "Samples passed as samples= so far."),
+    Series("tokens", "counter", "Tokens passed as tokens= so far."),
+    Series("model_flops", "counter", "Model FLOPs of the steps so far (flops_per_token x tokens, flops_per_sample "
+           "x samples, or the estimate 6 x parameters x tokens); precision: the peak FLOP/s the run's MFU divides "
+           "by.", ("precision",)),
+    Series("step_duration_seconds", "histogram", "Wall time between consecutive log() calls."),
+    Series("data_wait_seconds", "counter", "Time the training loop waited for its batches (loader(), "
+           "log(data_wait=))."),
+    Series("nonfinite_steps", "counter", "Steps with a NaN or infinite logged value (not counting a "
+           "GradScaler overflow)."),
+    Series("first_nonfinite_step", "gauge", "First step of the current (or latest) streak of non-finite "
+           "steps; -1 until one happens."),
+    Series("first_nonfinite_batch_id", "gauge", "batch_id of training_first_nonfinite_step; -1 until one "
+           "happens (or when not numeric)."),
+    Series("last_nonfinite_step", "gauge", "Step of the last non-finite value; -1 until one happens."),
+    Series("last_nonfinite_batch_id", "gauge", "batch_id of the last non-finite value; -1 until one happens."),
+    Series("skipped_steps", "counter", "Optimizer steps the watched GradScaler skipped.", ("reason",)),
+    Series("last_update_timestamp_seconds", "gauge", "Unix time of the last log() call."),
+    Series("start_timestamp_seconds", "gauge", "Unix time the monitor was created."),
+    Series("last_push_timestamp_seconds", "gauge", "Unix time the hook published this state (every push "
+           "interval, pushed, remote-written or served): what staleness rules compare with time()."),
+    Series("run_state", "gauge", "1 for the run's current state.", ("state",)),
+    Series("run_failure_info", "gauge", "Why the run failed, value 1: the class of the exception that ended "
+           "it (or SIGTERM).", ("reason",)),
+    Series("run_info", "gauge", "Hyper-parameters of the run as labels."),  # and one label per config entry
+    Series("gpu_info", "gauge", "GPUs this rank trains on.", ("gpu", "uuid")),
+    Series("local_rank", "gauge", "Rank of this process on its node (picks the GPU)."),
+    Series("world_size", "gauge", "Processes in the run."),
+    Series("process_info", "gauge", "The process that publishes these series (join nvml_gpu_process_* on "
+           "pid_namespace, and pid to their namespace_pid).", ("pid", "hostname", "pid_namespace")),
+    Series("dropped_values", "counter", "Logged values that were not kept.", ("reason",)),
+    Series("push_failures", "counter", "Failed pushes to the Pushgateway, and remote-write requests or "
+           "batches of samples that were dropped."),
+    Series("record_failures", "counter", "Failed writes to the local record file."),
+    Series("cuda_memory_allocated_bytes", "gauge", "CUDA caching allocator: allocated bytes."),
+    Series("cuda_memory_reserved_bytes", "gauge", "CUDA caching allocator: reserved bytes."),
+    Series("cuda_alloc_retries", "counter", "CUDA allocator retries after a failed allocation."),
+    Series("cuda_ooms", "counter", "CUDA out-of-memory errors raised by the allocator."),
+)
+SERIES_BY_NAME = {series.name: series for series in SERIES}
+#: Log keys with a documented meaning (their gauge's HELP); any other numeric key is a plain gauge.
+KNOWN_KEYS = {
+    "loss": "Training loss at the last logged step.",
+    "learning_rate": "Learning rate at the last logged step (first parameter group with watch()).",
+    "grad_norm": "Total L2 gradient norm at the last logged step.",
+    "epoch": "Epoch at the last logged step.",
+    "loss_scale": "Loss scale of the watched GradScaler after the last logged step.",
+}
+
+
+def logged_series(key: str) -> Series:
+    """The gauge of a logged key (training_<key>): its last value."""
+    return Series(key, "gauge", KNOWN_KEYS.get(key, f"Last logged value of the {key!r} key."))
+
+
+#: Names a log key may not take: the family and sample names of every series the hook computes itself.
+RESERVED = frozenset(name for series in SERIES for name in series.sample_names())
 RESERVED_LABELS = frozenset({"job", "run", "rank", "instance", "le", "quantile"})
 
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_]+")
 _UNDERSCORES = re.compile("_{2,}")
 _SECTION = re.compile(r"^(train|training)/", re.IGNORECASE)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
@@ -121,14 +198,14 @@ def label_name(key: object) -> str:
 
 
 def label_value(value: object) -> str:
-    """A printable, bounded label value: control characters become spaces, UTF-8 safe."""
+    """A printable, bounded label value: control characters become spaces (text.one_line), UTF-8 safe."""
     if isinstance(value, str):
         text = value
     elif isinstance(value, (list, tuple, dict)):
         text = json.dumps(value, default=str, ensure_ascii=False, sort_keys=True)
     else:
         text = str(value)
-    text = _CONTROL.sub(" ", text).encode("utf-8", "replace").decode("utf-8")
+    text = one_line(text, blank=True).encode("utf-8", "replace").decode("utf-8")
     return text[:MAX_LABEL_LENGTH]
 
 

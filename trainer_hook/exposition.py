@@ -1,127 +1,105 @@
-"""Prometheus metric families for a published Snapshot (used by push and by pull mode)."""
+"""Prometheus metric families for a published Snapshot (used by push, pull mode and remote write): one per
+series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
-import functools
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
-from .contract import DROP_REASONS, PREFIX, RUN_STATES, STEP_BUCKETS, Snapshot, per_key
+from .contract import (DROP_REASONS, PREFIX, RUN_STATES, SERIES, SKIP_REASON, STEP_BUCKETS, WINDOW_MAX_KEYS, Series,
+                       Snapshot, logged_series, per_key)
 
-#: Log keys with a documented meaning; any other numeric key is a plain gauge.
-KNOWN_GAUGES = {
-    "loss": "Training loss at the last logged step.",
-    "learning_rate": "Learning rate at the last logged step (first parameter group with watch()).",
-    "grad_norm": "Total L2 gradient norm at the last logged step.",
-    "epoch": "Epoch at the last logged step.",
-    "loss_scale": "Loss scale of the watched GradScaler after the last logged step.",
+_KINDS: dict[str, type] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
+                           "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}
+#: A series' rows: (its label values, the arguments of add_metric after them); None: not exported.
+Rows = Optional[list[tuple[tuple[str, ...], tuple[Any, ...]]]]
+
+
+def _one(value: float) -> Rows:
+    return [((), (value,))]
+
+
+def _maxima(snap: Snapshot, name: str) -> Rows:
+    key = name[:-len("_max")]
+    return _one(snap.maxima[key]) if key in snap.maxima else None
+
+
+def _max_step(snap: Snapshot, name: str) -> Rows:
+    key = name[:-len("_max_step")]
+    return _one(snap.max_steps[key]) if key in snap.maxima else None
+
+
+def _cuda(field: str) -> Callable[[Snapshot, str], Rows]:
+    return lambda snap, _: None if snap.cuda is None else _one(snap.cuda[field])
+
+
+def _attribute(attribute: str) -> Callable[[Snapshot, str], Rows]:
+    return lambda snap, _: _one(getattr(snap, attribute))
+
+
+#: How each declared series (contract.SERIES) reads a snapshot: (snapshot, series name) -> rows
+#: (training_run_info, whose labels are the config's, is written by families()).
+_ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
+    **{f"{key}_max": _maxima for key in WINDOW_MAX_KEYS},
+    **{f"{key}_max_step": _max_step for key in WINDOW_MAX_KEYS},
+    **{name: _attribute(name) for name in ("step", "first_nonfinite_step", "first_nonfinite_batch_id",
+                                           "last_nonfinite_step", "last_nonfinite_batch_id")},
+    "logged_value": lambda snap, _: [((key,), (count, total)) for key, total, count, _bad in per_key(snap)],
+    "nonfinite_values": lambda snap, _: [((key,), (bad,)) for key, _total, _count, bad in per_key(snap)],
+    "steps": _attribute("steps_total"),
+    "samples": _attribute("samples_total"),
+    "tokens": lambda snap, _: None if snap.tokens_total is None else _one(snap.tokens_total),
+    "model_flops": lambda snap, _: (None if snap.model_flops_total is None
+                                    else [((snap.precision,), (snap.model_flops_total,))]),
+    "step_duration_seconds": lambda snap, _: [((), (list(zip(_BOUNDS, snap.bucket_counts)),
+                                                    snap.duration_sum))],
+    "data_wait_seconds": _attribute("data_wait_seconds"),
+    "nonfinite_steps": _attribute("nonfinite_steps_total"),
+    "skipped_steps": lambda snap, _: [((SKIP_REASON,), (snap.skipped_steps_total,))],
+    "last_update_timestamp_seconds": _attribute("last_update"),
+    "start_timestamp_seconds": _attribute("start_time"),
+    "last_push_timestamp_seconds": _attribute("published"),
+    "run_state": lambda snap, _: [((name,), (float(name == snap.state),)) for name in RUN_STATES],
+    "run_failure_info": lambda snap, _: ([((snap.failure_reason,), (1,))]
+                                         if snap.state == "failed" and snap.failure_reason else None),
+    "gpu_info": lambda snap, _: [((gpu, uuid), (1,)) for gpu, uuid in snap.gpus] or None,
+    "local_rank": lambda snap, _: _one(snap.process.local_rank),
+    "world_size": lambda snap, _: _one(snap.process.world_size),
+    "process_info": lambda snap, _: [((str(snap.process.pid), snap.process.hostname,
+                                       snap.process.pid_namespace), (1,))],
+    "dropped_values": lambda snap, _: [((reason,), (snap.dropped.get(reason, 0),)) for reason in DROP_REASONS],
+    "push_failures": _attribute("push_failures"),
+    "record_failures": _attribute("record_failures"),
+    "cuda_memory_allocated_bytes": _cuda("allocated"),
+    "cuda_memory_reserved_bytes": _cuda("reserved"),
+    "cuda_alloc_retries": _cuda("retries"),
+    "cuda_ooms": _cuda("ooms"),
 }
+_BOUNDS = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 
-def _single(kind: type, name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
-    """A family of `kind` with one sample."""
-    family = kind(PREFIX + name, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
+def _family(series: Series, const: dict[str, str], rows: Rows, extra: tuple[str, ...] = ()) -> Metric:
+    """The family of a declared `series` with `rows`; `extra` label names follow the declared ones."""
+    family = _KINDS[series.type](PREFIX + series.name, series.help, labels=[*const, *series.labels, *extra])
+    for labels, arguments in rows or ():
+        family.add_metric([*const.values(), *labels], *arguments)
     return family
 
 
 def families(snap: Snapshot, const: dict[str, str]) -> Iterator[Metric]:
-    """Every training_* family for `snap`; `const` labels go on every sample (pull mode: run, rank)."""
-    g = functools.partial(_single, GaugeMetricFamily, labels=const)
-    c = functools.partial(_single, CounterMetricFamily, labels=const)
-    yield g("step", "Step passed to the last log() call.", snap.step)
+    """Every training_* family for `snap` (contract.SERIES, then the logged keys' gauges); `const`
+    labels go on every sample (pull mode: run, rank)."""
+    for series in SERIES:
+        if series.name == "run_info":
+            yield _family(series, const, [(tuple(snap.run_labels.values()), (1,))], tuple(snap.run_labels))
+            continue
+        rows = _ROWS[series.name](snap, series.name)
+        if rows is not None:
+            yield _family(series, const, rows)
     for name, value in sorted(snap.gauges.items()):
-        yield g(name, KNOWN_GAUGES.get(name, f"Last logged value of the {name!r} key."), value)
-    for name, value in sorted(snap.maxima.items()):
-        yield g(f"{name}_max", f"Largest finite {name} over the steps of the last max_hold seconds, at "
-                "least since the previous push (NaN/Inf are counted in training_nonfinite_values_total).",
-                value)
-        yield g(f"{name}_max_step", f"Step at which training_{name}_max was seen.", snap.max_steps[name])
-    summary = SummaryMetricFamily(PREFIX + "logged_value", "Finite logged values per key: "
-                                  "rate(_sum)/rate(_count) is their exact mean over any range.",
-                                  labels=[*const, "key"])
-    nonfinite = CounterMetricFamily(PREFIX + "nonfinite_values", "NaN or infinite logged values per "
-                                    "key (never in training_logged_value_sum).", labels=[*const, "key"])
-    for key, total, count, bad in per_key(snap):
-        summary.add_metric([*const.values(), key], count, total)
-        nonfinite.add_metric([*const.values(), key], bad)
-    yield summary
-    yield nonfinite
-    yield c("steps_total", "log() calls (training steps) so far.", snap.steps_total)
-    yield c("samples_total", "Samples passed as samples= so far.", snap.samples_total)
-    if snap.tokens_total is not None:
-        yield c("tokens_total", "Tokens passed as tokens= so far.", snap.tokens_total)
-    if snap.model_flops_total is not None:
-        yield _single(CounterMetricFamily, "model_flops_total", "Model FLOPs of the steps so far "
-                      "(flops_per_token x tokens, flops_per_sample x samples, or the estimate 6 x "
-                      "parameters x tokens); precision: the peak FLOP/s the run's MFU divides by.",
-                      snap.model_flops_total, {**const, "precision": snap.precision})
-    hist = HistogramMetricFamily(PREFIX + "step_duration_seconds",
-                                 "Wall time between consecutive log() calls.", labels=list(const))
-    bounds = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
-    hist.add_metric(list(const.values()), list(zip(bounds, snap.bucket_counts)), snap.duration_sum)
-    yield hist
-    yield c("data_wait_seconds", "Time the training loop waited for its batches (loader(), "
-            "log(data_wait=)).", snap.data_wait_seconds)
-    yield c("nonfinite_steps", "Steps with a NaN or infinite logged value (not counting a "
-            "GradScaler overflow).", snap.nonfinite_steps_total)
-    yield g("first_nonfinite_step", "First step of the current (or latest) streak of non-finite "
-            "steps; -1 until one happens.", snap.first_nonfinite_step)
-    yield g("first_nonfinite_batch_id", "batch_id of training_first_nonfinite_step; -1 until one "
-            "happens (or when not numeric).", snap.first_nonfinite_batch_id)
-    yield g("last_nonfinite_step", "Step of the last non-finite value; -1 until one happens.",
-            snap.last_nonfinite_step)
-    yield g("last_nonfinite_batch_id", "batch_id of the last non-finite value; -1 until one happens.",
-            snap.last_nonfinite_batch_id)
-    skipped = CounterMetricFamily(PREFIX + "skipped_steps", "Optimizer steps the watched GradScaler "
-                                  "skipped.", labels=[*const, "reason"])
-    skipped.add_metric([*const.values(), "overflow"], snap.skipped_steps_total)
-    yield skipped
-    yield g("last_update_timestamp_seconds", "Unix time of the last log() call.", snap.last_update)
-    yield g("start_timestamp_seconds", "Unix time the monitor was created.", snap.start_time)
-    yield g("last_push_timestamp_seconds", "Unix time the hook published this state (every push "
-            "interval, pushed, remote-written or served): what staleness rules compare with time().",
-            snap.published)
-    state = GaugeMetricFamily(PREFIX + "run_state", "1 for the run's current state.",
-                              labels=[*const, "state"])
-    for name in RUN_STATES:
-        state.add_metric([*const.values(), name], float(name == snap.state))
-    yield state
-    if snap.state == "failed" and snap.failure_reason:
-        yield _single(GaugeMetricFamily, "run_failure_info", "Why the run failed, value 1: the class of "
-                      "the exception that ended it (or SIGTERM).", 1, {**const, "reason": snap.failure_reason})
-    yield _single(GaugeMetricFamily, "run_info", "Hyper-parameters of the run as labels.", 1,
-                  {**const, **snap.run_labels})
-    if snap.gpus:
-        info = GaugeMetricFamily(PREFIX + "gpu_info", "GPUs this rank trains on.",
-                                 labels=[*const, "gpu", "uuid"])
-        for gpu, uuid in snap.gpus:
-            info.add_metric([*const.values(), gpu, uuid], 1)
-        yield info
-    yield g("local_rank", "Rank of this process on its node (picks the GPU).", snap.process.local_rank)
-    yield g("world_size", "Processes in the run.", snap.process.world_size)
-    yield _single(GaugeMetricFamily, "process_info", "The process that publishes these series (join "
-                  "nvml_gpu_process_* on pid_namespace, and pid to their namespace_pid).", 1,
-                  {**const, "pid": str(snap.process.pid), "hostname": snap.process.hostname,
-                   "pid_namespace": snap.process.pid_namespace})
-    dropped = CounterMetricFamily(PREFIX + "dropped_values", "Logged values that were not kept.",
-                                  labels=[*const, "reason"])
-    for reason in DROP_REASONS:
-        dropped.add_metric([*const.values(), reason], snap.dropped.get(reason, 0))
-    yield dropped
-    yield c("push_failures", "Failed pushes to the Pushgateway, and remote-write requests or batches "
-            "of samples that were dropped.", snap.push_failures)
-    yield c("record_failures", "Failed writes to the local record file.", snap.record_failures)
-    if snap.cuda is not None:
-        yield g("cuda_memory_allocated_bytes", "CUDA caching allocator: allocated bytes.",
-                snap.cuda["allocated"])
-        yield g("cuda_memory_reserved_bytes", "CUDA caching allocator: reserved bytes.",
-                snap.cuda["reserved"])
-        yield c("cuda_alloc_retries", "CUDA allocator retries after a failed allocation.",
-                snap.cuda["retries"])
-        yield c("cuda_ooms", "CUDA out-of-memory errors raised by the allocator.", snap.cuda["ooms"])
+        yield _family(logged_series(name), const, _one(value))
 
 
 class SnapshotCollector:

@@ -15,8 +15,7 @@ from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from dualtrack.connection import Endpoint, push_handler
-
+from .connection import Endpoint, push_handler
 from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
 from .settings import Settings
@@ -25,7 +24,7 @@ log = logging.getLogger("trainer_hook")
 
 
 def make_handler(settings: Settings) -> Callable:
-    """The prometheus_client handler for the settings' Pushgateway: dualtrack.connection's TLS, auth header
+    """The prometheus_client handler for the settings' Pushgateway: trainer_hook.connection's TLS, auth header
     and no redirects. Raises ValueError for unusable TLS files (called at construction, before anything
     starts)."""
     return push_handler(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token,

@@ -33,14 +33,16 @@ from collections import deque
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, NamedTuple
 
-from dualtrack import protobuf
-from dualtrack.connection import Endpoint, opener, shown
-from dualtrack.protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
+from prometheus_client.utils import floatToGoString
 
+from . import protobuf
+from .connection import Endpoint, opener, shown
 from .contract import Snapshot
 from .exposition import families
+from .protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 from .push import cancel_deletion, schedule_deletion
 from .settings import Settings
+from .text import one_line
 
 log = logging.getLogger("trainer_hook")
 
@@ -100,11 +102,9 @@ def _snappy() -> Any:
 
 
 def _go_float(text: str) -> str:
-    """A numeric label value as the Pushgateway re-exposes it: "1.0" -> "1", "0.25" -> "0.25"."""
-    value = float(text)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    shortest = repr(value)
+    """A numeric label value as the Pushgateway re-exposes it (Go's shortest format): "1.0" -> "1",
+    "0.25" -> "0.25", "1e6" -> "1e+06" (floatToGoString, less the ".0" it keeps)."""
+    shortest = floatToGoString(text)
     return shortest[:-2] if shortest.endswith(".0") else shortest
 
 
@@ -277,7 +277,7 @@ class RemoteWriter:
                 answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
             except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
                 answer = []
-            shown_answer = "".join(ch if ch.isprintable() else "?" for ch in answer[0]) if answer else ""
+            shown_answer = one_line(answer[0]) if answer else ""
             return exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else "")
         except (OSError, http.client.HTTPException) as exc:
             return 0, str(exc) or type(exc).__name__

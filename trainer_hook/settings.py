@@ -13,20 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from dualtrack.connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
-
+from .connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
 from .contract import PRECISIONS, label_value
 
 log = logging.getLogger("trainer_hook")
 
-ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"
+ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN(_FILE), _CA_FILE
 ENV_JOB = "DUALTRACK_JOB"
 ENV_RUN = "DUALTRACK_RUN"
 ENV_GPU_UUID = "DUALTRACK_GPU_UUID"
-ENV_USERNAME = "DUALTRACK_PUSHGATEWAY_USERNAME"
-ENV_PASSWORD = "DUALTRACK_PUSHGATEWAY_PASSWORD"
-ENV_TOKEN = "DUALTRACK_PUSHGATEWAY_TOKEN"
-ENV_CA_FILE = "DUALTRACK_PUSHGATEWAY_CA_FILE"
 ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and the credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
 ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS
@@ -207,7 +202,7 @@ def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_to
                ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
     """The Pushgateway's URL and credentials: each argument left None falls back to its environment
     variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN, _CA_FILE), checked by
-    dualtrack.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
+    trainer_hook.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
     with the same variables). Warns once when credentials would go over plain http:// to another host.
     Raises ValueError with one line."""
     endpoint = resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
@@ -221,7 +216,7 @@ def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | No
                  ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint | None:
     """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its credentials:
     the arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE, _CA_FILE,
-    by dualtrack.connection's one rule. None when no URL is given. Raises ValueError with one line."""
+    by trainer_hook.connection's one rule. None when no URL is given. Raises ValueError with one line."""
     url = url or os.environ.get(f"{ENV_REMOTE_WRITE}_URL") or None
     if url is None:
         return None

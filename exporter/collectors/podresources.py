@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualtrack import protobuf
-from dualtrack.protobuf import MESSAGE, STRING, Schema
+from trainer_hook import protobuf
+from trainer_hook.protobuf import MESSAGE, STRING, Schema
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device
 

@@ -9,8 +9,8 @@
   credentials over plain http:// to a host other than loopback are warned about, once per URL.
 - Requests never follow a redirect (the Authorization header would go wherever the redirect points).
 
-Torch-free: imported by the hook (trainer_hook.settings, trainer_hook.push) and the `dualtrack` command
-(janitor, report).
+Standard library only (no torch), in the hook's package, the lower layer: the hook (settings, push,
+remote write) and the `dualtrack` command (janitor, report, explain) use it.
 """
 from __future__ import annotations
 
