@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench_exporter import cpu_seconds, rss_mb  # noqa: E402
 from stack import processes  # noqa: E402
+from tests import daemons
 
 PUSH_INTERVAL = 5.0
 IN_FLIGHT = 32  # concurrent pushes per load-generator process
@@ -178,9 +179,9 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
         body = requests.get(pushgateway.url + "/metrics", timeout=60).content
         fetch = time.perf_counter() - started
         rss = rss_mb(pid)
-        scrape = processes.wait_for_series(prometheus.url, 'scrape_duration_seconds{job="pushgateway"}', timeout=40)
-        samples = processes.query(prometheus.url, 'scrape_samples_scraped{job="pushgateway"}')
-        size = processes.query(prometheus.url, 'scrape_body_size_bytes{job="pushgateway"}')
+        scrape = daemons.wait_for_series(prometheus.url, 'scrape_duration_seconds{job="pushgateway"}', timeout=40)
+        samples = daemons.query(prometheus.url, 'scrape_samples_scraped{job="pushgateway"}')
+        size = daemons.query(prometheus.url, 'scrape_body_size_bytes{job="pushgateway"}')
         own = requests.get(prometheus.url + "/metrics", timeout=10).text
         head = next(float(line.split()[1]) for line in own.splitlines()
                     if line.startswith("prometheus_tsdb_head_series "))

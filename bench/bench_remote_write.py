@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_exporter import rss_mb  # noqa: E402
 from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load  # noqa: E402
 from stack import processes  # noqa: E402
+from tests import daemons
 from trainer_hook import remote_write  # noqa: E402
 from trainer_hook.contract import Snapshot  # noqa: E402
 
@@ -81,7 +82,7 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
         if connection is None:
             connection = local.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=GRACE)
         try:
-            connection.request("POST", processes.REMOTE_WRITE_PATH, body=body, headers=headers)
+            connection.request("POST", daemons.REMOTE_WRITE_PATH, body=body, headers=headers)
             response = connection.getresponse()
             response.read()
             return 200 <= response.status < 300
@@ -97,7 +98,7 @@ def run_remote_write(ranks: int, seconds: float, workers: int, snapshot: Snapsho
     """One Prometheus (remote-write receiver, the project's rules) under `ranks` writing ranks."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = processes.render_prometheus_config(workdir, {processes.PUSHGATEWAY_JOB: []})
-    prometheus = processes.prometheus(workdir, config, extra_args=[processes.REMOTE_WRITE_RECEIVER])
+    prometheus = processes.prometheus(workdir, config, extra_args=[daemons.REMOTE_WRITE_RECEIVER])
     prometheus.start()
     try:
         pid = prometheus.proc.pid

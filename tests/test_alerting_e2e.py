@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from stack import processes
+from tests import daemons
 from tests.alerting_support import NonFiniteRun, start_pipeline
 from tests.exporter_support import faulty_exporter
 from tests.hook_support import Trainer, run_id
@@ -25,7 +26,7 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl", delete_after=2)
     with run.monitor:
         run.train(20)
-        processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} >= 20', 30)
+        daemons.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} >= 20', 30)
         logged_at = run.diverge(healthy_steps=0)
         run.train(5)
         notification, alert = webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run.run, timeout=60)
@@ -81,7 +82,7 @@ def test_eight_ranks_going_nan_together_send_one_notification(tmp_path, start_se
         for _ in range(3):
             for trainer, monitor in zip(trainers, monitors):
                 trainer.train_step(monitor)
-        processes.wait_for_series(pipeline.prometheus.url, f'count(training_steps_total{{run="{run}"}} >= 3) == 8', 30)
+        daemons.wait_for_series(pipeline.prometheus.url, f'count(training_steps_total{{run="{run}"}} >= 3) == 8', 30)
         for trainer, monitor in zip(trainers, monitors):
             trainer.train_step(monitor, loss_scale=float("nan"))
 

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualtrack.prometheus import Prometheus
 from stack import processes
+from tests import daemons
 from tests.exporter_support import faulty_exporter
 from tests.process_support import children
 from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
@@ -74,8 +75,8 @@ class Stack:
                            processes.PUSHGATEWAY_JOB: [self.pgw.address]},
             scrape_interval="1s", evaluation_interval="1s")
         self.prom = self._start(processes.prometheus(self.workdir, config))
-        self.uuid = processes.wait_for_series(self.prom.url, 'nvml_gpu_info{gpu="0"}', 30)[0]["metric"]["uuid"]
-        mig = processes.wait_for_series(self.prom.url, 'nvml_gpu_mig_info{gpu="1",gpu_instance="1"}', 30)[0]
+        self.uuid = daemons.wait_for_series(self.prom.url, 'nvml_gpu_info{gpu="0"}', 30)[0]["metric"]["uuid"]
+        mig = daemons.wait_for_series(self.prom.url, 'nvml_gpu_mig_info{gpu="1",gpu_instance="1"}', 30)[0]
         self.parent_uuid, self.mig_uuid = mig["metric"]["uuid"], mig["metric"]["mig_uuid"]
         self._start(processes.Service(
             "training-mig", [sys.executable, "-m", "stack.demo_training", "--pushgateway", self.pgw.url,
@@ -170,14 +171,14 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
             and f"{where} {target['refId']}" not in NEEDS_REAL_GPU | NEEDS_MAX_STEPS and MIG_ONLY not in expr
-            and not processes.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
+            and not daemons.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
 TRAINING_CHOICES = {"job": JOB, "run": RUN, "hparam": "learning_rate", "hvalue": "0.01"}
 
 
 def run_started(stack: Stack) -> None:
-    processes.wait_for_series(stack.prom.url, f'training_step{{job="{JOB}"}} > 20', 60)
+    daemons.wait_for_series(stack.prom.url, f'training_step{{job="{JOB}"}} > 20', 60)
 
 
 def test_every_panel_query_returns_data(stack):
@@ -195,7 +196,7 @@ def test_every_panel_query_returns_data(stack):
         # The exceptions stay honest: a query listed as waiting that returns data must leave the list.
         answered = [f"{where} {target['refId']}" for where, expr, target in queries(dashboard)
                     if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU | NEEDS_MAX_STEPS
-                    and processes.query(stack.prom.url, substitute(expr, {**BUILTINS, **values}))]
+                    and daemons.query(stack.prom.url, substitute(expr, {**BUILTINS, **values}))]
         assert answered == [], "these queries return data now: remove them from NEEDS_REAL_GPU or NEEDS_MAX_STEPS"
 
 
@@ -205,10 +206,10 @@ def test_run_panels_show_the_run_on_its_gpu_only(stack):
     dashboard = load(next(p for p in DASHBOARDS if p.stem == "training-run"))
     values = resolve_variables(stack.prom.url, dashboard, {**TRAINING_CHOICES, "gpu": stack.uuid})
     panel = next(p for p in dashboard["panels"] if p["title"] == "Infra · Power vs limit")
-    series = processes.query(stack.prom.url, substitute(panel["targets"][0]["expr"], {**BUILTINS, **values}))
+    series = daemons.query(stack.prom.url, substitute(panel["targets"][0]["expr"], {**BUILTINS, **values}))
     assert {s["metric"]["uuid"] for s in series} == {stack.uuid}
     table = next(p for p in dashboard["panels"] if p["type"] == "table")
-    rows = processes.query(stack.prom.url, substitute(table["targets"][0]["expr"], {**BUILTINS, **values}))
+    rows = daemons.query(stack.prom.url, substitute(table["targets"][0]["expr"], {**BUILTINS, **values}))
     assert [(row["metric"]["run"], row["metric"]["learning_rate"]) for row in rows] == [(RUN, "0.01")]
 
 
@@ -220,7 +221,7 @@ def test_alert_annotations_mark_the_run_and_its_gpu(stack):
     expected = {"Run alerts": "TrainingLossNonFinite", "GPU alerts": "GPUXidError"}
     for annotation in dashboard["annotations"]["list"]:
         if "expr" in annotation:
-            firing = processes.wait_for_series(
+            firing = daemons.wait_for_series(
                 stack.prom.url, substitute(annotation["expr"], {**BUILTINS, **values}), 60)
             assert expected[annotation["name"]] in {a["metric"]["alertname"] for a in firing}
 
@@ -228,23 +229,23 @@ def test_alert_annotations_mark_the_run_and_its_gpu(stack):
 def test_a_mig_run_shows_its_gpu_instance_and_its_parent_gpu(stack):
     """A run on a MIG slice reports a MIG-… uuid that no exporter series carries: its Infra track shows
     its GPU instance's series and its parent GPU's, and its idle share is recorded."""
-    processes.wait_for_series(stack.prom.url, f'training_step{{run="{MIG_RUN}"}} > 5', 60)
+    daemons.wait_for_series(stack.prom.url, f'training_step{{run="{MIG_RUN}"}} > 5', 60)
     dashboard = load(next(p for p in DASHBOARDS if p.stem == "training-run"))
     values = resolve_variables(stack.prom.url, dashboard, {**TRAINING_CHOICES, "run": MIG_RUN, "hvalue": "0.02",
                                                            "gpu": stack.mig_uuid})
     mig = [(f"{where} {target['refId']}", substitute(expr, {**BUILTINS, **values}))
            for where, expr, target in queries(dashboard) if MIG_ONLY in expr]
     assert len(mig) >= 5
-    processes.wait_until(lambda: all(processes.query(stack.prom.url, expr) for _, expr in mig), 60,
+    processes.wait_until(lambda: all(daemons.query(stack.prom.url, expr) for _, expr in mig), 60,
                          interval=1, what="every MIG query of the MIG run to return data")
     for where, expr in mig:
-        series = processes.query(stack.prom.url, expr)
+        series = daemons.query(stack.prom.url, expr)
         assert {(s["metric"].get("uuid"), s["metric"].get("gpu_instance"), s["metric"].get("run"))
                 for s in series} <= {(stack.parent_uuid, "1", MIG_RUN), (None, None, MIG_RUN)}, where
     panel = next(p for p in dashboard["panels"] if p["title"] == "Infra · Power vs limit")
-    power = processes.query(stack.prom.url, substitute(panel["targets"][0]["expr"], {**BUILTINS, **values}))
+    power = daemons.query(stack.prom.url, substitute(panel["targets"][0]["expr"], {**BUILTINS, **values}))
     assert {(s["metric"]["uuid"], s["metric"]["run"]) for s in power} == {(stack.parent_uuid, MIG_RUN)}
-    idle = processes.wait_for_series(
+    idle = daemons.wait_for_series(
         stack.prom.url, f'job_run_rank_gpu:nvml_gpu_idle_seconds:rate5m{{run="{MIG_RUN}"}}', 30)
     assert [(s["metric"]["uuid"], s["metric"]["gpu_instance"], s["metric"]["mig_uuid"]) for s in idle] == [
         (stack.parent_uuid, "1", stack.mig_uuid)]
@@ -282,14 +283,14 @@ def test_a_gpu_belongs_to_the_run_only_while_the_run_is_live_on_it(stack):
     values = resolve_variables(stack.prom.url, dashboard, {**TRAINING_CHOICES, "gpu": stack.uuid})
     panel = next(p for p in dashboard["panels"] if p["title"] == "Infra · Power vs limit")
     expr = substitute(panel["targets"][0]["expr"], {**BUILTINS, **values})
-    assert processes.query(stack.prom.url, expr)
+    assert daemons.query(stack.prom.url, expr)
     training = next(s for s in stack.services if s.name == "training")
     ended = time.time()
     os.kill(stack.trainer, signal.SIGINT)  # the run closes its monitor: state leaves "running" (unshare then exits)
     training.proc.wait(30)
-    processes.wait_until(lambda: not processes.query(stack.prom.url, expr), 30, interval=0.5,
+    processes.wait_until(lambda: not daemons.query(stack.prom.url, expr), 30, interval=0.5,
                          what="the ended run's Infra panel to empty")
-    assert processes.query(stack.prom.url, f'nvml_gpu_power_usage_watts{{uuid="{stack.uuid}"}}')
+    assert daemons.query(stack.prom.url, f'nvml_gpu_power_usage_watts{{uuid="{stack.uuid}"}}')
     matrix = Prometheus(Endpoint(stack.prom.url), timeout=5).query_range(expr, ended - 20, time.time(), 1)
     times = [t for series in matrix for t, _ in series["values"]]
     assert times and min(times) < ended, "the run's GPU showed while it ran"

@@ -21,7 +21,8 @@ import yaml
 
 from exporter.simulated import simulated_uuid
 from stack.demo import sweep
-from stack.processes import REPO, query, wait_for_series, wait_until
+from stack.processes import REPO, wait_until
+from tests.daemons import query, wait_for_series
 from tests.process_support import alive, children
 from tests.test_pid_namespace_e2e import evaluated_since
 

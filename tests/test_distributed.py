@@ -15,6 +15,7 @@ import requests
 import yaml
 
 from stack import processes
+from tests import daemons
 from tests.hook_support import pushed_value, record_lines, run_id
 from tests.process_support import alive, descendants, kill_tree
 
@@ -80,11 +81,11 @@ def test_ddp_ranks_share_one_run_in_prometheus_and_record_one_file_each(stack, t
     run = run_id("ddp")
     finish(torchrun("ddp", tmp_path, run, pgw.url), tmp_path)
 
-    steps = processes.wait_for_series(prom.url, f'training_steps_total{{job="ddp",run="{run}"}}',
+    steps = daemons.wait_for_series(prom.url, f'training_steps_total{{job="ddp",run="{run}"}}',
                                       predicate=lambda r: ranks(r) == {"0": 8, "1": 8})
     assert {series["metric"]["instance"] for series in steps} == {os.uname().nodename}
     # rank_zero_only: rank 0 reported, rank 1 never pushed nor wrote a record.
-    processes.wait_for_series(prom.url, f'training_steps_total{{job="ddp-rank0",run="{run}"}}',
+    daemons.wait_for_series(prom.url, f'training_steps_total{{job="ddp-rank0",run="{run}"}}',
                               predicate=lambda r: ranks(r) == {"0": 8})
     assert pushed_value(pgw.url, "training_steps_total", run, job="ddp-rank0", rank="1") is None
     assert sorted(path.name for path in tmp_path.glob("*.jsonl")) == sorted(
@@ -121,11 +122,11 @@ def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack
     try:
         spread = (f'job_run:training_steps:rate5m_max{{run="{run}"}}'
                   f' / job_run:training_steps:rate5m_min{{run="{run}"}}')
-        processes.wait_for_series(prom.url, spread, timeout=90,
+        daemons.wait_for_series(prom.url, spread, timeout=90,
                                   predicate=lambda r: r and float(r[0]["value"][1]) > 2)
-        rates = ranks(processes.query(prom.url, f'rate(training_steps_total{{run="{run}"}}[5m])'))
+        rates = ranks(daemons.query(prom.url, f'rate(training_steps_total{{run="{run}"}}[5m])'))
         assert rates["1"] < rates["0"] / 2
-        pending = processes.wait_for_series(
+        pending = daemons.wait_for_series(
             prom.url, f'ALERTS{{alertname="TrainingStragglerRank",run="{run}"}}', timeout=30)
         assert [(a["metric"]["rank"], a["metric"]["alertstate"]) for a in pending] == [("1", "pending")]
     finally:
@@ -174,15 +175,15 @@ def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
     try:
         # Both ranks step, and Prometheus has seen them do so for longer than the hang window.
         window = float(HANG_WINDOWS["240"])
-        processes.wait_for_series(
+        daemons.wait_for_series(
             prom.url, f'count_over_time(training_steps_total{{job="hang",run="{run}"}}[1h]) > {window + 3}'
             f' and training_steps_total > 0', timeout=120, predicate=lambda r: len(r) == 2)
         frozen = int((tmp_path / "rank1.pid").read_text())
         os.kill(frozen, signal.SIGSTOP)
         stopped_at = time.time()
-        firing = processes.wait_for_series(prom.url, alerts, timeout=60)
+        firing = daemons.wait_for_series(prom.url, alerts, timeout=60)
         assert [series["metric"]["rank"] for series in firing] == ["1"]
-        assert processes.query(prom.url, f'count_over_time({alerts}[1h])', at=stopped_at) == []
+        assert daemons.query(prom.url, f'count_over_time({alerts}[1h])', at=stopped_at) == []
         [alert] = [a for a in requests.get(f"{prom.url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
                    if a["labels"].get("run") == run]
         assert alert["annotations"]["summary"].startswith(f"Run {run} hangs: rank 1 stopped reporting at step ")
@@ -192,7 +193,7 @@ def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
         (tmp_path / "stop").touch()
         os.kill(frozen, signal.SIGCONT)
         finish(proc, tmp_path, timeout=60)
-        processes.wait_until(lambda: not processes.query(prom.url, alerts), 30, what="the alert to resolve")
+        processes.wait_until(lambda: not daemons.query(prom.url, alerts), 30, what="the alert to resolve")
     finally:
         (tmp_path / "stop").touch()
         if frozen is not None and alive({frozen}):

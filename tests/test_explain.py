@@ -16,6 +16,7 @@ from dualtrack import explain as explain_module
 from dualtrack import thresholds
 from dualtrack.cli import main
 from stack import processes
+from tests import daemons
 from stack.processes import REPO
 from tests import explain_support as support
 
@@ -135,7 +136,7 @@ def test_explain_scores_a_throttle_as_the_rules_do(prometheus, capsys, run, kind
     power reasons holds the clocks 4.5 % of the time: together 9 %, above the 5 % of both."""
     (event,) = timeline(prometheus, run, capsys)["events"]
     scored = {(s["metric"]["rank"], s["metric"]["cause"]): float(s["value"][1])
-              for s in processes.query(prometheus["url"], infra_cause_rule(), at=event["time"] + 60)
+              for s in daemons.query(prometheus["url"], infra_cause_rule(), at=event["time"] + 60)
               if s["metric"]["run"] == run}
     assert scored == {("1", kind): thresholds.score(kind)}
     assert event["kind"] == "step_time_regression" and kinds(event)[0] == kind, event["causes"]
@@ -180,7 +181,7 @@ def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
     by_gpu = {support.uuid_of("co-tenant", rank): str(rank) for rank in range(2)}
     explained = {by_gpu[c["evidence"].split(" on ")[1].split(",")[0]]: c["score"] for c in slowdown["causes"]}
     scored = {s["metric"]["rank"]: float(s["value"][1])
-              for s in processes.query(prometheus["url"], infra_cause_rule(), at=slowdown["time"] + 60)
+              for s in daemons.query(prometheus["url"], infra_cause_rule(), at=slowdown["time"] + 60)
               if s["metric"]["run"] == "co-tenant" and s["metric"]["cause"] == "co_tenant"}
     assert scored == explained == {"0": 0.7, "1": 0.75}
 

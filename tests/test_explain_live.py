@@ -10,6 +10,7 @@ import pytest
 
 from dualtrack.cli import main
 from stack import processes
+from tests import daemons
 from tests.hook_support import live_stack, run_id
 from trainer_hook import TrainingMonitor
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.e2e
 def test_a_live_nan_after_a_simulated_xid_79_blames_that_gpu(tmp_path, start_service, capsys):
     pgw, _, prometheus = live_stack(tmp_path, start_service, "--simulate=healthy,xid", "--simulate.gpus=2")
     uuids = {s["metric"]["gpu"]: s["metric"]["uuid"]
-             for s in processes.wait_for_series(prometheus.url, "nvml_gpu_info", 30)}
+             for s in daemons.wait_for_series(prometheus.url, "nvml_gpu_info", 30)}
     run = run_id("live-xid")
     monitors = [TrainingMonitor(job="explain-live", run=run, pushgateway=pgw.url, push_interval=0.2, rank=rank,
                                 world_size=2, gpu_uuid=uuids[str(rank)], record_path=False)
@@ -33,10 +34,10 @@ def test_a_live_nan_after_a_simulated_xid_79_blames_that_gpu(tmp_path, start_ser
             monitor.log({"loss": math.nan if rank == nan_on else 1.0 / step}, step=step)
 
     xid = f'nvml_gpu_xid_errors_total{{uuid="{uuids["1"]}",xid="79"}}'
-    processes.wait_until(lambda: train() or processes.query(prometheus.url, xid), 60, interval=0.2,
+    processes.wait_until(lambda: train() or daemons.query(prometheus.url, xid), 60, interval=0.2,
                          what="the simulated XID 79 in Prometheus")
     first_nan = step + 1
-    processes.wait_until(lambda: train(nan_on=1) or processes.query(
+    processes.wait_until(lambda: train(nan_on=1) or daemons.query(
         prometheus.url, f'training_first_nonfinite_step{{run="{run}",rank="1"}} >= 0'), 30, interval=0.2,
         what="rank 1's non-finite step in Prometheus")
     for monitor in monitors:

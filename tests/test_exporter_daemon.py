@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.cli import build_parser, env_name, parse_args
 from stack import processes
+from tests import daemons
 from stack.processes import REPO
 
 
@@ -104,9 +105,9 @@ def test_prometheus_rate_of_busy_seconds_reads_half(tmp_path, start_service):
                                                 scrape_interval="1s", evaluation_interval="1s")
     prometheus = start_service(processes.prometheus(tmp_path, config))
     expr = "rate(nvml_gpu_busy_seconds_total[8s])"
-    processes.wait_for_series(prometheus.url, "count(count_over_time(nvml_gpu_busy_seconds_total[8s]) >= 8)",
+    daemons.wait_for_series(prometheus.url, "count(count_over_time(nvml_gpu_busy_seconds_total[8s]) >= 8)",
                               timeout=30, predicate=lambda r: r and float(r[0]["value"][1]) == 2)
-    rates = [float(series["value"][1]) for series in processes.query(prometheus.url, expr)]
+    rates = [float(series["value"][1]) for series in daemons.query(prometheus.url, expr)]
     assert len(rates) == 2 and all(0.35 <= rate <= 0.65 for rate in rates), rates
 
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from stack import processes
+from tests import daemons
 from tests.hook_support import Trainer, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
@@ -25,13 +26,13 @@ def stack(tmp_path, start_service):
 
 
 def value(prom, expr: str) -> float:
-    result = processes.query(prom.url, expr)
+    result = daemons.query(prom.url, expr)
     assert len(result) == 1, (expr, result)
     return float(result[0]["value"][1])
 
 
 def wait_value(prom, expr: str, predicate, timeout: float = 20.0) -> float:
-    result = processes.wait_for_series(prom.url, expr, timeout,
+    result = daemons.wait_for_series(prom.url, expr, timeout,
                                        lambda r: len(r) == 1 and predicate(float(r[0]["value"][1])))
     return float(result[0]["value"][1])
 
@@ -53,7 +54,7 @@ def test_values_reach_prometheus_with_job_run_rank_and_instance(stack, tmp_path)
         assert value(prom, f"training_samples_total{selector}") == 50 * 64
         assert value(prom, f'training_run_state{{run="{run}",state="running"}}') == 1
         assert value(prom, f"training_step_duration_seconds_count{selector}") == 49
-        info = processes.query(prom.url, f'training_run_info{{run="{run}"}}')[0]["metric"]
+        info = daemons.query(prom.url, f'training_run_info{{run="{run}"}}')[0]["metric"]
         assert (info["learning_rate"], info["batch_size"], info["note"]) == ("0.01", "64", 'say "hi" there')
     wait_value(prom, f'training_run_state{{run="{run}",state="finished"}}', lambda v: v == 1)
     assert value(prom, f'training_run_state{{run="{run}",state="running"}}') == 0
@@ -134,16 +135,16 @@ def test_rate_of_sum_over_rate_of_count_is_the_exact_mean_of_the_logged_values(s
     with TrainingMonitor(job="hooktest", run=run, pushgateway=pgw.url, push_interval=0.3,
                          record_path=tmp_path / "r.jsonl") as monitor:
         # Train until Prometheus holds 10 s of a growing count (~10 scrapes, ~30 pushes).
-        while not (trainer.step % 50 == 0 and processes.query(
+        while not (trainer.step % 50 == 0 and daemons.query(
                 prom.url, f"count_over_time(training_logged_value_count{{{sel}}}[10s]) >= 10")):
             trainer.train_step(monitor, loss_scale=float("nan") if trainer.step % 97 == 5 else 1.0)
-        at = processes.query(prom.url, f"timestamp(training_logged_value_count{{{sel}}})")[0]["value"][1]
+        at = daemons.query(prom.url, f"timestamp(training_logged_value_count{{{sel}}})")[0]["value"][1]
     window = "4s"
-    samples = processes.query(prom.url, f"training_logged_value_count{{{sel}}}[{window}]", at=at)[0]["values"]
+    samples = daemons.query(prom.url, f"training_logged_value_count{{{sel}}}[{window}]", at=at)[0]["values"]
     first, last = int(float(samples[0][1])), int(float(samples[-1][1]))
     # A real window, away from the series' start (where rate() would clamp its extrapolation at 0).
     assert last - first > 20 and 2 * first > last - first
-    mean = float(processes.query(prom.url, f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
+    mean = float(daemons.query(prom.url, f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
                                            f"rate(training_logged_value_count{{{sel}}}[{window}])", at=at)[0]["value"][1])
     steps, _ = record_lines(tmp_path / "r.jsonl")
     finite = [x["values"]["loss"] for x in steps if isinstance(x["values"]["loss"], float)]

@@ -10,6 +10,7 @@ import pytest
 
 from dualtrack.gpu_peaks import peak
 from stack import processes
+from tests import daemons
 from tests.hook_support import live_stack, run_id
 from trainer_hook import TrainingMonitor
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 def test_a_live_run_on_a_known_gpu_has_its_mfu(tmp_path, start_service):
     pgw, _, prometheus = live_stack(tmp_path, start_service, "--simulate=healthy", "--simulate.gpus=1")
-    [gpu] = processes.wait_for_series(prometheus.url, "nvml_gpu_info", 30)
+    [gpu] = daemons.wait_for_series(prometheus.url, "nvml_gpu_info", 30)
     bf16 = peak(gpu["metric"]["name"], "bf16")
     assert bf16, gpu["metric"]["name"]
     run = run_id("mfu-live")
@@ -32,10 +33,10 @@ def test_a_live_run_on_a_known_gpu_has_its_mfu(tmp_path, start_service):
             step += 1
             monitor.log({"loss": 1.0 / step}, step=step, tokens=1000)
             time.sleep(0.05)  # pace the loop: a step every ~50 ms
-            return processes.query(prometheus.url, mfu)
+            return daemons.query(prometheus.url, mfu)
 
         [sample] = processes.wait_until(train, 60, interval=0.0, what="the run's MFU in Prometheus")
         at, value = float(sample["value"][0]), float(sample["value"][1])
-        [flops] = processes.query(prometheus.url, f'sum(rate(training_model_flops_total{{run="{run}"}}[5m]))', at=at)
+        [flops] = daemons.query(prometheus.url, f'sum(rate(training_model_flops_total{{run="{run}"}}[5m]))', at=at)
     assert sample["metric"] == {"__name__": "job_run:training_mfu:ratio", "job": "mfu-live", "run": run}
     assert value > 0 and math.isclose(value, float(flops["value"][1]) / bf16, rel_tol=0.2)

@@ -16,6 +16,7 @@ import requests
 
 from dualtrack.explain import co_tenants
 from stack import processes
+from tests import daemons
 from stack.processes import REPO, Service
 from tests.hook_support import run_id
 from tests.process_support import children
@@ -52,7 +53,7 @@ def test_a_run_in_its_own_pid_namespace_owns_its_gpu_process_and_a_neighbour_is_
         tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
         scrape_interval="1s", evaluation_interval="1s")
     prom = start_service(processes.prometheus(tmp_path, config))
-    [gpu] = processes.wait_for_series(prom.url, "nvml_gpu_info", 30)
+    [gpu] = daemons.wait_for_series(prom.url, "nvml_gpu_info", 30)
     uuid, run = gpu["metric"]["uuid"], run_id("pidns")
     training = start_service(Service("training", [*UNSHARE, sys.executable, "-c", TRAIN, pgw.url, run, uuid], 0,
                                      tmp_path / "training.log", ready_path=None,
@@ -70,19 +71,19 @@ def check_the_join(prom_url: str, start_service, listing, tmp_path, run: str, uu
     listing.write_text(f"0 {trainer}\n")  # NVML: the GPU runs the trainer's host pid
 
     # The hook reports pid 1 in its namespace; the exporter names host pid `trainer` in that namespace.
-    processes.wait_for_series(prom_url, f'training_process_info{{run="{run}",pid="1",pid_namespace="{namespace}"}}', 60)
-    processes.wait_for_series(prom_url, f'nvml_gpu_process_memory_used_bytes{{pid="{trainer}",'
+    daemons.wait_for_series(prom_url, f'training_process_info{{run="{run}",pid="1",pid_namespace="{namespace}"}}', 60)
+    daemons.wait_for_series(prom_url, f'nvml_gpu_process_memory_used_bytes{{pid="{trainer}",'
                                         f'pid_namespace="{namespace}",namespace_pid="1"}}', 30)
     both_seen = time.time()
     processes.wait_until(lambda: evaluated_since(requests.get(prom_url + "/api/v1/rules", timeout=5),
                                                  "dualtrack-explain.rules", both_seen), 30,
                          what="an evaluation of the explain rules with both series")
-    assert processes.query(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}"}}') == []
-    assert processes.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m")) == []  # explain's join
+    assert daemons.query(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}"}}') == []
+    assert daemons.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m")) == []  # explain's join
 
     # A second process on that GPU, in the host namespace and of no run: the co-tenant.
     neighbour = start_service(Service("co-tenant", ["sleep", "600"], 0, tmp_path / "sleep.log", ready_path=None))
     listing.write_text(f"0 {trainer}\n0 {neighbour.proc.pid}\n")
-    processes.wait_for_series(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}",cause="co_tenant"}}', 30)
-    named = processes.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m"))
+    daemons.wait_for_series(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}",cause="co_tenant"}}', 30)
+    named = daemons.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m"))
     assert [(s["metric"]["pid"], s["metric"]["process"]) for s in named] == [(str(neighbour.proc.pid), "sleep")]

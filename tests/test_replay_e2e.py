@@ -12,6 +12,7 @@ import pytest
 
 from dualtrack.cli import main
 from stack import processes
+from tests import daemons
 from tests.hook_support import Trainer, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
@@ -36,7 +37,7 @@ def crashed_run(record_dir: Path) -> tuple[str, Path]:
 
 
 def range_values(url: str, expr: str, at: float) -> list[tuple[float, str]]:
-    result = processes.query(url, f"{expr}[1h]", at=at)
+    result = daemons.query(url, f"{expr}[1h]", at=at)
     assert len(result) == 1, result
     return [(float(t), v) for t, v in result[0]["values"]]
 
@@ -68,18 +69,18 @@ def test_a_crashed_run_replays_at_step_resolution_and_reports(tmp_path: Path, st
     step_values = range_values(prometheus.url, "training_step" + selector, end)
     assert [int(float(v)) for _, v in step_values] == list(range(CRASH_AFTER + 1))
 
-    first = processes.query(prometheus.url, "training_first_nonfinite_step" + selector, at=end)
+    first = daemons.query(prometheus.url, "training_first_nonfinite_step" + selector, at=end)
     assert float(first[0]["value"][1]) == FIRST_NAN
-    before_nan = processes.query(prometheus.url, "training_first_nonfinite_step" + selector,
+    before_nan = daemons.query(prometheus.url, "training_first_nonfinite_step" + selector,
                                  at=losses[FIRST_NAN - 1][0])  # the sample time of the step before
     assert float(before_nan[0]["value"][1]) == -1
-    nonfinite = processes.query(prometheus.url, "training_nonfinite_steps_total" + selector, at=end)
+    nonfinite = daemons.query(prometheus.url, "training_nonfinite_steps_total" + selector, at=end)
     assert float(nonfinite[0]["value"][1]) == CRASH_AFTER + 1 - FIRST_NAN
-    failed = processes.query(prometheus.url, f'training_run_state{{run="{run}",state="failed"}}', at=end)
+    failed = daemons.query(prometheus.url, f'training_run_state{{run="{run}",state="failed"}}', at=end)
     assert float(failed[0]["value"][1]) == 1
-    info = processes.query(prometheus.url, f'training_run_info{{run="{run}"}}', at=end)
+    info = daemons.query(prometheus.url, f'training_run_info{{run="{run}"}}', at=end)
     assert info[0]["metric"]["model"] == "mlp"
-    assert processes.query(prometheus.url, f'training_loss{{run="{run}",replayed=""}}', at=end) == []
+    assert daemons.query(prometheus.url, f'training_loss{{run="{run}",replayed=""}}', at=end) == []
 
     report = tmp_path / "report.html"
     assert main(["report", str(record), "--out", str(report), "--png",
@@ -149,5 +150,5 @@ def test_a_record_split_into_many_chunks_loses_and_doubles_nothing(tmp_path: Pat
     at = start + 200
     losses = range_values(prometheus.url, 'training_loss{run="c1"}', at)
     assert [float(v) for _, v in losses] == [float(n) for n in range(2000)]
-    total = processes.query(prometheus.url, 'training_steps_total{run="c1"}', at=at)
+    total = daemons.query(prometheus.url, 'training_steps_total{run="c1"}', at=at)
     assert float(total[0]["value"][1]) == 2000

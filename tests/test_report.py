@@ -15,6 +15,7 @@ from dualtrack.cli import main
 from dualtrack.summary import MAX_BUCKETS, MinMaxSeries
 from exporter.simulated import simulated_uuid
 from stack import processes
+from tests import daemons
 from tests.hook_support import Trainer, run_id
 from tests.test_replay_e2e import check_html
 from trainer_hook import TrainingMonitor
@@ -101,17 +102,17 @@ def test_gpu_track_and_alerts_section_come_from_prometheus(tmp_path: Path, start
     with TrainingMonitor(job="gputrack", run=run, pushgateway=pgw.url, push_interval=0.2, rank=0,
                          record_path=tmp_path / "records", gpu_uuid=simulated_uuid(1)) as monitor:
         trainer.train_step(monitor)
-        processes.wait_for_series(prometheus.url, f'training_gpu_info{{run="{run}"}}', 30)
+        daemons.wait_for_series(prometheus.url, f'training_gpu_info{{run="{run}"}}', 30)
         # Enough scrapes of the exporter while the run's GPU is known: three utilization samples.
-        processes.wait_until(lambda: trainer.train_step(monitor) is not None and len(processes.query(
+        processes.wait_until(lambda: trainer.train_step(monitor) is not None and len(daemons.query(
             prometheus.url, f'nvml_gpu_utilization_ratio{{uuid="{simulated_uuid(1)}"}}[10s]')[0]["values"]) >= 3,
             30, what="three scrapes")
         trainer.train_step(monitor, loss_scale=float("nan"))
-        processes.wait_for_series(prometheus.url, f'ALERTS{{alertname="TrainingLossNonFinite",run="{run}",'
+        daemons.wait_for_series(prometheus.url, f'ALERTS{{alertname="TrainingLossNonFinite",run="{run}",'
                                                   f'alertstate="firing"}}', 30)
         # The run is live: the report says so, and shows no alert firing later than now (the alert
         # has fired for a few evaluations, so the report's query steps see it).
-        processes.wait_for_series(prometheus.url, f'count_over_time(ALERTS{{alertname="TrainingLossNonFinite",'
+        daemons.wait_for_series(prometheus.url, f'count_over_time(ALERTS{{alertname="TrainingLossNonFinite",'
                                                   f'run="{run}",alertstate="firing"}}[1m]) >= 3', 30)
         live = tmp_path / "live.html"
         assert main(["report", run, "--records", str(tmp_path / "records"), "--out", str(live),

@@ -13,6 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
+from tests import daemons
 from tests.hook_support import pushed_value, run_id, wait_pushed
 from trainer_hook import TrainingMonitor, push
 from trainer_hook.settings import ENV_DELETE_AFTER
@@ -190,7 +191,7 @@ def test_two_hundred_finished_runs_leave_only_live_runs_and_all_final_values(tmp
     processes.wait_until(lambda: pushed_value(pgw.url, "training_steps_total", "live-2", job=sweep) == 1, 10,
                          what="the live runs pushed")
     live_series = series_count(pgw.url, sweep)
-    processes.wait_for_series(prom.url, f'training_steps_total{{job="{sweep}"}}', 30)  # Prometheus scrapes
+    daemons.wait_for_series(prom.url, f'training_steps_total{{job="{sweep}"}}', 30)  # Prometheus scrapes
 
     def steps(i: int) -> int:
         return 3 + i % 7
@@ -214,10 +215,10 @@ def test_two_hundred_finished_runs_leave_only_live_runs_and_all_final_values(tmp
                              interval=0.5, what="only the live runs left on the Pushgateway")
         emptied = time.monotonic() - started
         assert series_count(pgw.url, sweep) == live_series
-        final = processes.query(prom.url, f'last_over_time(training_steps_total{{job="{sweep}",run=~"r.*"}}[10m])')
+        final = daemons.query(prom.url, f'last_over_time(training_steps_total{{job="{sweep}",run=~"r.*"}}[10m])')
         assert {r["metric"]["run"]: float(r["value"][1]) for r in final} == \
             {f"r{i:03d}": steps(i) for i in range(RUNS)}
-        finished = processes.query(
+        finished = daemons.query(
             prom.url, f'count(last_over_time(training_run_state{{job="{sweep}",run=~"r.*",state="finished"}}[10m]) == 1)')
         assert float(finished[0]["value"][1]) == RUNS
     finally:

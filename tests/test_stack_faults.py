@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from stack import processes
+from tests import daemons
 from tests.alerting_support import NonFiniteRun, start_pipeline
 
 pytestmark = pytest.mark.fault
@@ -24,15 +25,15 @@ def test_prometheus_restart_mid_run_keeps_rules_history_and_alerts(tmp_path, sta
         pipeline.wait_firing("TrainingLossNonFinite", run=run.run)
         step = f'training_step{{run="{run.run}"}}'
         before_restart = time.time()
-        assert processes.query(pipeline.prometheus.url, step, at=before_restart)
+        assert daemons.query(pipeline.prometheus.url, step, at=before_restart)
 
         pipeline.prometheus.restart()
         run.train(10)  # the run goes on while Prometheus comes back
 
         assert pipeline.rule_count() == rules
         pipeline.wait_firing("TrainingLossNonFinite", run=run.run)  # again, after the restart
-        assert processes.query(pipeline.prometheus.url, step, at=before_restart)  # what was scraped before the restart is still there
-        processes.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} == 21', 30)
+        assert daemons.query(pipeline.prometheus.url, step, at=before_restart)  # what was scraped before the restart is still there
+        daemons.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} == 21', 30)
 
 
 def test_alertmanager_down_then_up_delivers_the_pending_alert(tmp_path, start_service, webhook_receiver):
