@@ -201,10 +201,14 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     assert janitor["command"] == ["dualtrack", "janitor", "--once",
                                   f"--pushgateway-password-file={password_mount}/password"]
     env = {e["name"] for e in janitor["env"]}
-    hook_names = "".join(p.read_text() for p in (REPO / "trainer_hook").glob("*.py"))
     # the password is a file, never in the environment; the janitor is not the exporter's uid
     assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_CA_FILE"}
-    assert all(f'"{name}"' in hook_names for name in env)  # the names the hook reads
+    # the names the hook reads: $DUALTRACK_PUSHGATEWAY and the connection rule's <prefix>_USERNAME, _CA_FILE
+    from trainer_hook.settings import ENV_PUSHGATEWAY
+    connection = (REPO / "trainer_hook" / "connection.py").read_text()
+    for name in env:
+        suffix = name.removeprefix(ENV_PUSHGATEWAY)
+        assert name.startswith(ENV_PUSHGATEWAY) and (not suffix or f'{{env_prefix}}{suffix}"' in connection), name
     exporter_pod = find("DaemonSet", "dualtrack-exporter")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] != exporter_pod["securityContext"]["runAsUser"]
     hook_volume = next(v for v in pod["volumes"] if v["name"] == "hook")["secret"]
