@@ -2,6 +2,8 @@
 same steps, and the `dualtrack` command never loads torch."""
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualtrack.openmetrics import sample_head
 from dualtrack.records import Reader
 from dualtrack.replay import write_openmetrics
 from stack import processes
@@ -23,18 +26,26 @@ from stack.processes import REPO
 from tests.hook_support import pull_monitor, pulled, run_id, wait_pulled
 from tests.test_hook_watch import Fp16Run
 from trainer_hook import TrainingMonitor, remote_write
-from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, Dropped, ProcessIdentity, Series, Snapshot,
-                                   label_value, metric_suffix)
+from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, SERIES_BY_NAME, Dropped, ProcessIdentity,
+                                   Series, Snapshot, label_value, metric_suffix)
 from trainer_hook.exposition import families
 from trainer_hook.text import one_line
 
-#: Live series a record cannot hold, so replay cannot rebuild them: the GPUs and the process
-#: (training_gpu_info, training_process_info), the monitor's own faults (dropped values, push and
-#: record failures) and the Pushgateway's push_time_seconds / push_failure_time_seconds.
-NOT_REPLAYED = {"training_gpu_info", "training_process_info", "training_dropped_values_total",
-                "training_push_failures_total", "training_record_failures_total", "push_time_seconds",
-                "training_last_push_timestamp_seconds",
-                "push_failure_time_seconds"}
+#: Declared series a record does not hold, so replay cannot rebuild them, and why.
+NOT_IN_A_RECORD = {
+    "gpu_info": "the record does not say which GPUs the rank trained on",
+    "process_info": "the record does not hold the host name (pid_namespace and pid alone join nothing)",
+    "last_push_timestamp_seconds": "the record does not say when the hook pushed",
+    "dropped_values": "the monitor's own faults are not record lines",
+    "push_failures": "the monitor's own faults are not record lines",
+    "record_failures": "the monitor's own faults are not record lines",
+    "cuda_alloc_retries": "a step line's cuda field holds allocated and reserved bytes only",
+    "cuda_ooms": "a step line's cuda field holds allocated and reserved bytes only",
+}
+#: Live samples replay does not write: those of NOT_IN_A_RECORD, and the Pushgateway's
+#: push_time_seconds / push_failure_time_seconds.
+NOT_REPLAYED = {PREFIX + name for series in SERIES if series.name in NOT_IN_A_RECORD
+                for name in series.sample_names()} | {"push_time_seconds", "push_failure_time_seconds"}
 #: Series that hold a window maximum (live: over the push's window; replay: one per step).
 MAXIMA = {"training_loss_max", "training_grad_norm_max"}
 _SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+) (\S+)$')
@@ -271,32 +282,78 @@ def test_remote_write_sends_the_declared_series() -> None:
     assert {_declared(name).name for name in names - {"loss", "custom"}} == {series.name for series in SERIES}
 
 
-def test_replay_writes_only_declared_series_with_their_labels(tmp_path) -> None:
-    """Every sample replay writes is a declared series' with the declared labels (a record that
-    exercises every series replay rebuilds: a failed end, skipped steps, CUDA memory, tokens, FLOPs)."""
+#: A record in which every series replay rebuilds has a sample: logged keys (one only ever non-finite),
+#: tokens, model FLOPs, step durations, data wait, skipped steps, the loss scale, CUDA memory, a failed
+#: end with its reason, a config.
+_EVERY_SERIES = [
+    {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r", "rank": 0, "instance": "n",
+     "local_rank": 0, "world_size": 2, "precision": "fp16", "config": {"lr": 0.1}},
+    {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf", "custom": "nan"},
+     "nonfinite": ["grad_norm", "custom"], "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2,
+     "data_wait_seconds": 0.01, "loss_scale": 1024.0, "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
+    {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
+    {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]
+_RUN_LABELS = ("job", "run", "rank", "instance", "replayed")
+
+
+def test_replay_writes_the_samples_the_live_exposition_declares(tmp_path) -> None:
+    """Replay writes exactly the samples (names, and label names in their order) that the live exposition
+    makes of the same state, but for the series a record does not hold (NOT_IN_A_RECORD)."""
     record = tmp_path / "r.jsonl"
-    record.write_text("\n".join(json.dumps(line) for line in [
-        {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r", "rank": 0, "instance": "n",
-         "local_rank": 0, "world_size": 2, "precision": "fp16", "config": {"lr": 0.1}},
-        {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf"}, "nonfinite": ["grad_norm"],
-         "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2, "data_wait_seconds": 0.01, "loss_scale": 1024.0,
-         "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
-        {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
-        {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]) + "\n")
-    seen = set()
+    record.write_text("\n".join(json.dumps(line) for line in _EVERY_SERIES) + "\n")
+    replayed = set()
     for line in replayed_text(record).splitlines():
         match = _SAMPLE.match(line)
         assert match, line
-        name, labels = match[1][len(PREFIX):], set(dict(_LABEL.findall(match[2])))
-        labels -= {"job", "run", "rank", "instance", "replayed", "le"}
-        if name in ("loss", "grad_norm", "loss_scale"):
-            assert labels == set()
-            continue
-        series = _declared(name)
-        seen.add(series.name)
-        assert labels == ({"lr"} if series.name == "run_info" else set(series.labels)), line
-    assert seen == {series.name for series in SERIES} - {name[len(PREFIX):] for name in NOT_REPLAYED} \
-        - {"dropped_values", "push_failures", "record_failures", "cuda_alloc_retries", "cuda_ooms"}
+        names = tuple(name for name, _ in _LABEL.findall(match[2]))
+        assert names[:len(_RUN_LABELS)] == _RUN_LABELS, line
+        replayed.add((match[1], names[len(_RUN_LABELS):]))
+    # The state the hook would publish for those steps: the same keys, a failed run, CUDA memory, ...
+    snapshot = dataclasses.replace(_full_snapshot(), gauges={"loss": 1.0, "grad_norm": 2.0, "custom": math.nan,
+                                                             "loss_scale": 1024.0})
+    live = {(sample.name, tuple(sample.labels)) for family in families(snapshot, {}) for sample in family.samples
+            if family.name[len(PREFIX):] not in NOT_IN_A_RECORD}
+    assert replayed == live
+    assert {name[len(PREFIX):] for name, _ in live} >= {name for series in SERIES if series.name not in NOT_IN_A_RECORD
+                                                        for name in series.sample_names()[1:] or [series.name]}
+
+
+def test_a_sample_head_is_the_declared_name_and_labels() -> None:
+    """Replay's one sample writer takes the names from the declaration and refuses what it does not declare."""
+    labels = 'job="j"'
+    assert sample_head(SERIES_BY_NAME["skipped_steps"], labels, "overflow") \
+        == 'training_skipped_steps_total{job="j",reason="overflow"} '
+    assert sample_head(SERIES_BY_NAME["step_duration_seconds"], labels, "+Inf", sample="_bucket") \
+        == 'training_step_duration_seconds_bucket{job="j",le="+Inf"} '
+    assert sample_head(SERIES_BY_NAME["run_failure_info"], labels, 'a"b') \
+        == 'training_run_failure_info{job="j",reason="a\\"b"} '
+    with pytest.raises(ValueError, match="labels"):
+        sample_head(SERIES_BY_NAME["skipped_steps"], labels)  # a declared label without its value
+    with pytest.raises(ValueError, match="labels"):
+        sample_head(SERIES_BY_NAME["steps"], labels, "overflow")  # a value for an undeclared label
+    with pytest.raises(ValueError, match="no sample"):
+        sample_head(SERIES_BY_NAME["steps"], labels, sample="_bucket")
+    with pytest.raises(ValueError, match="no sample"):
+        sample_head(SERIES_BY_NAME["logged_value"], labels, "loss")  # _sum or _count?
+
+
+def test_replay_spells_no_series_or_label_name() -> None:
+    """dualtrack/openmetrics.py names samples and labels only through the declaration (sample_head):
+    none of its strings but docstrings holds PREFIX, a `_total`, a `name{` or a `name="`."""
+    tree = ast.parse((REPO / "dualtrack/openmetrics.py").read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            assert PREFIX not in node.value and "_total" not in node.value, node.value
+            assert not re.search(r"\w(\{|=)", node.value), f"line {node.lineno}: {node.value!r} spells a sample"
+
+
+def test_the_docs_name_the_series_replay_does_not_write() -> None:
+    text = " ".join((REPO / "docs/postmortem.md").read_text().split())
+    listed = text.split("Not in a record, so not replayed: ")[1].split(".")[0]
+    assert set(re.findall(r"`training_(\w+)`", listed)) == {
+        series.sample_names()[-1] for series in SERIES if series.name in NOT_IN_A_RECORD}
 
 
 _DOC_ROW = re.compile(r"^\| ((?:`training_\w+`(?:, )?)+) \| ([^|]+) \|(.*)\|$")

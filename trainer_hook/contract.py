@@ -86,7 +86,8 @@ _SAMPLE_SUFFIXES = {"gauge": ("",), "counter": ("", "_total"), "summary": ("", "
                     "histogram": ("", "_bucket", "_count", "_sum")}
 
 
-def _window_series(key: str) -> tuple[Series, Series]:
+def window_series(key: str) -> tuple[Series, Series]:
+    """The gauges of a window-maximum key (WINDOW_MAX_KEYS): its largest value and that value's step."""
     return (Series(f"{key}_max", "gauge", f"Largest finite {key} over the steps of the last max_hold seconds, at "
                    "least since the previous push (NaN/Inf are counted in training_nonfinite_values_total)."),
             Series(f"{key}_max_step", "gauge", f"Step at which training_{key}_max was seen."))
@@ -97,7 +98,7 @@ def _window_series(key: str) -> tuple[Series, Series]:
 #: follow (tests/test_contract.py checks each). A logged key's own gauge (training_<key>) is logged_series().
 SERIES: tuple[Series, ...] = (
     Series("step", "gauge", "Step passed to the last log() call."),
-    *(series for key in WINDOW_MAX_KEYS for series in _window_series(key)),
+    *(series for key in WINDOW_MAX_KEYS for series in window_series(key)),
     Series("logged_value", "summary", "Finite logged values per key: rate(_sum)/rate(_count) is their exact "
            "mean over any range.", ("key",)),
     Series("nonfinite_values", "counter", "NaN or infinite logged values per key (never in "
