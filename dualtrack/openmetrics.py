@@ -6,7 +6,8 @@ shown right after that step, stamped with the step's own time: per-step series (
 counters) at every step; a logged key's series (training_<key>, its sum, count and non-finite count)
 at the steps that log it; slowly changing ones (state, info, start time, histogram, non-finite
 markers) when they change and at least every REFRESH_SECONDS of record time, so that PromQL's
-5-minute lookback always finds them. Every series carries REPLAY_LABEL.
+5-minute lookback always finds them. Every series carries REPLAY_LABEL. Sample names and label names
+come from the series' declaration (trainer_hook.contract.SERIES) through sample_head(), never spelled here.
 
 So a step's samples are a fixed number plus a few per key the step line holds: the output grows
 linearly with the record (the labels are at most MAX_LABEL_LENGTH characters each, the config labels
