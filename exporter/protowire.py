@@ -37,7 +37,10 @@ def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
     MalformedMessage."""
     pos, end = 0, len(data)
     while pos < end:
-        tag, pos = _varint(data, pos)
+        if data[pos] < 0x80:  # one-byte tags and lengths (small messages) are read without a call
+            tag, pos = data[pos], pos + 1
+        else:
+            tag, pos = _varint(data, pos)
         number, wire_type = tag >> 3, tag & 7
         if number == 0 or tag >= 2**32:
             raise MalformedMessage(f"field number {number} is not valid")
@@ -46,7 +49,10 @@ def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
             yield number, wire_type, value
             continue
         if wire_type == LEN:
-            size, pos = _varint(data, pos)
+            if pos < end and data[pos] < 0x80:
+                size, pos = data[pos], pos + 1
+            else:
+                size, pos = _varint(data, pos)
         elif wire_type in _FIXED_SIZE:
             size = _FIXED_SIZE[wire_type]
         else:
