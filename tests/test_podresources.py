@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent import futures
@@ -158,6 +159,18 @@ def test_unreachable_kubelet_warns_once_counts_each_failed_call_and_recovers(soc
             assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
         finally:
             fake.stop()
+
+
+def test_the_collector_reads_the_kubelet_without_the_protobuf_package(kubelet):
+    """The kubernetes extra is grpcio alone: with protobuf made unimportable, a List call still maps GPUs."""
+    kubelet.response = KUBELET_RESPONSE
+    script = ("import sys; sys.modules['google.protobuf'] = None  # import google.protobuf raises\n"
+              "from exporter.collectors import podresources\n"
+              f"holders, dropped = podresources.Kubelet({str(kubelet.socket_path)!r}).ask()\n"
+              "print(*sorted(holders), dropped)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [WHOLE_GPU, "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee", "eth7", "0"]
 
 
 def many_pods(count: int, device_id: str) -> bytes:
