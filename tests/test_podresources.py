@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent import futures
@@ -18,6 +19,7 @@ from exporter.collectors import podresources
 from exporter.simulated import DeviceTraits, simulated_uuid
 from stack import processes
 from tests.exporter_support import Rig
+from tests.kubelet_support import listing
 
 # A ListPodResourcesResponse serialized by code generated from the kubelet's own v1 api.proto (protoc
 # 7.36): pod trainer-0/ml, container pytorch holds GPU-1111... and MIG-aaaa... plus a NIC, exclusive
@@ -35,35 +37,27 @@ KUBELET_RESPONSE = bytes.fromhex(
 WHOLE_GPU = "GPU-11111111-2222-3333-4444-555555555555"
 
 
-def listing(*pods: tuple[str, str, dict[str, list[str]]]) -> bytes:
-    """A serialized ListPodResourcesResponse: (pod, namespace, {container: [device ids]}) per pod."""
-    classes = podresources.messages()
-    response = classes["ListPodResourcesResponse"]()
-    for name, namespace, containers in pods:
-        pod = response.pod_resources.add(name=name, namespace=namespace)
-        for container, device_ids in containers.items():
-            pod.containers.add(name=container).devices.add(resource_name="nvidia.com/gpu", device_ids=device_ids)
-    return response.SerializeToString()
-
-
 class FakeKubelet:
-    """v1.PodResourcesLister on a unix socket; List answers `response` (serialized bytes) and counts calls."""
+    """v1.PodResourcesLister on a unix socket; List answers `response` (serialized bytes) and keeps the
+    requests it got (serialized)."""
 
     def __init__(self, socket_path: Path, response: bytes = b"", delay: float = 0.0) -> None:
         self.socket_path = socket_path
         self.response = response
         self.delay = delay
-        self.calls = 0
-        request = podresources.messages()["ListPodResourcesRequest"]
-        handler = grpc.unary_unary_rpc_method_handler(self._list, request_deserializer=request.FromString,
-                                                      response_serializer=bytes)
+        self.requests: list[bytes] = []
+        handler = grpc.unary_unary_rpc_method_handler(self._list)  # bytes in, bytes out
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("v1.PodResourcesLister",
                                                                                    {"List": handler})])
         self.server.add_insecure_port(f"unix://{socket_path}")
 
-    def _list(self, request, context) -> bytes:
-        self.calls += 1
+    @property
+    def calls(self) -> int:
+        return len(self.requests)
+
+    def _list(self, request: bytes, context) -> bytes:
+        self.requests.append(request)
         time.sleep(self.delay)
         return self.response
 
@@ -97,8 +91,7 @@ def pod_info(rig: Rig) -> set[tuple[str, ...]]:
 
 
 def test_a_real_kubelet_answer_maps_gpus_mig_devices_and_replicas_and_skips_what_it_does_not_read():
-    response = podresources.messages()["ListPodResourcesResponse"].FromString(KUBELET_RESPONSE)
-    holders, dropped = podresources.device_holders(response)
+    holders, dropped = podresources.device_holders(podresources.pods(KUBELET_RESPONSE))
     assert dropped == 0
     trainer, notebook = (podresources.Holder("trainer-0", "ml", "pytorch"),
                          podresources.Holder("notebook", "research", "jupyter"))
@@ -113,7 +106,7 @@ def test_pod_info_names_each_gpus_pod_and_follows_it_without_touching_gpu_series
     rig.step()
     assert pod_info(rig) == {("0", "trainer-0", "ml", "pytorch", ""), ("1", "trainer-1", "ml", "pytorch", "")}
     assert {s["uuid"] for s in rig.series("nvml_gpu_pod_info")} == {gpu0, gpu1}
-    assert kubelet.calls == 1  # one kubelet call serves every GPU
+    assert kubelet.requests == [b""]  # one kubelet call serves every GPU; its request is empty
     utilization_labels = sorted(map(sorted, (s.items() for s in rig.series("nvml_gpu_utilization_ratio"))))
 
     kubelet.response = listing(("eval-7", "research", {"main": [gpu1]}))  # trainer pods gone, GPU 1 reassigned
@@ -168,6 +161,18 @@ def test_unreachable_kubelet_warns_once_counts_each_failed_call_and_recovers(soc
             fake.stop()
 
 
+def test_the_collector_reads_the_kubelet_without_the_protobuf_package(kubelet):
+    """The kubernetes extra is grpcio alone: with protobuf made unimportable, a List call still maps GPUs."""
+    kubelet.response = KUBELET_RESPONSE
+    script = ("import sys; sys.modules['google.protobuf'] = None  # import google.protobuf raises\n"
+              "from exporter.collectors import podresources\n"
+              f"holders, dropped = podresources.Kubelet({str(kubelet.socket_path)!r}).ask()\n"
+              "print(*sorted(holders), dropped)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [WHOLE_GPU, "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee", "eth7", "0"]
+
+
 def many_pods(count: int, device_id: str) -> bytes:
     """A ListPodResourcesResponse of `count` pods p000000... each holding `device_id` (repeated fields concatenate)."""
     one = listing(("p000000", "ml", {"c": [device_id]}))
@@ -206,21 +211,28 @@ def scrape_with(service: processes.Service, text: str) -> str | None:
 
 
 @pytest.mark.parametrize("response, delay, error", [
-    (b"\x0a\xff\xff\xff\xff", 0.0, "internal"),  # not a ListPodResourcesResponse
+    (b"\x0a\xff\xff\xff\xff", 0.0, "invalid_response"),  # a length with no end
+    (KUBELET_RESPONSE[:-7], 0.0, "invalid_response"),  # cut short inside a device id
+    (listing(("p", "ml", {"c": ["GPU-abc"]})).replace(b"GPU-abc", b"GPU-\xff\xfe\xfd"), 0.0,
+     "invalid_response"),  # a device id that is not UTF-8
     (b"", 2.0, "deadline_exceeded"),  # a kubelet that does not answer in time
-], ids=["garbage", "hanging"])
-def test_a_broken_kubelet_costs_one_bounded_call_and_a_counted_error(socket_dir, monkeypatch, response, delay, error):
+], ids=["garbage", "truncated", "not-utf8", "hanging"])
+def test_a_broken_kubelet_costs_one_bounded_call_and_a_counted_error(socket_dir, monkeypatch, caplog, response,
+                                                                      delay, error):
     fake = FakeKubelet(socket_dir / "kubelet.sock", response, delay).start()
     try:
         monkeypatch.setattr(podresources, "_kubelet",
                             podresources.Kubelet(str(fake.socket_path), refresh=5.0, timeout=0.3))
         rig = Rig(gpus=2, collectors=["utilization", "podresources"])
         started = time.monotonic()
-        rig.step()
+        with caplog.at_level(logging.DEBUG):
+            rig.step()
         assert time.monotonic() - started < 1.5
         assert rig.value("nvml_exporter_errors_total", collector="podresources", error=error) == 1
         assert rig.value("nvml_exporter_collector_success", collector="podresources") == 0
         assert rig.series("nvml_gpu_pod_info") == [] and rig.value("nvml_up") == 1
+        assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # one warning, no traceback
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     finally:
         fake.stop()
 

@@ -18,9 +18,13 @@ parsing it counts against the same deadline as the call (`deadline_exceeded`), a
 at most MAX_HOLDERS_PER_DEVICE containers (the others are dropped: `too_many_pods` counted per call,
 a warning logged once while it lasts), so one hostile or broken listing cannot flood Prometheus.
 
-Off by default (`--collector.podresources`); it needs the `kubernetes` extra (grpcio, protobuf).
-The few messages List uses are declared below from the v1 API (k8s.io/kubelet
-pkg/apis/podresources/v1/api.proto): fields the kubelet adds are skipped when parsing.
+Off by default (`--collector.podresources`); it needs the `kubernetes` extra (grpcio). The request is
+empty; the answer's bytes are read here (exporter/protowire.py, no protobuf package) with the v1 API's
+field numbers (k8s.io/kubelet pkg/apis/podresources/v1/api.proto): ListPodResourcesResponse
+{pod_resources = 1}, PodResources {name = 1, namespace = 2, containers = 3}, ContainerResources
+{name = 1, devices = 2}, ContainerDevices {device_ids = 2}. Every other field the kubelet sends is
+skipped unread. An answer that is not such a message (truncated, a length past its end, a string that is
+not UTF-8...) fails the call as `invalid_response`, like any other kubelet failure.
 """
 from __future__ import annotations
 
@@ -28,10 +32,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Iterator
 
-from trainer_hook import protobuf
-from trainer_hook.protobuf import MESSAGE, STRING, Schema
+from exporter import protowire
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device
 
@@ -41,36 +44,13 @@ DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 REFRESH_SECONDS = 10.0
 TIMEOUT_SECONDS = 1.0  # well under the sampler's hang watchdog (2 s at least)
 LIST_METHOD = "/v1.PodResourcesLister/List"
+EMPTY_REQUEST = b""  # a serialized ListPodResourcesRequest (it has no fields)
 MAX_RESPONSE_BYTES = 4 * 2**20  # ~100 bytes per container and device: tens of thousands of pods
 MAX_HOLDERS_PER_DEVICE = 32  # containers sharing one GPU (time-slicing replicas, MPS) served per device
 
-# message -> (field name, number, type, repeated, message type) of the v1 API, List's part only
-_SCHEMA: Schema = {
-    "ListPodResourcesRequest": (),
-    "ListPodResourcesResponse": (("pod_resources", 1, MESSAGE, True, "PodResources"),),
-    "PodResources": (("name", 1, STRING, False, ""), ("namespace", 2, STRING, False, ""),
-                     ("containers", 3, MESSAGE, True, "ContainerResources")),
-    "ContainerResources": (("name", 1, STRING, False, ""), ("devices", 2, MESSAGE, True, "ContainerDevices")),
-    "ContainerDevices": (("resource_name", 1, STRING, False, ""), ("device_ids", 2, STRING, True, "")),
-}
-
 
 class NotInstalled(Exception):
-    """grpcio or protobuf is missing: the collector cannot run."""
-
-
-def messages() -> dict[str, type]:
-    """The v1 message classes by name, built once from `_SCHEMA`; raises NotInstalled."""
-    if not _messages:
-        try:
-            _messages.update(protobuf.messages("dualtrack/kubelet/podresources/v1/api.proto", "v1", _SCHEMA))
-        except ImportError as exc:
-            raise NotInstalled("--collector.podresources needs protobuf and grpcio: "
-                               "pip install 'dualtrack[kubernetes]'") from exc
-    return _messages
-
-
-_messages: dict[str, type] = {}
+    """grpcio is missing: the collector cannot run."""
 
 
 def grpc_module() -> Any:
@@ -104,27 +84,71 @@ class ParseDeadlineExceeded(TimeoutError):
     """Reading the kubelet's answer took longer than the call's deadline."""
 
 
-def device_holders(response: Any, limit: int = MAX_HOLDERS_PER_DEVICE,
+@dataclass(frozen=True)
+class Pod:
+    """One PodResources of the answer: the device ids each container holds (of every resource)."""
+
+    name: str
+    namespace: str
+    containers: tuple[tuple[str, tuple[str, ...]], ...]  # (container name, device ids)
+
+
+def pods(response: bytes) -> Iterator[Pod]:
+    """The pods of a serialized ListPodResourcesResponse, read one at a time; raises
+    protowire.MalformedMessage."""
+    for number, wire_type, value in protowire.fields(response):
+        if number == 1 and wire_type == protowire.LEN:
+            yield _pod(value)
+
+
+def _pod(message: bytes) -> Pod:
+    name = namespace = ""
+    containers = []
+    for number, wire_type, value in protowire.fields(message):
+        if wire_type != protowire.LEN:
+            continue
+        if number == 1:
+            name = protowire.string(value)
+        elif number == 2:
+            namespace = protowire.string(value)
+        elif number == 3:
+            containers.append(_container(value))
+    return Pod(name, namespace, tuple(containers))
+
+
+def _container(message: bytes) -> tuple[str, tuple[str, ...]]:
+    name, device_ids = "", []
+    for number, wire_type, value in protowire.fields(message):
+        if wire_type != protowire.LEN:
+            continue
+        if number == 1:
+            name = protowire.string(value)
+        elif number == 2:  # ContainerDevices: resource_name = 1 (not read), device_ids = 2
+            device_ids.extend(protowire.string(device_id) for device_number, device_type, device_id
+                              in protowire.fields(value) if device_number == 2 and device_type == protowire.LEN)
+    return name, tuple(device_ids)
+
+
+def device_holders(listed: Iterable[Pod], limit: int = MAX_HOLDERS_PER_DEVICE,
                    deadline: float | None = None) -> tuple[dict[str, tuple[Holder, ...]], int]:
-    """Holders by device id from a ListPodResourcesResponse, at most `limit` per device, and how many were
-    dropped; `GPU-x::3` (a time-sliced replica) counts as `GPU-x`. Raises ParseDeadlineExceeded past
-    `deadline` (time.monotonic)."""
+    """Holders by device id from the pods listed, at most `limit` per device, and how many were dropped;
+    `GPU-x::3` (a time-sliced replica) counts as `GPU-x`. Raises ParseDeadlineExceeded past `deadline`
+    (time.monotonic)."""
     holders: dict[str, dict[Holder, None]] = {}
     dropped = 0
-    for pod in response.pod_resources:
+    for pod in listed:
         if deadline is not None and time.monotonic() > deadline:
             raise ParseDeadlineExceeded("the kubelet's answer took too long to read")
-        for container in pod.containers:
-            holder = Holder(pod.name, pod.namespace, container.name)
-            for devices in container.devices:
-                for device_id in devices.device_ids:
-                    found = holders.setdefault(device_id.split("::", 1)[0], {})
-                    if holder in found:
-                        continue
-                    if len(found) >= limit:
-                        dropped += 1
-                        continue
-                    found[holder] = None
+        for container, device_ids in pod.containers:
+            holder = Holder(pod.name, pod.namespace, container)
+            for device_id in device_ids:
+                found = holders.setdefault(device_id.split("::", 1)[0], {})
+                if holder in found:
+                    continue
+                if len(found) >= limit:
+                    dropped += 1
+                    continue
+                found[holder] = None
     return {device_id: tuple(found) for device_id, found in holders.items()}, dropped
 
 
@@ -182,21 +206,21 @@ class Kubelet:
     def ask(self) -> tuple[dict[str, tuple[Holder, ...]], int]:
         """One List call over a fresh channel (a kubelet restart then costs no reconnect backoff), read within
         the same deadline: (holders by device id, holders dropped)."""
-        grpc, classes = grpc_module(), messages()
+        grpc = grpc_module()
         deadline = time.monotonic() + self.timeout
         options = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
         with grpc.insecure_channel(f"unix://{self.socket_path}", options=options) as channel:
-            call = channel.unary_unary(LIST_METHOD,
-                                       request_serializer=classes["ListPodResourcesRequest"].SerializeToString,
-                                       response_deserializer=classes["ListPodResourcesResponse"].FromString)
-            response = call(classes["ListPodResourcesRequest"](), timeout=self.timeout)
-        return device_holders(response, deadline=deadline)
+            # bytes in and out: grpc's own deserializer would log a traceback for a malformed answer
+            response = channel.unary_unary(LIST_METHOD)(EMPTY_REQUEST, timeout=self.timeout)
+        return device_holders(pods(response), deadline=deadline)
 
 
 def _error_name(exc: BaseException) -> str:
     """unavailable, deadline_exceeded, unimplemented... for gRPC errors; the exception type otherwise."""
     if isinstance(exc, ParseDeadlineExceeded):
         return "deadline_exceeded"
+    if isinstance(exc, protowire.MalformedMessage):
+        return "invalid_response"
     code = getattr(exc, "code", None)
     status = code() if callable(code) else None
     return getattr(status, "name", "").lower() or type(exc).__name__.lower()
@@ -215,7 +239,6 @@ def configure(socket_path: str, *, refresh: float = REFRESH_SECONDS, timeout: fl
     """Point the collector at the kubelet socket (one kubelet per node, so one per process); raises NotInstalled."""
     global _kubelet
     grpc_module()
-    messages()
     _kubelet = Kubelet(socket_path, refresh=refresh, timeout=timeout)
 
 
