@@ -39,7 +39,12 @@ def sample_lines(index: int, uuid: str, values: Values,
     the same GPU's last (values, lines); a family whose series are unchanged keeps its lines (static
     readings, and those of collectors that did not run this sample, are not formatted again)."""
     old_values, old_lines = previous or ({}, ())
-    return tuple(old_lines[i] if previous is not None and values.get(spec.name) == old_values.get(spec.name) else
+    return tuple(old_lines[i] if previous is not None and _same(values.get(spec.name), old_values.get(spec.name)) else
                  "".join(line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
                          for labels, value in gpu_series(spec, index, uuid, values)).encode()
                  for i, spec in enumerate(GPU_METRICS))
+
+
+def _same(series: dict | None, old: dict | None) -> bool:
+    """Whether a family's series are unchanged: the same dict (its collector did not run), or equal."""
+    return series is old or series == old
