@@ -6,6 +6,7 @@ format 0.0.4 and OpenMetrics 1.0 for gauges and for counters whose samples end i
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator
 
 from prometheus_client.utils import floatToGoString
@@ -29,8 +30,20 @@ def escape(value: str) -> str:
 
 def line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
     """One sample line, as prometheus_client writes it in both formats; `labels` sorted by name."""
+    return f"{_series(name, tuple(labels))} {floatToGoString(value)}\n"
+
+
+def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    """A sample line up to its value: the name and the escaped labels."""
     pairs = ",".join(f'{key}="{escape(text)}"' for key, text in labels)
-    return f"{name}{{{pairs}}} {floatToGoString(value)}\n" if pairs else f"{name} {floatToGoString(value)}\n"
+    return f"{name}{{{pairs}}}" if pairs else name
+
+
+@functools.lru_cache(maxsize=4096)  # bounded: processes come and go
+def _gpu_series(name: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """`_series` of a GPU's series (about 70 a GPU, more with its processes), each written once: a sample
+    then only formats the values."""
+    return _series(name, tuple(sorted(zip(names, values))))
 
 
 def sample_lines(index: int, uuid: str, values: Values,
@@ -39,12 +52,16 @@ def sample_lines(index: int, uuid: str, values: Values,
     the same GPU's last (values, lines); a family whose series are unchanged keeps its lines (static
     readings, and those of collectors that did not run this sample, are not formatted again)."""
     old_values, old_lines = previous or ({}, ())
-    return tuple(old_lines[i] if previous is not None and _same(values.get(spec.name), old_values.get(spec.name)) else
-                 "".join(line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
-                         for labels, value in gpu_series(spec, index, uuid, values)).encode()
-                 for i, spec in enumerate(GPU_METRICS))
-
-
-def _same(series: dict | None, old: dict | None) -> bool:
-    """Whether a family's series are unchanged: the same dict (its collector did not run), or equal."""
-    return series is old or series == old
+    gpu = (str(index), uuid)
+    out = []
+    for i, spec in enumerate(GPU_METRICS):
+        series = values.get(spec.name)
+        if previous is not None and (series is (old := old_values.get(spec.name)) or series == old):
+            out.append(old_lines[i])  # the same dict (its collector did not run), or equal series
+        elif series:
+            names = GPU_LABELS + spec.labels
+            out.append("".join(f"{_gpu_series(spec.name, names, gpu + labels)} {floatToGoString(value)}\n"
+                               for labels, value in series.items()).encode())
+        else:
+            out.append(b"")
+    return tuple(out)
