@@ -30,7 +30,7 @@ def escape(value: str) -> str:
 
 def line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
     """One sample line, as prometheus_client writes it in both formats; `labels` sorted by name."""
-    return f"{_series(name, tuple(labels))} {floatToGoString(value)}\n"
+    return f"{_own_series(name, tuple(labels))} {floatToGoString(value)}\n"
 
 
 def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
@@ -39,10 +39,14 @@ def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
     return f"{name}{{{pairs}}}" if pairs else name
 
 
-@functools.lru_cache(maxsize=4096)  # bounded: processes come and go
+# Each series is written once: a sample or a scrape then only formats the values. Bounded: processes
+# come and go. The exporter's own series (a few dozen, written on every scrape) and the GPUs' (about
+# 70 a GPU, more with its processes; labels sorted once) are cached apart.
+_own_series = functools.lru_cache(maxsize=1024)(_series)
+
+
+@functools.lru_cache(maxsize=4096)
 def _gpu_series(name: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    """`_series` of a GPU's series (about 70 a GPU, more with its processes), each written once: a sample
-    then only formats the values."""
     return _series(name, tuple(sorted(zip(names, values))))
 
 
