@@ -120,6 +120,7 @@ class GpuSampler:
         self.hang_reported = False
         self._latest: dict[str, tuple[Values, CollectorRun]] = {}
         self._rendered: tuple[str, Values, tuple[bytes, ...]] | None = None  # uuid, values, lines of the last sample
+        self._texts: dict[tuple[str, tuple[str, ...]], str] = {}  # its series as written (see sample_lines)
         slow = [c for c in collectors if c.period > 1]
         phase = {id(c): position % c.period for position, c in enumerate(slow)}
         # which collectors run (and which fields they read: static) at each sample of the cycle, and at the first
@@ -175,7 +176,7 @@ class GpuSampler:
                 values[metric] = {**values[metric], **series} if metric in values else series
         runs = {name: run for name, (_, run) in self._latest.items()}
         previous = self._rendered[1:] if self._rendered and self._rendered[0] == self.device.uuid else None
-        lines = sample_lines(self.device.index, self.device.uuid, values, previous)
+        lines = sample_lines(self.device.index, self.device.uuid, values, previous, self._texts)
         self._rendered = (self.device.uuid, values, lines)
         self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 

@@ -39,23 +39,22 @@ def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
     return f"{name}{{{pairs}}}" if pairs else name
 
 
-# Each series is written once: a sample or a scrape then only formats the values. Bounded: processes
-# come and go. The exporter's own series (a few dozen, written on every scrape) and the GPUs' (about
-# 70 a GPU, more with its processes; labels sorted once) are cached apart.
+# The exporter's own series (a few dozen, the same on every scrape) are written once; bounded all the same.
 _own_series = functools.lru_cache(maxsize=1024)(_series)
 
 
-@functools.lru_cache(maxsize=4096)
-def _gpu_series(name: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    return _series(name, tuple(sorted(zip(names, values))))
-
-
-def sample_lines(index: int, uuid: str, values: Values,
-                 previous: tuple[Values, tuple[bytes, ...]] | None = None) -> tuple[bytes, ...]:
+def sample_lines(index: int, uuid: str, values: Values, previous: tuple[Values, tuple[bytes, ...]] | None = None,
+                 texts: dict[tuple[str, tuple[str, ...]], str] | None = None) -> tuple[bytes, ...]:
     """One GPU's sample lines, one entry per GPU_METRICS family (b"" where it has none). `previous`:
     the same GPU's last (values, lines); a family whose series are unchanged keeps its lines (static
-    readings, and those of collectors that did not run this sample, are not formatted again)."""
+    readings, and those of collectors that did not run this sample, are not formatted again).
+    `texts`: the series (name and labels) written for `previous`, replaced in place by those written
+    now: a family that changes at every sample only formats its values, and the dict never holds more
+    than the GPU's series (processes come and go)."""
     old_values, old_lines = previous or ({}, ())
+    known = dict(texts) if texts and previous is not None else {}
+    if texts is not None:
+        texts.clear()
     gpu = (str(index), uuid)
     out = []
     for i, spec in enumerate(GPU_METRICS):
@@ -63,9 +62,14 @@ def sample_lines(index: int, uuid: str, values: Values,
         if previous is not None and (series is (old := old_values.get(spec.name)) or series == old):
             out.append(old_lines[i])  # the same dict (its collector did not run), or equal series
         elif series:
-            names = GPU_LABELS + spec.labels
-            out.append("".join(f"{_gpu_series(spec.name, names, gpu + labels)} {floatToGoString(value)}\n"
-                               for labels, value in series.items()).encode())
+            names, lines = GPU_LABELS + spec.labels, []
+            for labels, value in series.items():
+                key = (spec.name, labels)
+                text = known.get(key) or _series(spec.name, tuple(sorted(zip(names, gpu + labels))))
+                if texts is not None:
+                    texts[key] = text
+                lines.append(f"{text} {floatToGoString(value)}\n")
+            out.append("".join(lines).encode())
         else:
             out.append(b"")
     return tuple(out)
