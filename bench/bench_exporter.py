@@ -15,6 +15,9 @@ Without it (or when that Python cannot import nvitop_exporter) the baseline is a
 Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle (the sampler's cost), CPU per scrape, CPU
 at one scrape per 15 s (idle CPU + CPU per scrape / 15), resident memory, NVML calls per GPU per
 sample (counted in the simulated NVML), series per GPU, and the ratios dualtrack / baseline.
+CPU is counted in clock ticks (10 ms) over `--window` seconds: 10 s gives about +-0.1 % of a core,
+30 s (the README's figures) +-0.03 %. The daemons run at once, so their samplers' phases relative to
+one another (set by when each started) also move the idle figures by a few hundredths of a percent.
 The "generic path" column is the same daemon with the same flags rendering every scrape with
 prometheus_client and without pre-rendered sample lines (how scrapes were served before); its
 scrapes alternate with the pre-rendered daemon's.

@@ -7,12 +7,13 @@ hangs, through `nvml_exporter_errors_total{error="timeout"}` and the snapshot ag
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidCounts, XidWatcher
 from exporter.collectors.base import Values
@@ -25,8 +26,7 @@ from exporter.textformat import sample_lines
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CollectorRun:
+class CollectorRun(NamedTuple):  # a tuple: one per collector and sample
     success: bool
     duration: float
 
@@ -120,14 +120,17 @@ class GpuSampler:
         self.hang_reported = False
         self._latest: dict[str, tuple[Values, CollectorRun]] = {}
         self._rendered: tuple[str, Values, tuple[bytes, ...]] | None = None  # uuid, values, lines of the last sample
-        self._fields = {id(c): tuple(c.fields()) for c in collectors}  # field ids are static
+        self._texts: dict[tuple[str, tuple[str, ...]], str] = {}  # its series as written (see sample_lines)
         slow = [c for c in collectors if c.period > 1]
-        self._phase = {id(c): position % c.period for position, c in enumerate(slow)}
+        phase = {id(c): position % c.period for position, c in enumerate(slow)}
+        # which collectors run (and which fields they read: static) at each sample of the cycle, and at the first
+        due = [[c for c in collectors if (taken + phase.get(id(c), 0)) % c.period == 0]
+               for taken in range(math.lcm(*(c.period for c in collectors)))]
+        self._plans = [(plan, tuple(chain.from_iterable(c.fields() for c in plan))) for plan in [collectors, *due]]
 
-    def _due(self) -> list[Collector]:
-        if self.samples_taken == 0:
-            return self.collectors
-        return [c for c in self.collectors if (self.samples_taken + self._phase.get(id(c), 0)) % c.period == 0]
+    def _plan(self) -> tuple[list[Collector], tuple[tuple[int, int], ...]]:
+        """The collectors due at this sample and the fields they read."""
+        return self._plans[0 if self.samples_taken == 0 else 1 + self.samples_taken % (len(self._plans) - 1)]
 
     def sample_once(self) -> None:
         """Take one sample and publish it; a lost GPU is retried every `retry_interval`."""
@@ -144,9 +147,8 @@ class GpuSampler:
             self.hang_reported = False
 
     def _sample(self, now: float) -> None:
-        due = self._due()
+        due, wanted = self._plan()
         self.busy_in = "fields"
-        wanted = list(chain.from_iterable(self._fields[id(c)] for c in due))
         try:
             fields = self.device.field_values(wanted)
         except Absent:  # a driver without nvmlDeviceGetFieldValues: collectors fall back or go without
@@ -169,12 +171,12 @@ class GpuSampler:
             self._latest[collector.name] = (ctx.values, CollectorRun(not ctx.errors, time.perf_counter() - started))
         self.samples_taken += 1
         values: Values = {}
-        for collector_values, _ in self._latest.values():
+        for collector_values, _ in self._latest.values():  # never mutated once collected: shared, not copied
             for metric, series in collector_values.items():
-                values.setdefault(metric, {}).update(series)
+                values[metric] = {**values[metric], **series} if metric in values else series
         runs = {name: run for name, (_, run) in self._latest.items()}
         previous = self._rendered[1:] if self._rendered and self._rendered[0] == self.device.uuid else None
-        lines = sample_lines(self.device.index, self.device.uuid, values, previous)
+        lines = sample_lines(self.device.index, self.device.uuid, values, previous, self._texts)
         self._rendered = (self.device.uuid, values, lines)
         self.store.publish(self.device.index, GpuSample(self.device.index, self.device.uuid, now, values, runs, lines))
 

@@ -6,6 +6,7 @@ format 0.0.4 and OpenMetrics 1.0 for gauges and for counters whose samples end i
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator
 
 from prometheus_client.utils import floatToGoString
@@ -29,17 +30,46 @@ def escape(value: str) -> str:
 
 def line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
     """One sample line, as prometheus_client writes it in both formats; `labels` sorted by name."""
+    return f"{_own_series(name, tuple(labels))} {floatToGoString(value)}\n"
+
+
+def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    """A sample line up to its value: the name and the escaped labels."""
     pairs = ",".join(f'{key}="{escape(text)}"' for key, text in labels)
-    return f"{name}{{{pairs}}} {floatToGoString(value)}\n" if pairs else f"{name} {floatToGoString(value)}\n"
+    return f"{name}{{{pairs}}}" if pairs else name
 
 
-def sample_lines(index: int, uuid: str, values: Values,
-                 previous: tuple[Values, tuple[bytes, ...]] | None = None) -> tuple[bytes, ...]:
+# The exporter's own series (a few dozen, the same on every scrape) are written once; bounded all the same.
+_own_series = functools.lru_cache(maxsize=1024)(_series)
+
+
+def sample_lines(index: int, uuid: str, values: Values, previous: tuple[Values, tuple[bytes, ...]] | None = None,
+                 texts: dict[tuple[str, tuple[str, ...]], str] | None = None) -> tuple[bytes, ...]:
     """One GPU's sample lines, one entry per GPU_METRICS family (b"" where it has none). `previous`:
     the same GPU's last (values, lines); a family whose series are unchanged keeps its lines (static
-    readings, and those of collectors that did not run this sample, are not formatted again)."""
+    readings, and those of collectors that did not run this sample, are not formatted again).
+    `texts`: the series (name and labels) written for `previous`, replaced in place by those written
+    now: a family that changes at every sample only formats its values, and the dict never holds more
+    than the GPU's series (processes come and go)."""
     old_values, old_lines = previous or ({}, ())
-    return tuple(old_lines[i] if previous is not None and values.get(spec.name) == old_values.get(spec.name) else
-                 "".join(line(spec.name, sorted(zip(GPU_LABELS + spec.labels, labels)), value)
-                         for labels, value in gpu_series(spec, index, uuid, values)).encode()
-                 for i, spec in enumerate(GPU_METRICS))
+    known = dict(texts) if texts and previous is not None else {}
+    if texts is not None:
+        texts.clear()
+    gpu = (str(index), uuid)
+    out = []
+    for i, spec in enumerate(GPU_METRICS):
+        series = values.get(spec.name)
+        if previous is not None and (series is (old := old_values.get(spec.name)) or series == old):
+            out.append(old_lines[i])  # the same dict (its collector did not run), or equal series
+        elif series:
+            names, lines = GPU_LABELS + spec.labels, []
+            for labels, value in series.items():
+                key = (spec.name, labels)
+                text = known.get(key) or _series(spec.name, tuple(sorted(zip(names, gpu + labels))))
+                if texts is not None:
+                    texts[key] = text
+                lines.append(f"{text} {floatToGoString(value)}\n")
+            out.append("".join(lines).encode())
+        else:
+            out.append(b"")
+    return tuple(out)

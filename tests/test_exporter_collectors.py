@@ -537,3 +537,22 @@ def test_in_the_host_pid_namespace_gpu_processes_are_named(tmp_path):
     [series] = rig.series("nvml_gpu_process_memory_used_bytes")
     assert series["process"] == "nginx" and series["container_id"] == "b" * 64
     assert rig.value("nvml_exporter_host_pid_namespace") == 1
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "co-tenant"])
+def test_every_series_a_collector_emits_is_declared_with_its_labels(tmp_path, scenario):
+    """SampleContext.emit does not check names on the hot path: an undeclared metric (or a wrong label
+    count) would silently never be served. MIG GPUs and a process with a /proc entry included."""
+    from exporter.metrics import SPECS
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "comm").write_text("python\n")
+    rig = Rig(scenario, gpus=2, devices={1: DeviceTraits(mig=True)}, proc_root=str(tmp_path), pid=4242)
+    emitted: dict[str, set[int]] = {}
+    for _ in range(12):
+        rig.step(40.0 if scenario == "co-tenant" else None)
+        for sample in rig.sampler.store.current.samples:
+            for metric, series in sample.values.items():
+                emitted.setdefault(metric, set()).update(len(labels) for labels in series)
+    assert "nvml_gpu_process_memory_used_bytes" in emitted and "nvml_gpu_energy_joules_total" in emitted
+    assert {metric: arities for metric, arities in emitted.items()
+            if metric not in SPECS or arities != {len(SPECS[metric].labels)}} == {}

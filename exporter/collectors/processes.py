@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed
+from exporter.nvml import Absent, CallFailed, read_field
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,14 @@ class ProcessesCollector(Collector):
                 return None
             samples = []
         by_pid: dict[int, list[float]] = {}
+        newest = self.last_timestamp
         for sample in samples:
-            if sample.pid and sample.timeStamp > self.last_timestamp:
+            pid, stamp = read_field(sample, "pid"), read_field(sample, "timeStamp")
+            newest = max(newest, stamp)
+            if pid and stamp > self.last_timestamp:
                 # clamped: drivers have answered more than 100 %
-                by_pid.setdefault(int(sample.pid), []).append(min(max(sample.smUtil / 100, 0.0), 1.0))
-        self.last_timestamp = max([self.last_timestamp, *(s.timeStamp for s in samples)])
+                by_pid.setdefault(int(pid), []).append(min(max(read_field(sample, "smUtil") / 100, 0.0), 1.0))
+        self.last_timestamp = newest
         return {pid: sum(values) / len(values) for pid, values in by_pid.items()}
 
 

@@ -20,9 +20,10 @@ every sample.
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, union_value
+from exporter.nvml import Absent, CallFailed, read_field, union_value
 
 SPACINGS = 64  # recent sample spacings the typical sampling period is the median of
 MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1 s, NVML): a longer spacing is a gap
@@ -102,14 +103,16 @@ class UtilizationCollector(Collector):
         covered = 0.0
         newest = None
         typical = self._typical()
-        for sample in sorted(samples, key=lambda s: s.timeStamp):
-            if previous is not None and sample.timeStamp <= previous:
+        readings = sorted(((read_field(s, "timeStamp"), read_field(s, "sampleValue")) for s in samples),
+                          key=itemgetter(0))
+        for stamp, value in readings:
+            if previous is not None and stamp <= previous:
                 continue
-            spacing = None if previous is None else (sample.timeStamp - previous) / 1e6
+            spacing = None if previous is None else (stamp - previous) / 1e6
             if spacing is not None and spacing <= MAX_PERIOD:
                 self.spacings.append(spacing)
-            previous = sample.timeStamp
-            newest = _ratio(union_value(self.device.nvml.value_types, kind, sample.sampleValue).value)
+            previous = stamp
+            newest = _ratio(union_value(self.device.nvml.value_types, kind, value).value)
             if elapsed is not None:
                 # its own spacing, or one typical period after a gap (or for the first sample ever seen)
                 period = spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
