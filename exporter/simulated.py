@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import struct
 import threading
 import time
 import types
@@ -100,6 +101,14 @@ MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
 MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
 GPM_MIN_WINDOW = 0.1  # seconds: two GPM samples closer than this give no metrics (INVALID_ARGUMENT)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+_POWER_FIELDS = (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT, H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION)
+#: c_nvmlFieldValue_t up to its value union: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn
+_FIELD_HEAD = struct.Struct("@IIqqII")
+#: the fields whose simulated value never changes (the others are computed in SimulatedNVML._field)
+_CONSTANT_FIELDS = {H.NVML_FI_DEV_POWER_CURRENT_LIMIT: 700_000, H.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: 0,
+                    H.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: 0, H.NVML_FI_DEV_REMAPPED_COR: 0, H.NVML_FI_DEV_REMAPPED_UNC: 0,
+                    H.NVML_FI_DEV_REMAPPED_PENDING: 0, H.NVML_FI_DEV_REMAPPED_FAILURE: 0,
+                    H.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 0}
 #: binding function -> the driver entry point nvidia-ml-py >= 12.560 calls for it, raising
 #: NVMLLibraryMismatchError (a plain Exception) where the driver lacks it (R470/R510 have no _v3)
 VERSIONED_ENTRY_POINTS = {"nvmlDeviceGetComputeRunningProcesses": "nvmlDeviceGetComputeRunningProcesses_v3"}
@@ -136,6 +145,11 @@ VALUE_CTYPES: dict[int, Any] = {
     H.NVML_VALUE_TYPE_SIGNED_LONG_LONG: ctypes.c_longlong, H.NVML_VALUE_TYPE_SIGNED_INT: ctypes.c_int,
     H.NVML_VALUE_TYPE_UNSIGNED_SHORT: ctypes.c_ushort,
 }
+#: NVML_VALUE_TYPE_* -> how the driver writes it into the union: a double as such; an integer as its
+#: bits (unsigned layout of its width, so a signed one is two's complement) and the modulus it wraps at
+_VALUE_PACKING: dict[int, tuple[struct.Struct, int | None]] = {
+    value_type: (struct.Struct("d"), None) if kind is ctypes.c_double else
+    (struct.Struct(kind._type_.upper()), 1 << 8 * ctypes.sizeof(kind)) for value_type, kind in VALUE_CTYPES.items()}
 
 
 def old_field_value_struct() -> type:
@@ -174,6 +188,18 @@ def _is_function(name: str, value: Any) -> bool:
 
 def _handle(buffer: ctypes.Array, kind: Any) -> Any:
     return ctypes.cast(buffer, kind)
+
+
+def _answer(struct_type: type, entries: list[dict[str, int]], length: int) -> list:
+    """An array of `length` structs, `entries` first and the rest empty, as the binding answers it (a
+    slice of the ctypes array the driver filled). Members are set through ctypes' own setattr:
+    pynvml's structs override it in Python (to encode str), a cost the driver's C does not have."""
+    array = (struct_type * length)()
+    store = ctypes.Structure.__setattr__
+    for entry, members in zip(array, entries):
+        for name, value in members.items():
+            store(entry, name, value)
+    return array[:]
 
 
 def simulated_uuid(index: int) -> str:
@@ -655,11 +681,11 @@ class SimulatedNVML:
             for tick, load in loads.items():
                 stamp = self._sample_stamp(pid, tick, PROCESS_SAMPLE_PERIOD)
                 if timeStamp < stamp <= now and load.get(pid, 0.0) > 0:
-                    samples.append(pynvml.c_nvmlProcessUtilizationSample_t(
-                        pid=pid, timeStamp=stamp, smUtil=round(100 * load[pid]), memUtil=round(45 * load[pid])))
+                    samples.append({"pid": pid, "timeStamp": stamp, "smUtil": round(100 * load[pid]),
+                                    "memUtil": round(45 * load[pid])})
         if not samples:
             raise pynvml.NVMLError_NotFound()
-        return samples + [pynvml.c_nvmlProcessUtilizationSample_t() for _ in range(PROCESS_ENTRIES - len(samples))]
+        return _answer(pynvml.c_nvmlProcessUtilizationSample_t, samples, PROCESS_ENTRIES)
 
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
@@ -681,26 +707,27 @@ class SimulatedNVML:
         gpu = self._gpu_of(handle)
         t = self._t()
         busy = self.busy_seconds(gpu, t)
-        values = (self.c_nvmlFieldValue_t * len(field_ids))()
-        for slot, requested in enumerate(field_ids):
+        types = self.traits[gpu].field_types
+        stamp = int(self.clock() * 1e6)
+        # Written into the array's memory as the driver writes it, in C: set member by member through
+        # pynvml's structs (whose __setattr__ is Python), this one batch cost the simulation ten other
+        # calls' worth of CPU, charged to the process that hosts it.
+        struct_type = self.c_nvmlFieldValue_t
+        size, value_at = ctypes.sizeof(struct_type), struct_type.value.offset
+        memory = bytearray(size * len(field_ids))
+        for offset, requested in zip(range(0, len(memory), size), field_ids):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
-            entry = values[slot]
-            entry.fieldId, entry.scopeId, entry.timestamp = field_id, scope, int(self.clock() * 1e6)
             error = self._field_error(gpu, field_id, t) or self._scope_error(gpu, field_id, scope)
             reading = None if error else self._field(gpu, field_id, scope, t, busy)
-            if error:
-                entry.nvmlReturn = error
-            elif reading is None:
-                entry.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
-            else:
-                entry.nvmlReturn = H.NVML_SUCCESS
-                entry.valueType = self.traits[gpu].field_types.get(field_id, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
-                kind = VALUE_CTYPES[entry.valueType]
-                if kind is ctypes.c_double:
-                    kind.from_buffer(entry.value).value = reading
-                else:  # an integer of that width: an unsigned counter wraps at it
-                    kind.from_buffer(entry.value).value = int(reading) % (1 << 8 * ctypes.sizeof(kind))
-        return values
+            value_type = 0
+            if error is None and reading is None:
+                error = H.NVML_ERROR_NOT_SUPPORTED
+            elif error is None:
+                value_type = types.get(field_id, H.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
+                packing, wraps_at = _VALUE_PACKING[value_type]
+                packing.pack_into(memory, offset + value_at, reading if wraps_at is None else int(reading) % wraps_at)
+            _FIELD_HEAD.pack_into(memory, offset, field_id, scope, stamp, 0, value_type, error or H.NVML_SUCCESS)
+        return (struct_type * len(field_ids)).from_buffer(memory)
 
     def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:
         """INVALID_ARGUMENT for a link id past NVML_NVLINK_MAX_LINKS (other than "all links")."""
@@ -714,24 +741,19 @@ class SimulatedNVML:
             if not traits.nvlinks or (scope != NVLINK_SCOPE_ALL and scope >= traits.nvlinks):
                 return None
             return 20e9 * busy / 1024 / (1 if scope == NVLINK_SCOPE_ALL else traits.nvlinks)
-        if field_id in (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT,
-                        H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) and not traits.power:
+        if field_id in _POWER_FIELDS and not traits.power:
             return None
-        return {
-            H.NVML_FI_DEV_MEMORY_TEMP: lambda: 40 + 20 * self.utilization(gpu, t),
-            H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: lambda: self.energy_mj(gpu, t),
-            H.NVML_FI_DEV_POWER_INSTANT: lambda: self.power_mw(gpu, t),
-            H.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda: 700_000,
-            H.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: lambda: 0,
-            H.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: lambda: 0,
-            H.NVML_FI_DEV_REMAPPED_COR: lambda: 0,
-            H.NVML_FI_DEV_REMAPPED_UNC: lambda: 0,
-            H.NVML_FI_DEV_REMAPPED_PENDING: lambda: 0,
-            H.NVML_FI_DEV_REMAPPED_FAILURE: lambda: 0,
-            H.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda: 0,
-            H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: lambda: (PCIE_COUNTER_START + int(0.5e9 * t)) % 2**64,
-            H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lambda: (PCIE_COUNTER_START + int(1.5e9 * t + 4e9 * busy)) % 2**64,
-        }.get(field_id, lambda: None)()
+        if field_id == H.NVML_FI_DEV_MEMORY_TEMP:
+            return 40 + 20 * self.utilization(gpu, t)
+        if field_id == H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+            return self.energy_mj(gpu, t)
+        if field_id == H.NVML_FI_DEV_POWER_INSTANT:
+            return self.power_mw(gpu, t)
+        if field_id == H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+            return (PCIE_COUNTER_START + int(0.5e9 * t)) % 2**64
+        if field_id == H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
+            return (PCIE_COUNTER_START + int(1.5e9 * t + 4e9 * busy)) % 2**64
+        return _CONSTANT_FIELDS.get(field_id)
 
     # --- events (XID) ----------------------------------------------------------------------------
     def _registered(self, event_set: Any) -> set[int]:
