@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -129,6 +130,8 @@ class Nvml:
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.value_types = value_types(lib)
+        entry = lib.c_nvmlFieldValue_t  # a field batch's entry: its size and where valueType, nvmlReturn and value lie
+        self.field_layout = (ctypes.sizeof(entry), entry.valueType.offset, entry.nvmlReturn.offset, entry.value.offset)
         self.success = lib.NVML_SUCCESS
         self._binding_bugs: set[str] = set()
 
@@ -333,11 +336,14 @@ class Device:
             return {}
         values = self.call("nvmlDeviceGetFieldValues", wanted)
         nvml = self.nvml
+        # read from the array's memory, by the struct's layout, rather than member by member: the batch is
+        # read at every sample of every GPU
+        memory, (size, type_at, return_at, value_at) = bytes(values), nvml.field_layout
         result: dict[tuple[int, int], FieldValue | CallFailed] = {}
-        for pair, value in zip(wanted, values):
-            returned = read_field(value, "nvmlReturn")
+        for pair, at in zip(wanted, range(0, len(memory), size)):
+            returned = _UINT.unpack_from(memory, at + return_at)[0]
             if returned == nvml.success:
-                result[pair] = union_value(nvml.value_types, read_field(value, "valueType"), read_field(value, "value"))
+                result[pair] = union_value(nvml.value_types, _UINT.unpack_from(memory, at + type_at)[0], memory, at + value_at)
             elif returned in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
@@ -364,17 +370,21 @@ class FieldValue(NamedTuple):  # a tuple, not a frozen dataclass: built ~20 time
     bits: int | None  # None: a double or a signed value (no wrap)
 
 
-def value_types(lib: ModuleType) -> dict[int, tuple[Any, int | None]]:
-    """NVML_VALUE_TYPE_* tag -> (C type of the union member holding it, unsigned width in bits or None)."""
-    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): (ctype, 8 * ctypes.sizeof(ctype) if unsigned else None)
+def value_types(lib: ModuleType) -> dict[int, tuple[struct.Struct, int | None]]:
+    """NVML_VALUE_TYPE_* tag -> (layout of the union member holding it, unsigned width in bits or None)."""
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): (struct.Struct(ctype._type_), 8 * ctypes.sizeof(ctype) if unsigned else None)
             for kind, (ctype, unsigned) in _VALUE_TYPES.items()}
 
 
-def union_value(types: dict[int, tuple[Any, int | None]], kind: int, union: Any) -> FieldValue:
-    """The number in a c_nvmlValue_t union, read by its NVML_VALUE_TYPE_* tag.
+_UNKNOWN_TYPE = (struct.Struct(ctypes.c_ulonglong._type_), 64)  # a tag this binding does not know: the widest
+_UINT = struct.Struct(ctypes.c_uint._type_)  # valueType and nvmlReturn of a c_nvmlFieldValue_t
+
+
+def union_value(types: dict[int, tuple[struct.Struct, int | None]], kind: int, union: Any, offset: int = 0) -> FieldValue:
+    """The number in a c_nvmlValue_t union (at `offset` in `union`'s memory), read by its NVML_VALUE_TYPE_* tag.
 
     Read through the C type, not the binding's member name: nvidia-ml-py 12.535.108's union has no
     `usVal`, yet a driver may answer NVML_VALUE_TYPE_UNSIGNED_SHORT.
     """
-    ctype, bits = types.get(kind, (ctypes.c_ulonglong, 64))
-    return FieldValue(ctype.from_buffer(union).value, bits)
+    layout, bits = types.get(kind, _UNKNOWN_TYPE)
+    return FieldValue(layout.unpack_from(union, offset)[0], bits)

@@ -86,6 +86,12 @@ class SampleContext:
             return None
         return value
 
+    def emit_series(self, metric: str, series: dict[tuple[str, ...], float]) -> None:
+        """Record every series of `metric` at once ({label values: value}, floats). The dict is shared, never
+        copied: a collector whose readings did not change hands back the same dict, whose lines the sampler
+        then does not write again; so it must never be mutated once emitted."""
+        self.values[metric] = series
+
     def emit(self, metric: str, value: float | None, *labels: str) -> None:
         """Record one sample; None means "no sample" and is dropped here. (That `metric` is declared in
         SPECS with these labels is checked by the tests, not on each of the ~40 samples a GPU takes a second.)"""

@@ -20,6 +20,7 @@ REASONS = {
     "hw_power_brake_slowdown": 0x80,
     "display_clock_setting": 0x100,
 }
+ANY_REASON = sum(REASONS.values())
 
 
 class ThrottleCollector(Collector):
@@ -30,6 +31,11 @@ class ThrottleCollector(Collector):
         super().__init__(device, **kwargs)
         self.seconds = dict.fromkeys(REASONS, 0.0)
         self.last: float | None = None
+        # The series as last emitted, handed back unchanged while they are: the mask changes rarely, and
+        # the seconds only while a reason is active.
+        self.mask: int | None = None
+        self.active: dict[tuple[str, ...], float] = {}
+        self.totals: dict[tuple[str, ...], float] = {}
 
     def collect(self, ctx: SampleContext) -> None:
         mask = ctx.call_first(("nvmlDeviceGetCurrentClocksEventReasons",
@@ -38,9 +44,13 @@ class ThrottleCollector(Collector):
             return
         elapsed = 0.0 if self.last is None else ctx.now - self.last
         self.last = ctx.now
-        for reason, bit in REASONS.items():
-            active = bool(mask & bit)
-            if active and 0 < elapsed <= self.max_gap:
-                self.seconds[reason] += elapsed
-            ctx.emit("nvml_gpu_throttle_active", int(active), reason)
-            ctx.emit("nvml_gpu_throttle_seconds_total", self.seconds[reason], reason)
+        if mask != self.mask:
+            self.mask = mask
+            self.active = {(reason,): float(bool(mask & bit)) for reason, bit in REASONS.items()}
+        if mask & ANY_REASON and 0 < elapsed <= self.max_gap or not self.totals:
+            for reason, bit in REASONS.items():
+                if mask & bit and 0 < elapsed <= self.max_gap:
+                    self.seconds[reason] += elapsed
+            self.totals = {(reason,): seconds for reason, seconds in self.seconds.items()}
+        ctx.emit_series("nvml_gpu_throttle_active", self.active)
+        ctx.emit_series("nvml_gpu_throttle_seconds_total", self.totals)
