@@ -388,3 +388,9 @@ def union_value(types: dict[int, tuple[struct.Struct, int | None]], kind: int, u
     """
     layout, bits = types.get(kind, _UNKNOWN_TYPE)
     return FieldValue(layout.unpack_from(union, offset)[0], bits)
+
+
+def union_layout(types: dict[int, tuple[struct.Struct, int | None]], kind: int) -> struct.Struct:
+    """The layout of the c_nvmlValue_t member an NVML_VALUE_TYPE_* tag names (`union_value` for many values
+    of one tag: `union_layout(...).unpack_from(union)[0]`)."""
+    return types.get(kind, _UNKNOWN_TYPE)[0]

@@ -82,19 +82,21 @@ class SnapshotStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.current = Snapshot()
+        self._samples: dict[int, GpuSample] = {}  # what `current` holds, by GPU index in index order
 
     def publish(self, index: int, sample: GpuSample | None) -> None:
         """Replace GPU `index`'s sample, or mark it lost when `sample` is None."""
         with self._lock:
-            samples = {s.index: s for s in self.current.samples}
-            lost = set(self.current.lost)
+            lost = self.current.lost
             if sample is None:
-                samples.pop(index, None)
-                lost.add(index)
+                self._samples.pop(index, None)
+                lost = lost | {index}
+            elif index in self._samples:  # the usual case: a new sample of a GPU already there
+                self._samples[index] = sample
             else:
-                samples[index] = sample
-                lost.discard(index)
-            self.current = Snapshot(tuple(samples[i] for i in sorted(samples)), frozenset(lost))
+                self._samples = dict(sorted({**self._samples, index: sample}.items()))
+                lost = lost - {index}
+            self.current = Snapshot(tuple(self._samples.values()), lost)
 
 
 class GpuSampler:
@@ -172,6 +174,9 @@ class GpuSampler:
         self.samples_taken += 1
         values: Values = {}
         for collector_values, _ in self._latest.values():  # never mutated once collected: shared, not copied
+            if values.keys().isdisjoint(collector_values):  # the usual case: no other collector has these metrics
+                values.update(collector_values)
+                continue
             for metric, series in collector_values.items():
                 values[metric] = {**values[metric], **series} if metric in values else series
         runs = {name: run for name, (_, run) in self._latest.items()}

@@ -48,6 +48,8 @@ class Collector:
 class SampleContext:
     """Reads for one collector during one sample; failures become counted errors, absences nothing."""
 
+    __slots__ = ("device", "_fields", "now", "values", "errors")  # one per collector and sample
+
     def __init__(self, device: Device, fields: dict[FieldKey, Any], now: float) -> None:
         self.device = device
         self._fields = fields

@@ -13,9 +13,10 @@ class EccCollector(Collector):
     name = "ecc"
     help = "ECC errors, retired pages, remapped rows"
 
-    def _readings(self) -> list[tuple[str, int, tuple[str, ...]]]:
-        lib = self.device.nvml.lib
-        return [
+    def __init__(self, device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        lib = device.nvml.lib
+        self.readings: list[tuple[str, int, tuple[str, ...]]] = [
             ("nvml_gpu_ecc_errors_total", lib.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, ("corrected",)),
             ("nvml_gpu_ecc_errors_total", lib.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, ("uncorrected",)),
             ("nvml_gpu_retired_pages_total", lib.NVML_FI_DEV_RETIRED_SBE, ("single_bit_ecc",)),
@@ -26,10 +27,20 @@ class EccCollector(Collector):
             ("nvml_gpu_remapped_rows_pending", lib.NVML_FI_DEV_REMAPPED_PENDING, ()),
             ("nvml_gpu_remapped_rows_failure", lib.NVML_FI_DEV_REMAPPED_FAILURE, ()),
         ]
+        # the last sample's readings and the series made of them: handed back unchanged while they are
+        # (these counters almost never move)
+        self.last: tuple[float | None, ...] | None = None
+        self.series: dict[str, dict[tuple[str, ...], float]] = {}
 
     def fields(self):
-        return [(field_id, 0) for _, field_id, _ in self._readings()]
+        return [(field_id, 0) for _, field_id, _ in self.readings]
 
     def collect(self, ctx: SampleContext) -> None:
-        for metric, field_id, labels in self._readings():
-            ctx.emit(metric, ctx.field(field_id), *labels)
+        readings = tuple(ctx.field(field_id) for _, field_id, _ in self.readings)
+        if readings != self.last:
+            self.last, self.series = readings, {}
+            for (metric, _, labels), value in zip(self.readings, readings):
+                if value is not None:
+                    self.series.setdefault(metric, {})[labels] = float(value)
+        for metric, series in self.series.items():
+            ctx.emit_series(metric, series)

@@ -15,7 +15,11 @@ class IdentityCollector(Collector):
     def __init__(self, device, *, simulated: bool = False, **kwargs) -> None:
         super().__init__(device, **kwargs)
         self.simulated = "true" if simulated else "false"
+        self.series: dict[tuple[str, ...], float] = {}  # handed back unchanged while the identity is
 
     def collect(self, ctx: SampleContext) -> None:
         device = self.device
-        ctx.emit("nvml_gpu_info", 1, device.name, device.pci_bus_id, device.mig_mode, self.simulated)
+        labels = (device.name, device.pci_bus_id, device.mig_mode, self.simulated)
+        if labels not in self.series:
+            self.series = {labels: 1.0}
+        ctx.emit_series("nvml_gpu_info", self.series)

@@ -17,14 +17,15 @@ class NvlinkCollector(Collector):
     name = "nvlink"
     help = "NVLink data bytes"
 
-    def _fields(self) -> dict[str, int]:
-        lib = self.device.nvml.lib
-        return {"tx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, "rx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+    def __init__(self, device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        lib = device.nvml.lib
+        self.directions = {"tx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, "rx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
 
     def fields(self):
-        return [(field_id, ALL_LINKS) for field_id in self._fields().values()]
+        return [(field_id, ALL_LINKS) for field_id in self.directions.values()]
 
     def collect(self, ctx: SampleContext) -> None:
-        for direction, field_id in self._fields().items():
+        for direction, field_id in self.directions.items():
             kib = ctx.field(field_id, ALL_LINKS)
             ctx.emit("nvml_gpu_nvlink_data_bytes_total", None if kib is None else kib * KIB, direction)

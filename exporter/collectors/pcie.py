@@ -22,11 +22,11 @@ class PcieCollector(Collector):
         lib = device.nvml.lib
         self.counters = {"tx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES"), lib.NVML_PCIE_UTIL_TX_BYTES),
                          "rx": (constant(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"), lib.NVML_PCIE_UTIL_RX_BYTES)}
+        self.replays = lib.NVML_FI_DEV_PCIE_REPLAY_COUNTER
         self.previous: dict[str, tuple[float, float]] = {}
 
     def fields(self):
-        lib = self.device.nvml.lib
-        return [(field_id, 0) for field_id, _ in self.counters.values()] + [(lib.NVML_FI_DEV_PCIE_REPLAY_COUNTER, 0)]
+        return [(field_id, 0) for field_id, _ in self.counters.values()] + [(self.replays, 0)]
 
     def collect(self, ctx: SampleContext) -> None:
         for direction, (field_id, counter) in self.counters.items():
@@ -38,7 +38,7 @@ class PcieCollector(Collector):
                 kib_per_second = ctx.call("nvmlDeviceGetPcieThroughput", counter)
                 ctx.emit("nvml_gpu_pcie_throughput_bytes_per_second",
                          None if kib_per_second is None else kib_per_second * 1024, direction)
-        ctx.emit("nvml_gpu_pcie_replay_errors_total", ctx.field(self.device.nvml.lib.NVML_FI_DEV_PCIE_REPLAY_COUNTER))
+        ctx.emit("nvml_gpu_pcie_replay_errors_total", ctx.field(self.replays))
 
     def _rate(self, direction: str, total: float, bits: int | None, now: float) -> float | None:
         previous = self.previous.get(direction)

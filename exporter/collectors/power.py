@@ -14,18 +14,19 @@ class PowerCollector(Collector):
     name = "power"
     help = "power draw, power limit and energy counter"
 
-    def _readings(self):
-        lib = self.device.nvml.lib
-        return (("nvml_gpu_power_usage_watts", lib.NVML_FI_DEV_POWER_INSTANT, "nvmlDeviceGetPowerUsage"),
-                ("nvml_gpu_power_limit_watts", lib.NVML_FI_DEV_POWER_CURRENT_LIMIT, "nvmlDeviceGetEnforcedPowerLimit"),
-                ("nvml_gpu_energy_joules_total", lib.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
-                 "nvmlDeviceGetTotalEnergyConsumption"))
+    def __init__(self, device, **kwargs) -> None:
+        super().__init__(device, **kwargs)
+        lib = device.nvml.lib
+        self.readings = (
+            ("nvml_gpu_power_usage_watts", lib.NVML_FI_DEV_POWER_INSTANT, "nvmlDeviceGetPowerUsage"),
+            ("nvml_gpu_power_limit_watts", lib.NVML_FI_DEV_POWER_CURRENT_LIMIT, "nvmlDeviceGetEnforcedPowerLimit"),
+            ("nvml_gpu_energy_joules_total", lib.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, "nvmlDeviceGetTotalEnergyConsumption"))
 
     def fields(self):
-        return ((field_id, 0) for _, field_id, _ in self._readings())
+        return ((field_id, 0) for _, field_id, _ in self.readings)
 
     def collect(self, ctx: SampleContext) -> None:
-        for metric, field_id, fallback in self._readings():
+        for metric, field_id, fallback in self.readings:
             milli = ctx.field(field_id)
             if milli is None and self.device.lacks_field(field_id):
                 milli = ctx.call(fallback)

@@ -23,7 +23,7 @@ from collections import deque
 from operator import itemgetter
 
 from exporter.collectors.base import Collector, SampleContext
-from exporter.nvml import Absent, CallFailed, read_field, union_value
+from exporter.nvml import Absent, CallFailed, read_field, union_layout
 
 SPACINGS = 64  # recent sample spacings the typical sampling period is the median of
 MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1 s, NVML): a longer spacing is a gap
@@ -97,12 +97,13 @@ class UtilizationCollector(Collector):
         except CallFailed as exc:
             if exc.error != "not_found":  # NOT_FOUND: no sample newer than the timestamp (dry buffer)
                 raise
-            samples = []
+            kind, samples = None, []
         self.integrating = True
         previous = self.last_timestamp
         covered = 0.0
         newest = None
         typical = self._typical()
+        layout = union_layout(self.device.nvml.value_types, kind)
         readings = sorted(((read_field(s, "timeStamp"), read_field(s, "sampleValue")) for s in samples),
                           key=itemgetter(0))
         for stamp, value in readings:
@@ -112,7 +113,7 @@ class UtilizationCollector(Collector):
             if spacing is not None and spacing <= MAX_PERIOD:
                 self.spacings.append(spacing)
             previous = stamp
-            newest = _ratio(union_value(self.device.nvml.value_types, kind, value).value)
+            newest = _ratio(layout.unpack_from(value)[0])
             if elapsed is not None:
                 # its own spacing, or one typical period after a gap (or for the first sample ever seen)
                 period = spacing if spacing is not None and spacing <= JITTER_BOUND * typical else typical
