@@ -556,3 +556,27 @@ def test_every_series_a_collector_emits_is_declared_with_its_labels(tmp_path, sc
     assert "nvml_gpu_process_memory_used_bytes" in emitted and "nvml_gpu_energy_joules_total" in emitted
     assert {metric: arities for metric, arities in emitted.items()
             if metric not in SPECS or arities != {len(SPECS[metric].labels)}} == {}
+
+
+def test_readings_that_did_not_change_are_handed_back_as_the_same_series_and_keep_their_lines():
+    # the thermal-throttle scenario starts throttling 30 s in: the reasons change once, then hold
+    rig = Rig("thermal-throttle", gpus=1, collectors=["throttle", "ecc"])
+    unchanged = ("nvml_gpu_info", "nvml_gpu_throttle_active", "nvml_gpu_throttle_seconds_total",
+                 "nvml_gpu_ecc_errors_total", "nvml_gpu_remapped_rows_total")
+    rig.step()
+    before = rig.sampler.store.current.samples[0]
+    rig.step()
+    after = rig.sampler.store.current.samples[0]
+    assert all(after.values[metric] is before.values[metric] for metric in unchanged)
+    assert all(after.lines[i] is before.lines[i] for i in range(len(after.lines)) if before.lines[i])
+    for _ in range(30):
+        rig.step()
+    throttled = rig.sampler.store.current.samples[0].values
+    assert throttled["nvml_gpu_throttle_active"][("sw_thermal_slowdown",)] == 1.0
+    assert throttled["nvml_gpu_throttle_active"] is not after.values["nvml_gpu_throttle_active"]
+    rig.step()
+    later = rig.sampler.store.current.samples[0].values
+    assert later["nvml_gpu_throttle_active"] is throttled["nvml_gpu_throttle_active"]
+    # an active reason's seconds grow at every sample: made again, not handed back
+    assert later["nvml_gpu_throttle_seconds_total"][("sw_thermal_slowdown",)] == pytest.approx(
+        throttled["nvml_gpu_throttle_seconds_total"][("sw_thermal_slowdown",)] + 1.0)

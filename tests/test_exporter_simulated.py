@@ -147,3 +147,20 @@ def test_the_sample_buffer_read_from_a_timestamp_computes_only_the_newer_entries
     _, newer = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, since)
     assert [s.timeStamp for s in newer] == [s.timeStamp for s in everything[-10:]]
     assert len(computed) <= 15  # not the whole buffer (120 entries)
+
+
+def test_a_field_batch_reads_through_the_bindings_own_members_in_the_type_each_field_is_answered_in():
+    power, temp, pcie = H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_MEMORY_TEMP, H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+    traits = DeviceTraits(power=False, field_types={temp: H.NVML_VALUE_TYPE_DOUBLE, pcie: H.NVML_VALUE_TYPE_UNSIGNED_INT})
+    clock = FakeClock()
+    lib = SimulatedNVML("healthy", 1, devices={0: traits}, clock=clock)
+    lib.nvmlInit()
+    clock.advance(3.0)
+    entries = lib.nvmlDeviceGetFieldValues(lib.nvmlDeviceGetHandleByIndex(0), [temp, (pcie, 0), power])
+    assert [(e.fieldId, e.scopeId, e.nvmlReturn) for e in entries] == [
+        (temp, 0, H.NVML_SUCCESS), (pcie, 0, H.NVML_SUCCESS), (power, 0, H.NVML_ERROR_NOT_SUPPORTED)]
+    assert {e.timestamp for e in entries} == {int(clock.now * 1e6)}
+    assert entries[0].valueType == H.NVML_VALUE_TYPE_DOUBLE and 40 <= entries[0].value.dVal <= 60
+    # the 64-bit counter, answered as a 32-bit one, wraps at 2**32 as the driver's does
+    assert entries[1].valueType == H.NVML_VALUE_TYPE_UNSIGNED_INT
+    assert entries[1].value.uiVal == lib._field(0, pcie, 0, 3.0, lib.busy_seconds(0, 3.0)) % 2**32
