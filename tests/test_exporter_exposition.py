@@ -1,4 +1,5 @@
-"""The scrape path (pre-rendered GPU lines) serves exactly what prometheus_client renders from the same snapshot."""
+"""The scrape path (pre-rendered GPU lines, written without prometheus_client) serves exactly what
+prometheus_client renders from the same snapshot and the same /proc."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,17 +7,20 @@ import gzip
 import math
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import requests
-from prometheus_client import Gauge, Histogram, PlatformCollector
-from prometheus_client.exposition import choose_encoder
+from hypothesis import example, given
+from hypothesis import strategies as st
+from prometheus_client.exposition import choose_encoder, gzip_accepted as prometheus_gzip_accepted
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+from exporter import exposition as exposition_module
 from exporter.exposition import Exposition
 from exporter.metrics import GPU_METRICS
-from exporter.textformat import sample_lines
+from exporter.textformat import float_text, gzip_accepted, negotiate, sample_lines
 from stack import processes
 from tests.exporter_support import Rig
 
@@ -38,17 +42,27 @@ def rig(tmp_path) -> Rig:
     return rig
 
 
+def fake_proc(root: Path) -> str:
+    """A /proc whose `self` holds still (unlike the test process's own): stat, limits and four open fds."""
+    (root / "self" / "fd").mkdir(parents=True)
+    (root / "stat").write_text("cpu  1 2 3 4\nbtime 1700000000\nprocesses 5\n")
+    fields = ["S", *map(str, range(1, 19)), "123456", "987654321", "6789", *["0"] * 30]  # 20: start, 22: vsize, 23: rss
+    (root / "self" / "stat").write_text("4242 (python3 (x)) " + " ".join(fields) + "\n")
+    (root / "self" / "limits").write_text("Limit                     Soft Limit  Hard Limit  Units\n"
+                                          "Max open files            1024        524288      files\n")
+    for fd in range(4):
+        (root / "self" / "fd" / str(fd)).write_text("")
+    return str(root)
+
+
 def serve(rig: Rig) -> Exposition:
-    """The exposition the daemon builds, with other collectors whose values hold still (unlike process_*)."""
-    gauge = Gauge("other_gauge", "An other collector's gauge.", ["label"], registry=None)
-    gauge.labels('with "quotes"').set(2)
-    histogram = Histogram("other_seconds", "An other collector's histogram.", registry=None, buckets=(0.5, 1.0))
-    histogram.observe(0.7)
-    return Exposition(rig.sampler, [gauge, histogram, PlatformCollector(registry=None)], clock=rig.clock)
+    """The exposition the daemon builds, reading process_* from a /proc that holds still."""
+    root = Path(rig.sampler.proc_root) / "fake-proc"
+    return Exposition(rig.sampler, clock=rig.clock, proc=str(root) if root.exists() else fake_proc(root))
 
 
 def reference(exposition: Exposition, accept: str | None) -> tuple[bytes, str]:
-    """prometheus_client's own rendering of the same collectors."""
+    """prometheus_client's own rendering of the same collectors (and its ProcessCollector, PlatformCollector)."""
     encoder, content_type = choose_encoder(accept)
     return encoder(exposition.registry), content_type
 
@@ -74,6 +88,7 @@ def test_scrape_path_output_is_prometheus_clients_byte_for_byte(rig, accept):
     body = assert_same_as_prometheus_client(serve(rig), accept)
     assert b'_ratio{gpu="1",' in body  # (escaping=dots doubles the underscores in names)
     assert b'process="py \\"train\\" \\\\ 1"' in body
+    assert b"process_open_fds 4.0\n" in body or b"process__open__fds 4.0\n" in body
 
 
 def test_openmetrics_ends_with_one_eof_and_counters_keep_their_total_suffix(rig):
@@ -176,3 +191,62 @@ def test_a_sample_formats_only_the_families_that_changed(rig):
     assert after.lines[static] is before.lines[static]  # kept, not formatted again
     assert after.lines[moving] != before.lines[moving]
     assert after.lines == sample_lines(after.index, after.uuid, after.values)  # what a fresh rendering gives
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers(-2**70, 2**70))
+@example(1e22)
+@example(123456789.0)
+@example(-0.0)
+def test_float_text_is_prometheus_clients_float_to_go_string(value):
+    from prometheus_client.utils import floatToGoString
+    assert float_text(value) == floatToGoString(value)
+
+
+_MEDIA = st.sampled_from(["application/openmetrics-text", "text/plain", "*/*", "text/html", " text/plain ",
+                          "application/openmetrics-text ", "application/json"])
+_PARAMETER = st.sampled_from(["version=1.0.0", "version=0.0.1", "version=0.0.4", "version=2.0.0", "version=1",
+                              "version=10", " version=1.0.0", "version =1.0.0", "escaping=dots", "escaping=values",
+                              "escaping=allow-utf-8", "escaping=underscores", "escaping=bogus", "q=0.5", "charset=utf-8",
+                              "version=", "=", ""])
+_ENTRY = st.builds(lambda media, parameters: ";".join([media, *parameters]), _MEDIA, st.lists(_PARAMETER, max_size=3))
+
+
+@given(st.none() | st.builds(",".join, st.lists(_ENTRY, max_size=4)))
+@example("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+         "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+def test_accept_negotiation_is_prometheus_clients(accept):
+    encoder, content_type = choose_encoder(accept)
+    chosen = negotiate(accept)
+    assert chosen.content_type == content_type
+    assert chosen.openmetrics == content_type.startswith("application/openmetrics-text")
+    assert chosen.escaping == getattr(encoder, "keywords", {}).get("escaping", "underscores")
+
+
+def test_a_version_that_is_no_number_is_passed_over_where_prometheus_client_raises():
+    accept = "application/openmetrics-text; version=1.0.x, text/plain"
+    with pytest.raises(TypeError):
+        choose_encoder(accept)
+    assert negotiate(accept).content_type == "text/plain; version=0.0.4; charset=utf-8"
+
+
+@given(st.none() | st.builds(",".join, st.lists(st.sampled_from(["gzip", "GZIP;q=0", " gzip ", "deflate", "br",
+                                                                 "x-gzip", "*", "identity;q=1", ""]), max_size=4)))
+def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
+    assert gzip_accepted(accept_encoding) == prometheus_gzip_accepted(accept_encoding)
+
+
+def test_a_body_is_reused_for_the_same_snapshot_and_format_for_at_most_a_second(rig):
+    exposition = serve(rig)
+    text, _ = exposition.render(TEXT)
+    assert exposition.render(TEXT)[0] is text  # same snapshot, same format: not rendered again
+    assert exposition.render("text/plain; version=1.0.0")[0] is text  # the same body under another content type
+    openmetrics, _ = exposition.render(OPENMETRICS)
+    assert openmetrics is not text and openmetrics.endswith(b"# EOF\n")
+    gzipped, _ = exposition.render(TEXT, gzipped=True)
+    assert gzip.decompress(gzipped) == text and exposition.render(TEXT, gzipped=True)[0] is gzipped
+    rig.clock.advance(exposition_module.REUSE_SECONDS)
+    aged = exposition.render(TEXT)[0]
+    assert aged is not text and b"nvml_exporter_snapshot_age_seconds 1.0\n" in aged  # rendered anew: ages move on
+    rig.step()
+    assert exposition.render(TEXT)[0] is not aged  # a new snapshot
+    assert_same_as_prometheus_client(exposition, TEXT)
