@@ -222,7 +222,7 @@ def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Even
         return 1
     exposition = Exposition(sampler)
     sampler.start()
-    server = WebServer(render=exposition.render, listen_address=args.web_listen_address,
+    server = WebServer(render=exposition.render, reused=exposition.reused, listen_address=args.web_listen_address,
                        telemetry_path=args.web_telemetry_path, web_config=web_config, ready=sampler.ready)
     try:
         server.start()

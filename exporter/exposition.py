@@ -191,7 +191,8 @@ class _Rendered(NamedTuple):
 class Exposition:
     """Everything the telemetry path serves: the snapshot's families, then process_* and python_info.
 
-    `render(accept, names, gzipped)` is the scrape path. `registry`, built (with prometheus_client) the
+    `render(accept, names, gzipped)` is the scrape path (`reused`: its answer when no rendering is
+    needed, for the connection's own thread to serve without waiting for the rendering thread). `registry`, built (with prometheus_client) the
     first time it is used, holds the same collectors as prometheus_client has them: the reference, and
     what `name[]` filtering and `escaping=dots` render. `proc`: where process_* are read (/proc/self).
     """
@@ -226,19 +227,34 @@ class Exposition:
         fmt = negotiate(accept)
         if names or fmt.escaping == "dots":  # rare: let prometheus_client do it
             return render_registry(self.registry, accept, names, gzipped)
-        key = (fmt.openmetrics, gzipped)
         snapshot, now = self.collector.sampler.store.current, self.collector.clock()
-        reused = self._rendered.get(key)
-        if reused is not None and reused.snapshot is snapshot and 0 <= now - reused.at < REUSE_SECONDS:
-            return reused.body, fmt.content_type
+        reused = self._reusable(fmt.openmetrics, gzipped, snapshot, now)
+        if reused is not None:
+            return reused, fmt.content_type
         try:
             body = self._render(self.collector.view(snapshot), fmt.openmetrics)
         except Exception:  # noqa: BLE001 - a bug here must not cost the scrape
             log.exception("fast exposition failed; rendering with prometheus_client")
             return render_registry(self.registry, accept, (), gzipped)
         body = compress(body) if gzipped else body
-        self._rendered[key] = _Rendered(snapshot, now, body)
+        self._rendered[(fmt.openmetrics, gzipped)] = _Rendered(snapshot, now, body)
         return body, fmt.content_type
+
+    def reused(self, accept: str | None, names: Sequence[str] = (), gzipped: bool = False) -> tuple[bytes, str] | None:
+        """What `render` would answer when it can serve a body rendered before (cheap: any thread may ask);
+        None when the scrape needs a rendering."""
+        fmt = negotiate(accept)
+        if names or fmt.escaping == "dots":
+            return None
+        body = self._reusable(fmt.openmetrics, gzipped, self.collector.sampler.store.current, self.collector.clock())
+        return None if body is None else (body, fmt.content_type)
+
+    def _reusable(self, openmetrics: bool, gzipped: bool, snapshot: Snapshot, now: float) -> bytes | None:
+        """The body rendered in this format for `snapshot` less than REUSE_SECONDS before `now`, if any."""
+        rendered = self._rendered.get((openmetrics, gzipped))
+        if rendered is not None and rendered.snapshot is snapshot and 0 <= now - rendered.at < REUSE_SECONDS:
+            return rendered.body
+        return None
 
     def _render(self, view: _View, openmetrics: bool) -> bytes:
         headers = self._headers[openmetrics]

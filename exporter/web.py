@@ -29,8 +29,9 @@ from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTI
 RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 
 log = logging.getLogger("exporter.web")
-# (Accept header, name[] filter, gzip) -> (body, gzipped when asked, content type)
+# (Accept header, name[] filter, gzip) -> (body, gzipped when asked; content type)
 Render = Callable[[str | None, Sequence[str], bool], tuple[bytes, str]]
+Reused = Callable[[str | None, Sequence[str], bool], tuple[bytes, str] | None]  # the same, or None: render it
 
 
 class _Renderer:
@@ -124,8 +125,9 @@ class _Handler(BoundedHandler):
         names = tuple(sorted(params.get("name[]", ())))
         gzipped = gzip_accepted(request.headers.get("accept-encoding"))
         try:
-            body, content_type = self.server.renders.run((accept, names, gzipped),
-                                                         lambda: self.server.render(accept, names, gzipped))
+            reused = self.server.reused(accept, names, gzipped) if self.server.reused else None
+            body, content_type = reused or self.server.renders.run((accept, names, gzipped),
+                                                                   lambda: self.server.render(accept, names, gzipped))
         except Exception:  # a collector bug must not take the server down; the scrape reports 500
             log.exception("rendering metrics failed")
             self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
@@ -137,6 +139,7 @@ class _Server(Server):
     """The transport's server with what the endpoints need: registry, renderer, auth, readiness."""
 
     def __init__(self, address: tuple[str, int], family: int, *, registry, render: Render | None,
+                 reused: Reused | None,
                  telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
                  max_connections: int, max_connections_per_client: int, auth_cache: bool) -> None:
         config = web_config or WebConfig()
@@ -144,6 +147,7 @@ class _Server(Server):
                          header_timeout=header_timeout, max_connections=max_connections,
                          max_connections_per_client=max_connections_per_client)
         self.render = render or functools.partial(render_registry, registry)
+        self.reused = reused
         self.telemetry_path = telemetry_path
         self.ready = ready
         self.allowed_sans = config.client_allowed_sans
@@ -168,13 +172,17 @@ class WebServer:
 
     `render(accept_header, names, gzipped) -> (body, content_type)` renders every scrape (`names`: the
     `name[]` filter; `gzipped`: the body gzipped); without it, `registry` (a prometheus_client
-    collector or registry) is rendered by prometheus_client.
+    collector or registry) is rendered by prometheus_client. `reused(accept_header, names, gzipped)`, when
+    given, is tried first in the connection's thread: a body `render` rendered before and may serve
+    again, or None.
     The constructor checks the listen address (ValueError); start() binds and serves from daemon
     threads, raising OSError when the address cannot be bound; shutdown() stops serving.
     """
 
     def __init__(self, registry=None, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
-                 ready: Callable[[], bool], render: Render | None = None, header_timeout: float = HEADER_TIMEOUT,
+                 ready: Callable[[], bool], render: Render | None = None,
+                 reused: Reused | None = None,
+                 header_timeout: float = HEADER_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
                  auth_cache: bool = True) -> None:
         try:
@@ -182,7 +190,7 @@ class WebServer:
             check_telemetry_path(telemetry_path)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
-        self._options = dict(registry=registry, render=render, telemetry_path=telemetry_path, web_config=web_config,
+        self._options = dict(registry=registry, render=render, reused=reused, telemetry_path=telemetry_path, web_config=web_config,
                              ready=ready, header_timeout=header_timeout, max_connections=max_connections,
                              max_connections_per_client=max_connections_per_client, auth_cache=auth_cache)
         self._server: _Server | None = None

@@ -237,14 +237,18 @@ def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
 
 def test_a_body_is_reused_for_the_same_snapshot_and_format_for_at_most_a_second(rig):
     exposition = serve(rig)
-    text, _ = exposition.render(TEXT)
+    assert exposition.reused(TEXT) is None  # nothing rendered yet
+    text, content_type = exposition.render(TEXT)
     assert exposition.render(TEXT)[0] is text  # same snapshot, same format: not rendered again
+    assert exposition.reused(TEXT) == (text, content_type) and exposition.reused(TEXT)[0] is text
+    assert exposition.reused(TEXT, names=["nvml_up"]) is None and exposition.reused(ACCEPTS[-1]) is None
     assert exposition.render("text/plain; version=1.0.0")[0] is text  # the same body under another content type
     openmetrics, _ = exposition.render(OPENMETRICS)
     assert openmetrics is not text and openmetrics.endswith(b"# EOF\n")
     gzipped, _ = exposition.render(TEXT, gzipped=True)
     assert gzip.decompress(gzipped) == text and exposition.render(TEXT, gzipped=True)[0] is gzipped
     rig.clock.advance(exposition_module.REUSE_SECONDS)
+    assert exposition.reused(TEXT) is None
     aged = exposition.render(TEXT)[0]
     assert aged is not text and b"nvml_exporter_snapshot_age_seconds 1.0\n" in aged  # rendered anew: ages move on
     rig.step()
