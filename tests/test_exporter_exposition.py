@@ -11,16 +11,14 @@ from pathlib import Path
 
 import pytest
 import requests
-from hypothesis import example, given
-from hypothesis import strategies as st
-from prometheus_client.exposition import choose_encoder, gzip_accepted as prometheus_gzip_accepted
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from exporter import exposition as exposition_module
 from exporter.exposition import Exposition
 from exporter.metrics import GPU_METRICS
-from exporter.textformat import float_text, gzip_accepted, negotiate, sample_lines
+from exporter.textformat import sample_lines
 from stack import processes
 from tests.exporter_support import Rig
 
@@ -191,48 +189,6 @@ def test_a_sample_formats_only_the_families_that_changed(rig):
     assert after.lines[static] is before.lines[static]  # kept, not formatted again
     assert after.lines[moving] != before.lines[moving]
     assert after.lines == sample_lines(after.index, after.uuid, after.values)  # what a fresh rendering gives
-
-
-@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers(-2**70, 2**70))
-@example(1e22)
-@example(123456789.0)
-@example(-0.0)
-def test_float_text_is_prometheus_clients_float_to_go_string(value):
-    from prometheus_client.utils import floatToGoString
-    assert float_text(value) == floatToGoString(value)
-
-
-_MEDIA = st.sampled_from(["application/openmetrics-text", "text/plain", "*/*", "text/html", " text/plain ",
-                          "application/openmetrics-text ", "application/json"])
-_PARAMETER = st.sampled_from(["version=1.0.0", "version=0.0.1", "version=0.0.4", "version=2.0.0", "version=1",
-                              "version=10", " version=1.0.0", "version =1.0.0", "escaping=dots", "escaping=values",
-                              "escaping=allow-utf-8", "escaping=underscores", "escaping=bogus", "q=0.5", "charset=utf-8",
-                              "version=", "=", ""])
-_ENTRY = st.builds(lambda media, parameters: ";".join([media, *parameters]), _MEDIA, st.lists(_PARAMETER, max_size=3))
-
-
-@given(st.none() | st.builds(",".join, st.lists(_ENTRY, max_size=4)))
-@example("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-         "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
-def test_accept_negotiation_is_prometheus_clients(accept):
-    encoder, content_type = choose_encoder(accept)
-    chosen = negotiate(accept)
-    assert chosen.content_type == content_type
-    assert chosen.openmetrics == content_type.startswith("application/openmetrics-text")
-    assert chosen.escaping == getattr(encoder, "keywords", {}).get("escaping", "underscores")
-
-
-def test_a_version_that_is_no_number_is_passed_over_where_prometheus_client_raises():
-    accept = "application/openmetrics-text; version=1.0.x, text/plain"
-    with pytest.raises(TypeError):
-        choose_encoder(accept)
-    assert negotiate(accept).content_type == "text/plain; version=0.0.4; charset=utf-8"
-
-
-@given(st.none() | st.builds(",".join, st.lists(st.sampled_from(["gzip", "GZIP;q=0", " gzip ", "deflate", "br",
-                                                                 "x-gzip", "*", "identity;q=1", ""]), max_size=4)))
-def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
-    assert gzip_accepted(accept_encoding) == prometheus_gzip_accepted(accept_encoding)
 
 
 def test_a_body_is_reused_for_the_same_snapshot_and_format_for_at_most_a_second(rig):
