@@ -21,7 +21,7 @@ one another (set by when each started) also move the idle figures by a few hundr
 The "no reuse" column is the same daemon with the same flags rendering every scrape anew
 (`exporter.exposition.REUSE_SECONDS = 0`): what a scrape costs when it finds no body rendered for
 its snapshot and format (at one scrape per 15 s, every scrape); its scrapes alternate with the others'.
-Both exporters run as installed: from a copy of `exporter/` in a temporary directory whose bytecode
+Both exporters run as installed: dualtrack from a copy of `exporter/` in a temporary directory whose bytecode
 is compiled first (pip compiles an installed package's; a checkout run with PYTHONDONTWRITEBYTECODE
 would compile every module at each start, which costs resident memory), nvitop-exporter from its
 virtual environment, each on that copy's simulated NVML.
