@@ -19,7 +19,7 @@ from stack.processes import Service, wait_until
 from tests.certs import bcrypt_hash
 
 HEAVY = ("prometheus_client", "http.server", "http.client", "email", "ssl", "hashlib", "urllib.request", "bcrypt",
-         "yaml", "importlib.metadata")
+         "yaml", "importlib.metadata", "statistics", "decimal")
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 
 # Runs the CLI's main; a thread waits for the test's go-ahead (a file), writes which HEAVY modules are loaded, stops it.
