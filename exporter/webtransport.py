@@ -162,7 +162,7 @@ class BoundedHandler:
         self.server = server
         self.slot = connection
         self.close_connection = True
-        self._buffer = b""
+        self._buffer = bytearray()  # appended in place: a head trickled byte by byte is not copied over and over
         self.handle()
 
     def respond(self, request: Request) -> None:
@@ -211,7 +211,8 @@ class BoundedHandler:
             if not chunk:
                 return None
             self._buffer += chunk
-        head, self._buffer = self._buffer[:end.end()], self._buffer[end.end():]
+        head = bytes(self._buffer[:end.end()])
+        del self._buffer[:end.end()]
         return head
 
     def reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
