@@ -196,7 +196,7 @@ class BoundedHandler:
         searched = 0
         while not (end := _HEAD_END.search(self._buffer, searched)):
             searched = max(0, len(self._buffer) - 3)
-            if len(self._buffer) > MAX_LINE_BYTES and b"\n" not in self._buffer[:MAX_LINE_BYTES + 1]:
+            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
                 raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
             if len(self._buffer) >= MAX_HEADER_BYTES:
                 raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
