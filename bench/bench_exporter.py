@@ -13,24 +13,31 @@ Without it (or when that Python cannot import nvitop_exporter) the baseline is a
 "naive": nvitop-exporter's 17 NVML calls per GPU, made on every scrape.
 
 Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle (the sampler's cost), CPU per scrape, CPU
-at one scrape per 15 s (idle CPU + CPU per scrape / 15), resident memory, NVML calls per GPU per
+at one scrape per 15 s (idle CPU + CPU per scrape / 15, ours with the CPU of a scrape without reuse), resident memory, NVML calls per GPU per
 sample (counted in the simulated NVML), series per GPU, and the ratios dualtrack / baseline.
 CPU is counted in clock ticks (10 ms) over `--window` seconds: 10 s gives about +-0.1 % of a core,
 30 s (the README's figures) +-0.03 %. The daemons run at once, so their samplers' phases relative to
 one another (set by when each started) also move the idle figures by a few hundredths of a percent.
-The "generic path" column is the same daemon with the same flags rendering every scrape with
-prometheus_client and without pre-rendered sample lines (how scrapes were served before); its
-scrapes alternate with the pre-rendered daemon's.
+The "no reuse" column is the same daemon with the same flags rendering every scrape anew
+(`exporter.exposition.REUSE_SECONDS = 0`): what a scrape costs when it finds no body rendered for
+its snapshot and format (at one scrape per 15 s, every scrape); its scrapes alternate with the others'.
+Both exporters run as installed: dualtrack from a copy of `exporter/` in a temporary directory whose bytecode
+is compiled first (pip compiles an installed package's; a checkout run with PYTHONDONTWRITEBYTECODE
+would compile every module at each start, which costs resident memory), nvitop-exporter from its
+virtual environment, each on that copy's simulated NVML.
 """
 from __future__ import annotations
 
 import argparse
+import compileall
 import gzip
 import http.client
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -86,14 +93,16 @@ class NaiveCollector:
         yield from families.values()
 
 
-def serve_generic(argv: list[str]) -> int:
-    """The exporter daemon with `argv`, minus the scrape path: no pre-rendered lines, prometheus_client renders."""
-    import exporter.cli
-    import exporter.sampler
-    web_server = exporter.cli.WebServer
-    exporter.cli.WebServer = lambda *args, render=None, **kwargs: web_server(*args, **kwargs)
-    exporter.sampler.sample_lines = lambda *args: ()
-    return exporter.cli.main(argv)
+NO_REUSE = ("import sys, exporter.cli, exporter.exposition; exporter.exposition.REUSE_SECONDS = 0; "
+            "sys.exit(exporter.cli.main(sys.argv[1:]))")
+
+
+def installed_copy(directory: str) -> str:
+    """`directory` with a copy of `exporter/` whose bytecode is compiled, as pip installs a package."""
+    shutil.copytree(REPO / "exporter", Path(directory) / "exporter", ignore=shutil.ignore_patterns("__pycache__"))
+    if not compileall.compile_dir(Path(directory) / "exporter", quiet=1):
+        sys.exit("bench_exporter: cannot compile the exporter's bytecode")
+    return directory
 
 
 def serve_naive(port: int) -> None:
@@ -121,9 +130,10 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def start(name: str, argv: list[str], port: int) -> tuple[str, subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(name: str, argv: list[str], port: int, installed: str) -> tuple[str, subprocess.Popen, str]:
+    """Start a daemon whose `exporter` package is the compiled copy in `installed`."""
+    env = {**os.environ, "PYTHONPATH": installed}
+    proc = subprocess.Popen(argv, cwd=installed, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/metrics"
     wait_until(lambda: requests.get(url, timeout=2).status_code == 200 and "gpu" in requests.get(url, timeout=2).text,
                timeout=30, what=f"{name} serving")
@@ -163,30 +173,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def in_process_sampling(samples: int = 60, prerender: bool = True) -> dict[str, float]:
+def in_process_sampling(samples: int = 60) -> dict[str, float]:
     """Ours, in this process over `samples` steady-state samples of 8 GPUs (no call cost): NVML calls
     per GPU per sample counted in the simulated NVML (every call, those without a device argument too), and the sampler's own CPU time per sample
-    (process CPU minus the CPU the simulation itself spent); `prerender=False`: without rendering
-    the sample lines, as with the generic path."""
-    import exporter.sampler
+    (process CPU minus the CPU the simulation itself spent)."""
     from tests.exporter_support import Rig
-    rendering = exporter.sampler.sample_lines
-    if not prerender:
-        exporter.sampler.sample_lines = lambda *args: ()
-    try:
-        rig = Rig(gpus=GPUS)
+    rig = Rig(gpus=GPUS)
+    rig.step()
+    calls = lambda: sum(rig.lib.calls.values()) - rig.lib.calls["nvmlInit"]  # noqa: E731
+    first = calls() / GPUS
+    per_sample = []
+    cpu, simulated = time.process_time(), rig.lib.cpu_seconds
+    for _ in range(samples):
+        before = calls()
         rig.step()
-        calls = lambda: sum(rig.lib.calls.values()) - rig.lib.calls["nvmlInit"]  # noqa: E731
-        first = calls() / GPUS
-        per_sample = []
-        cpu, simulated = time.process_time(), rig.lib.cpu_seconds
-        for _ in range(samples):
-            before = calls()
-            rig.step()
-            per_sample.append((calls() - before) / GPUS)
-        cpu, simulated = time.process_time() - cpu, rig.lib.cpu_seconds - simulated
-    finally:
-        exporter.sampler.sample_lines = rendering
+        per_sample.append((calls() - before) / GPUS)
+    cpu, simulated = time.process_time() - cpu, rig.lib.cpu_seconds - simulated
     series = sum(len(v) for v in rig.sampler.store.current.samples[0].values.values()) + 1  # + nvml_gpu_info
     return {"average": statistics.mean(per_sample), "max": max(per_sample), "first": first, "series": series,
             "exporter_cpu": (cpu - simulated) / samples, "simulation_cpu": simulated / samples}
@@ -253,47 +255,48 @@ def main() -> int:
     parser.add_argument("--nvitop-python", help="a Python with nvitop-exporter installed (default: this one, "
                                                 "if it has it; else the naive stand-in)")
     parser.add_argument("--naive-server", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--generic-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive_server:
         serve_naive(args.naive_server)
         return 0
-    if args.generic_server:
-        return serve_generic(daemon_flags(args.generic_server, 1))
+    with tempfile.TemporaryDirectory(prefix="bench-exporter-") as directory:
+        return measure(args, installed_copy(directory))
 
+
+def measure(args: argparse.Namespace, installed: str) -> int:
     python = nvitop_python(args.nvitop_python)
     ports = [free_port() for _ in range(4)]
     ours = [sys.executable, "-m", "exporter"]
     base_name, base_argv = baseline_daemon(python, ports[3])
     daemons = [
-        start("pre-rendered (now)", ours + daemon_flags(ports[0], 1), ports[0]),
-        start("generic path (before)", [sys.executable, __file__, f"--generic-server={ports[1]}"], ports[1]),
-        start("dualtrack, sampler idle", ours + daemon_flags(ports[2], 3600), ports[2]),
-        start(base_name, base_argv, ports[3]),
+        start("(reusing bodies)", ours + daemon_flags(ports[0], 1), ports[0], installed),
+        start("no reuse", [sys.executable, "-c", NO_REUSE, *daemon_flags(ports[1], 1)], ports[1], installed),
+        start("dualtrack, sampler idle", ours + daemon_flags(ports[2], 3600), ports[2], installed),
+        start(base_name, base_argv, ports[3], installed),
     ]
-    (fast, fast_proc, fast_url), (generic, generic_proc, generic_url) = daemons[0], daemons[1]
+    (fast, fast_proc, fast_url), (no_reuse, no_reuse_proc, no_reuse_url) = daemons[0], daemons[1]
     idle_name, (base, base_proc, base_url) = daemons[2][0], daemons[3]
     try:
         time.sleep(3)  # let the samplers reach steady state (GPM, processes, clocks all sampled)
         idle_cpu = {name: cpu_seconds(proc.pid) for name, proc, _ in daemons}
         time.sleep(args.window)
         idle_cpu = {name: (cpu_seconds(proc.pid) - idle_cpu[name]) / args.window for name, proc, _ in daemons}
-        ours_urls, ours_procs = [fast_url, generic_url], [fast_proc, generic_proc]
+        ours_urls, ours_procs = [fast_url, no_reuse_url], [fast_proc, no_reuse_proc]
         scraper = Scraper(ours_urls + [base_url])
         scraper.latencies(20)  # warm-up
         # every daemon's scrapes alternate, so that load on the machine falls on all alike
         all_procs = ours_procs + [base_proc]
         before = [cpu_seconds(proc.pid) for proc in all_procs]
         started = time.monotonic()
-        text = dict(zip((fast, generic, base), scraper.latencies(args.scrapes)))
+        text = dict(zip((fast, no_reuse, base), scraper.latencies(args.scrapes)))
         elapsed = time.monotonic() - started
         # CPU per scrape: CPU over the scrapes minus what the daemon spends anyway (its idle rate)
         cpu_per_scrape = {name: (cpu_seconds(proc.pid) - start_cpu - idle_cpu[name] * elapsed) / args.scrapes
-                          for name, proc, start_cpu in zip((fast, generic, base), all_procs, before)}
-        om = dict(zip((fast, generic), Scraper(ours_urls).latencies(args.scrapes, OPENMETRICS)))
+                          for name, proc, start_cpu in zip((fast, no_reuse, base), all_procs, before)}
+        om = dict(zip((fast, no_reuse), Scraper(ours_urls).latencies(args.scrapes, OPENMETRICS)))
         base_body = requests.get(base_url, timeout=30).content
         rss = {name: rss_mb(proc.pid) for name, proc, _ in daemons}
-        bare = subprocess.run([sys.executable, "-c", "import prometheus_client, pynvml, pathlib; "
+        bare = subprocess.run([sys.executable, "-c", "import pynvml, pathlib; "
                                "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
                                "if l.startswith('VmRSS')][0].split()[1])"], capture_output=True, text=True)
         bare_mb = int(bare.stdout.strip()) / 1024
@@ -302,10 +305,13 @@ def main() -> int:
             proc.terminate()
             proc.wait(10)
 
-    sampling = {fast: in_process_sampling(), generic: in_process_sampling(prerender=False)}
+    sampling = {fast: in_process_sampling()}
+    sampling[no_reuse] = sampling[fast]  # the same sampler
     base_calls = nvitop_calls_per_gpu(python) if python else naive_calls_per_gpu()
-    sampler_cpu = {name: idle_cpu[name] - idle_cpu[idle_name] for name in (fast, generic)}
-    at_15s = {name: idle_cpu[name] + cpu_per_scrape[name] / SCRAPE_INTERVAL for name in (fast, generic, base)}
+    sampler_cpu = {name: idle_cpu[name] - idle_cpu[idle_name] for name in (fast, no_reuse)}
+    # one scrape per 15 s never finds a body rendered for its snapshot: ours pays the no-reuse scrape
+    at_15s = {name: idle_cpu[name] + cpu_per_scrape[no_reuse if name == fast else name] / SCRAPE_INTERVAL
+              for name in (fast, no_reuse, base)}
 
     def ms(latencies: list[float], q: float) -> str:
         return f"{percentile(latencies, q) * 1e3:.1f}"
@@ -314,42 +320,46 @@ def main() -> int:
         return f"{ours_value / base_value:.2f}x" if base_value else "-"
 
     rows = [
-        ("scrape latency p50, text 0.0.4 (ms)", ms(text[fast][0], 0.5), ms(text[generic][0], 0.5),
+        ("scrape latency p50, text 0.0.4 (ms)", ms(text[fast][0], 0.5), ms(text[no_reuse][0], 0.5),
          ms(text[base][0], 0.5), ratio(percentile(text[fast][0], 0.5), percentile(text[base][0], 0.5)), ""),
-        ("scrape latency p99, text 0.0.4 (ms)", ms(text[fast][0], 0.99), ms(text[generic][0], 0.99),
+        ("scrape latency p99, text 0.0.4 (ms)", ms(text[fast][0], 0.99), ms(text[no_reuse][0], 0.99),
          ms(text[base][0], 0.99), ratio(percentile(text[fast][0], 0.99), percentile(text[base][0], 0.99)),
          "<= 0.25x"),
-        ("scrape latency p50, OpenMetrics (ms)", ms(om[fast][0], 0.5), ms(om[generic][0], 0.5), "-", "", ""),
-        ("scrape latency p99, OpenMetrics (ms)", ms(om[fast][0], 0.99), ms(om[generic][0], 0.99), "-", "", ""),
-        ("CPU per scrape, text (ms)", *(f"{cpu_per_scrape[name] * 1e3:.1f}" for name in (fast, generic, base)),
+        ("  p99 without reuse / baseline", "", "", "",
+         ratio(percentile(text[no_reuse][0], 0.99), percentile(text[base][0], 0.99)), ""),
+        ("scrape latency p50, OpenMetrics (ms)", ms(om[fast][0], 0.5), ms(om[no_reuse][0], 0.5), "-", "", ""),
+        ("scrape latency p99, OpenMetrics (ms)", ms(om[fast][0], 0.99), ms(om[no_reuse][0], 0.99), "-", "", ""),
+        ("CPU per scrape, text (ms)", *(f"{cpu_per_scrape[name] * 1e3:.1f}" for name in (fast, no_reuse, base)),
          ratio(cpu_per_scrape[fast], cpu_per_scrape[base]), ""),
-        ("CPU while not scraped (% of a core)", *(f"{idle_cpu[name] * 100:.2f}" for name in (fast, generic, base)),
+        ("  CPU per scrape without reuse / baseline", "", "", "", ratio(cpu_per_scrape[no_reuse], cpu_per_scrape[base]),
+         ""),
+        ("CPU while not scraped (% of a core)", *(f"{idle_cpu[name] * 100:.2f}" for name in (fast, no_reuse, base)),
          ratio(idle_cpu[fast], idle_cpu[base]), ""),
-        ("CPU at one scrape per 15 s (% of a core)", *(f"{at_15s[name] * 100:.2f}" for name in (fast, generic, base)),
+        ("CPU at one scrape per 15 s (% of a core)", *(f"{at_15s[name] * 100:.2f}" for name in (fast, no_reuse, base)),
          ratio(at_15s[fast], at_15s[base]), "<= 0.35x"),
         ("  of which sampler + simulated NVML (% of a core)", f"{sampler_cpu[fast] * 100:.2f}",
-         f"{sampler_cpu[generic] * 100:.2f}", "-", "", ""),
+         f"{sampler_cpu[no_reuse] * 100:.2f}", "-", "", ""),
         ("  of which the rest: XID watcher, main loop (% of a core)", *[f"{idle_cpu[idle_name] * 100:.2f}"] * 2,
          "-", "", ""),
         ("sampler alone, 1 s interval (% of a core)", f"{sampling[fast]['exporter_cpu'] * 100:.2f}",
-         f"{sampling[generic]['exporter_cpu'] * 100:.2f}", "-", "", "<= 1"),
+         f"{sampling[no_reuse]['exporter_cpu'] * 100:.2f}", "-", "", "<= 1"),
         ("  simulated NVML, 1 s interval (% of a core)", f"{sampling[fast]['simulation_cpu'] * 100:.2f}",
-         f"{sampling[generic]['simulation_cpu'] * 100:.2f}", "-", "", ""),
-        ("resident memory (MB)", *(f"{rss[name]:.1f}" for name in (fast, generic, base)), ratio(rss[fast], rss[base]),
+         f"{sampling[no_reuse]['simulation_cpu'] * 100:.2f}", "-", "", ""),
+        ("resident memory (MB)", *(f"{rss[name]:.1f}" for name in (fast, no_reuse, base)), ratio(rss[fast], rss[base]),
          "<= 0.9x"),
-        ("  bare python + prometheus_client + pynvml (MB)", *[f"{bare_mb:.1f}"] * 3, "", ""),
+        ("  bare python + pynvml (MB)", *[f"{bare_mb:.1f}"] * 3, "", ""),
         ("NVML calls per GPU per sample (avg)", f"{sampling[fast]['average']:.1f}",
-         f"{sampling[generic]['average']:.1f}", f"{base_calls:.1f}", ratio(sampling[fast]["average"], base_calls),
+         f"{sampling[no_reuse]['average']:.1f}", f"{base_calls:.1f}", ratio(sampling[fast]["average"], base_calls),
          "<= 5"),
         ("NVML calls per GPU per sample (max; first sample)", f"{sampling[fast]['max']:.0f}; {sampling[fast]['first']:.0f}",
-         f"{sampling[generic]['max']:.0f}; {sampling[generic]['first']:.0f}", "-", "", ""),
-        ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[generic]['series']}",
+         f"{sampling[no_reuse]['max']:.0f}; {sampling[no_reuse]['first']:.0f}", "-", "", ""),
+        ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[no_reuse]['series']}",
          f"{series_per_gpu(base_body)}", "", ""),
-        ("exposition size (bytes, 8 GPUs; text)", *(f"{text[name][1]}" for name in (fast, generic, base)), "", ""),
+        ("exposition size (bytes, 8 GPUs; text)", *(f"{text[name][1]}" for name in (fast, no_reuse, base)), "", ""),
     ]
     print(f"8 simulated H100s, every NVML call costs {CALL_COST * 1e3:.0f} ms; {args.scrapes} sequential scrapes "
           f"per format (all daemons alternating); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    header = ("", "dualtrack " + fast, "dualtrack " + generic, base, "dualtrack / baseline", "target")
+    header = ("", "dualtrack " + fast, "dualtrack " + no_reuse, base, "dualtrack / baseline", "target")
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))

@@ -16,8 +16,6 @@ import sys
 import threading
 from typing import Callable, NoReturn, Sequence
 
-from prometheus_client import PlatformCollector, ProcessCollector, disable_created_metrics
-
 from exporter import __version__, kernellog
 from exporter.collectors import ALL, podresources
 from exporter.exposition import Exposition
@@ -222,10 +220,9 @@ def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Even
     except Exception as exc:  # noqa: BLE001 - e.g. the GPU list cannot be read at all
         print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
         return 1
-    disable_created_metrics()
-    exposition = Exposition(sampler, [ProcessCollector(registry=None), PlatformCollector(registry=None)])
+    exposition = Exposition(sampler)
     sampler.start()
-    server = WebServer(exposition.registry, render=exposition.render, listen_address=args.web_listen_address,
+    server = WebServer(render=exposition.render, reused=exposition.reused, listen_address=args.web_listen_address,
                        telemetry_path=args.web_telemetry_path, web_config=web_config, ready=sampler.ready)
     try:
         server.start()

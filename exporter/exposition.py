@@ -1,13 +1,18 @@
 """The scrape side: what the telemetry path serves, from the sampler's latest snapshot.
 
 A scrape never calls NVML and never waits for a sampler: it reads one immutable Snapshot reference
-and the counters. Two ways produce the same bytes:
-- `SnapshotCollector`, a prometheus_client collector: the reference, and what `name[]` filtering uses.
-- `Exposition.render`, the scrape path: each GPU's sample lines are rendered once, by its sampler
-  thread when the sample is taken (`textformat.sample_lines`); a scrape joins them under HELP/TYPE headers that
-  prometheus_client rendered at start-up, writes our few dozen other samples (`nvml_up`, identity,
-  self-metrics) with the same line writer, and leaves only the process and platform collectors to
-  prometheus_client. Formatting ~500 GPU samples with prometheus_client was ~85 % of a scrape.
+and the counters. The exposition is written by the exporter itself (`textformat`), byte for byte as
+prometheus_client 0.26 writes the same families, which the daemon never imports for an ordinary scrape:
+- each GPU's sample lines are rendered once, by its sampler thread when the sample is taken
+  (`textformat.sample_lines`); a scrape joins them under HELP/TYPE headers written at start-up,
+  writes our few dozen other samples (`nvml_up`, identity, self-metrics) and the process_* and
+  python_info series (`processmetrics`) with the same line writer;
+- a rendered body (and its gzip) is reused by the scrapes that ask for the same format while the
+  snapshot is the same, for at most REUSE_SECONDS: the self-metrics (snapshot and sample ages) and
+  process_* of such a scrape are those of the moment the body was rendered;
+- `SnapshotCollector`, a prometheus_client collector over the same families, is the reference, and
+  prometheus_client (imported then) serves what is rare: `name[]`-filtered scrapes, `escaping=dots`
+  (which renames every metric) and, should rendering fail, the fallback.
 Sample lines are the same in the Prometheus text format 0.0.4 and OpenMetrics 1.0 (gauges, and
 counters whose samples end in `_total`); only the HELP/TYPE headers differ.
 A scrape never raises: if building the families fails, the failure is logged and only the exporter's
@@ -16,50 +21,82 @@ own metrics are served.
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import re
+import sys
 import time
 from dataclasses import dataclass
-from importlib import metadata
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.openmetrics import exposition as openmetrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 from exporter import __version__
 from exporter.metrics import (BUILD_INFO, COLLECTOR_DURATION, COLLECTOR_SUCCESS, COUNTER, DRIVER_INFO, ERRORS,
                               GPU_LABELS, GPU_LOST, GPU_LOST_TOTAL, GPU_METRICS, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE,
-                              NVML_CALLS, SNAPSHOT_AGE, UP, MetricSpec)
-from exporter.textformat import gpu_series, line
+                              NVML_CALLS, PROCESS_METRICS, PYTHON_INFO, SNAPSHOT_AGE, UP, MetricSpec)
+from exporter.processmetrics import ProcessMetrics
+from exporter.textformat import EOF, compress, gpu_series, header, line, negotiate
 
 if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
     from exporter.sampler import GpuSample, Sampler, Snapshot
 
 log = logging.getLogger(__name__)
 
-_OPENMETRICS = "application/openmetrics-text"
-_EOF = b"# EOF\n"
+# The longest a rendered body is served again to scrapes of the same snapshot and format.
+REUSE_SECONDS = 1.0
 
 
-def _family_name(spec: MetricSpec) -> str:
-    """The name of a spec's metric family: counters lose their `_total` (their samples get it back)."""
-    return spec.name.removesuffix("_total") if spec.type == COUNTER else spec.name
+class Family(NamedTuple):
+    """A metric family as the exporter writes it: its spec, label names and (label values, value) series."""
+
+    spec: MetricSpec
+    labels: tuple[str, ...]
+    series: list[tuple[tuple[str, ...], float]]
 
 
-def family(spec: MetricSpec, labels: tuple[str, ...] | None = None) -> Metric:
-    """An empty metric family for a spec."""
-    names = list(spec.labels if labels is None else labels)
+def _family(spec: MetricSpec, series: list[tuple[tuple[str, ...], float]] | None = None) -> Family:
+    return Family(spec, spec.labels, [] if series is None else series)
+
+
+def metric(family: Family) -> Metric:
+    """A family as a prometheus_client metric family (imported here: only the rare paths need it)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    spec = family.spec
     if spec.type == COUNTER:
-        return CounterMetricFamily(_family_name(spec), spec.help, labels=names)
-    return GaugeMetricFamily(spec.name, spec.help, labels=names)
+        out = CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=list(family.labels))
+    else:
+        out = GaugeMetricFamily(spec.name, spec.help, labels=list(family.labels))
+    for labels, value in family.series:
+        out.add_metric(list(labels), value)
+    return out
 
 
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return ""
+def render_registry(registry, accept: str | None, names: Sequence[str] = (), gzipped: bool = False) -> tuple[bytes, str]:
+    """`registry` (restricted to the families `names`, if any) rendered by prometheus_client in the format
+    an Accept header asks for, gzipped or not, and its content type."""
+    from prometheus_client.exposition import choose_encoder
+    encoder, content_type = choose_encoder(accept)
+    if names and hasattr(registry, "restricted_registry"):
+        registry = registry.restricted_registry(names)
+    body = encoder(registry)
+    return compress(body) if gzipped else body, content_type
+
+
+def installed_version(distribution: str) -> str:
+    """An installed distribution's version, from the name of its `.dist-info` directory on sys.path
+    (`{name}-{version}.dist-info`, the wheel's layout); "" when there is none. Not importlib.metadata,
+    which loads the `email` package and more: 4 MB of resident memory for one string."""
+    prefix = re.sub(r"[-_.]+", "_", distribution).lower() + "-"
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in sorted(names):
+            if name.lower().startswith(prefix) and name.endswith(".dist-info"):
+                return name[len(prefix):-len(".dist-info")]
+    return ""
 
 
 @dataclass(frozen=True)
@@ -71,23 +108,14 @@ class _View:
     fresh: list[GpuSample]
 
 
-class _Families:
-    """A fixed list of families, collectable like a registry."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self.families = list(families)
-
-    def collect(self) -> list[Metric]:
-        return self.families
-
-
 class SnapshotCollector:
-    """Serves `sampler.store.current`; `clock` must be the sampler's clock."""
+    """Serves `sampler.store.current`; `clock` must be the sampler's clock. A prometheus_client collector
+    (`collect`), and the families the scrape path writes itself (`head`, `gpu_families`, `tail`)."""
 
     def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic) -> None:
         self.sampler = sampler
         self.clock = clock
-        self._build = (__version__, platform.python_version(), _version("nvidia-ml-py"))
+        self._build = (__version__, platform.python_version(), installed_version("nvidia-ml-py"))
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the hardware; nothing to check at registration
@@ -99,123 +127,151 @@ class SnapshotCollector:
         except Exception:  # noqa: BLE001 - a scrape must answer whatever happens
             log.exception("building the exposition failed; serving exporter metrics only")
             families = self.tail((), self.clock())
-        yield from families
+        yield from map(metric, families)
 
-    def view(self) -> _View:
-        snapshot = self.sampler.store.current
+    def view(self, snapshot: Snapshot | None = None) -> _View:
+        snapshot = self.sampler.store.current if snapshot is None else snapshot
         now = self.clock()
         stale_after = self.sampler.hang_after
         return _View(snapshot, now, [s for s in snapshot.samples if now - s.taken_at <= stale_after])
 
-    def head(self, view: _View) -> list[Metric]:
+    def head(self, view: _View) -> list[Family]:
         """The families served before the per-GPU ones: up, driver and build identity, lost GPUs."""
-        lost = family(GPU_LOST)
-        for device in self.sampler.devices:
-            lost.add_metric([str(device.index), device.uuid], 1.0 if device.index in view.snapshot.lost else 0.0)
-        up = family(UP)
+        lost = _family(GPU_LOST, [((str(device.index), device.uuid), 1.0 if device.index in view.snapshot.lost else 0.0)
+                                  for device in self.sampler.devices])
         # 1 on a host where NVML answers and reports no GPU at all; 0 where GPUs exist but none answers
         # (including GPUs that could not even be opened at start)
-        up.add_metric([], 1.0 if view.fresh or self.sampler.nvml.device_count == 0 else 0.0)
-        driver = family(DRIVER_INFO)
-        driver.add_metric([self.sampler.driver_version, self.sampler.cuda_driver_version], 1.0)
-        build = family(BUILD_INFO)
-        build.add_metric(list(self._build), 1.0)
-        return [up, driver, build, lost]
+        up = _family(UP, [((), 1.0 if view.fresh or self.sampler.nvml.device_count == 0 else 0.0)])
+        driver = _family(DRIVER_INFO, [((self.sampler.driver_version, self.sampler.cuda_driver_version), 1.0)])
+        return [up, driver, _family(BUILD_INFO, [(self._build, 1.0)]), lost]
 
-    def gpu_families(self, view: _View) -> list[Metric]:
+    def gpu_families(self, view: _View) -> list[Family]:
         """The per-GPU families of the fresh samples (the reference for `sample_lines`)."""
         out = []
         for spec in GPU_METRICS:
-            metric = family(spec, GPU_LABELS + spec.labels)
-            for sample in view.fresh:
-                for labels, value in gpu_series(spec, sample.index, sample.uuid, sample.values):
-                    metric.add_metric(labels, value)
-            if metric.samples:
-                out.append(metric)
+            series = [(tuple(labels), value) for sample in view.fresh
+                      for labels, value in gpu_series(spec, sample.index, sample.uuid, sample.values)]
+            if series:
+                out.append(Family(spec, GPU_LABELS + spec.labels, series))
         return out
 
-    def tail(self, samples: Sequence[GpuSample], now: float) -> list[Metric]:
+    def tail(self, samples: Sequence[GpuSample], now: float) -> list[Family]:
         """The exporter's self-metrics over `samples` (stale ones included), served after the per-GPU families."""
-        success, duration = family(COLLECTOR_SUCCESS), family(COLLECTOR_DURATION)
+        success, duration = _family(COLLECTOR_SUCCESS), _family(COLLECTOR_DURATION)
         for name in self.sampler.collectors:
             runs = [s.runs[name] for s in samples if name in s.runs]
             if runs:
-                success.add_metric([name], float(all(run.success for run in runs)))
-                duration.add_metric([name], sum(run.duration for run in runs))
-        errors = family(ERRORS)
-        for (collector, error), count in sorted(self.sampler.stats.errors().items()):
-            errors.add_metric([collector, error], count)
-        lost_total, losses = family(GPU_LOST_TOTAL), self.sampler.stats.losses()
-        for device in self.sampler.devices:
-            lost_total.add_metric([str(device.index), device.uuid], losses.get((str(device.index), device.uuid), 0))
-        age, gpu_age = family(SNAPSHOT_AGE), family(GPU_SAMPLE_AGE)
+                success.series.append(((name,), float(all(run.success for run in runs))))
+                duration.series.append(((name,), sum(run.duration for run in runs)))
+        errors = _family(ERRORS, [(key, count) for key, count in sorted(self.sampler.stats.errors().items())])
+        losses = self.sampler.stats.losses()
+        lost_total = _family(GPU_LOST_TOTAL, [((str(device.index), device.uuid),
+                                               losses.get((str(device.index), device.uuid), 0))
+                                              for device in self.sampler.devices])
         ages = [max(0.0, now - s.taken_at) for s in samples]
-        for sample, sample_age in zip(samples, ages):
-            gpu_age.add_metric([str(sample.index), sample.uuid], sample_age)
-        if ages:
-            age.add_metric([], max(ages))
+        gpu_age = _family(GPU_SAMPLE_AGE, [((str(s.index), s.uuid), age) for s, age in zip(samples, ages)])
+        age = _family(SNAPSHOT_AGE, [((), max(ages))] if ages else [])
         host_pids = []  # only with the processes collector, and where /proc says
         if self.sampler.host_pid_namespace is not None:
-            host_pids.append(family(HOST_PID_NAMESPACE))
-            host_pids[0].add_metric([], float(self.sampler.host_pid_namespace))
-        calls = family(NVML_CALLS)
-        calls.add_metric([], self.sampler.nvml_calls())
+            host_pids.append(_family(HOST_PID_NAMESPACE, [((), float(self.sampler.host_pid_namespace))]))
+        calls = _family(NVML_CALLS, [((), self.sampler.nvml_calls())])
         return [success, duration, errors, lost_total, age, gpu_age, *host_pids, calls]
 
 
-_FORMATS = {"text": generate_latest, _OPENMETRICS: openmetrics.generate_latest}
 _OWN_SPECS = (UP, DRIVER_INFO, BUILD_INFO, GPU_LOST, *GPU_METRICS, COLLECTOR_SUCCESS, COLLECTOR_DURATION, ERRORS,
-              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE, NVML_CALLS)
+              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE, NVML_CALLS, *PROCESS_METRICS, PYTHON_INFO)
+
+
+class _Rendered(NamedTuple):
+    snapshot: Snapshot
+    at: float
+    body: bytes
 
 
 class Exposition:
-    """Everything the telemetry path serves: the snapshot's families, then `others` (process, platform).
+    """Everything the telemetry path serves: the snapshot's families, then process_* and python_info.
 
-    `registry` holds them all, for the generic prometheus_client path (`name[]` filtering);
-    `render(accept)` is the scrape path, with byte for byte the same output: the per-GPU lines come
-    pre-rendered with the samples, our other families (a few dozen samples) are written here, and
-    only `others` go through prometheus_client.
+    `render(accept, names, gzipped)` is the scrape path (`reused`: its answer when no rendering is
+    needed, for the connection's own thread to serve without waiting for the rendering thread). `registry`, built (with prometheus_client) the
+    first time it is used, holds the same collectors as prometheus_client has them: the reference, and
+    what `name[]` filtering and `escaping=dots` render. `proc`: where process_* are read (/proc/self).
     """
 
-    def __init__(self, sampler: Sampler, others: Iterable = (), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
         self.collector = SnapshotCollector(sampler, clock)
-        self.others = list(others)
-        # the snapshot collector describes nothing (its families depend on the hardware): without this,
-        # name[] filtering would find none of them
-        self.registry = CollectorRegistry(support_collectors_without_names=True)
-        for collector in [self.collector, *self.others]:
-            self.registry.register(collector)
-        # HELP/TYPE of each of our families (keyed by family name), per format, as prometheus_client writes them.
-        self._headers = {fmt: {_family_name(spec): encoder(_Families([family(spec)])).removesuffix(_EOF)
-                               for spec in _OWN_SPECS}
-                         for fmt, encoder in _FORMATS.items()}
+        self.process = ProcessMetrics(proc)
+        self._proc = proc
+        self._registry = None
+        # HELP/TYPE of each of our families (keyed by name), per format (OpenMetrics or not).
+        self._headers = {openmetrics: {spec.name: header(spec, openmetrics) for spec in _OWN_SPECS}
+                         for openmetrics in (False, True)}
+        self._rendered: dict[tuple[bool, bool], _Rendered] = {}
 
-    def render(self, accept: str | None) -> tuple[bytes, str]:
-        """The exposition an Accept header negotiates, and its content type."""
-        encoder, content_type = choose_encoder(accept)
-        if "escaping=dots" in content_type:  # renames every metric: let prometheus_client do it
-            return encoder(self.registry), content_type
+    @property
+    def registry(self):
+        """The prometheus_client registry of the same collectors (ProcessCollector and PlatformCollector)."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+            # the snapshot collector describes nothing (its families depend on the hardware): without this,
+            # name[] filtering would find none of them
+            registry = CollectorRegistry(support_collectors_without_names=True)
+            for collector in (self.collector, ProcessCollector(proc=self._proc, registry=None),
+                              PlatformCollector(registry=None)):
+                registry.register(collector)
+            self._registry = registry
+        return self._registry
+
+    def render(self, accept: str | None, names: Sequence[str] = (), gzipped: bool = False) -> tuple[bytes, str]:
+        """The exposition an Accept header negotiates (only the families `names`, if any), gzipped or not,
+        and its content type."""
+        fmt = negotiate(accept)
+        if names or fmt.escaping == "dots":  # rare: let prometheus_client do it
+            return render_registry(self.registry, accept, names, gzipped)
+        snapshot, now = self.collector.sampler.store.current, self.collector.clock()
+        reused = self._reusable(fmt.openmetrics, gzipped, snapshot, now)
+        if reused is not None:
+            return reused, fmt.content_type
         try:
-            return self._render(encoder, content_type.startswith(_OPENMETRICS)), content_type
+            body = self._render(self.collector.view(snapshot), fmt.openmetrics)
         except Exception:  # noqa: BLE001 - a bug here must not cost the scrape
             log.exception("fast exposition failed; rendering with prometheus_client")
-            return encoder(self.registry), content_type
+            return render_registry(self.registry, accept, (), gzipped)
+        body = compress(body) if gzipped else body
+        self._rendered[(fmt.openmetrics, gzipped)] = _Rendered(snapshot, now, body)
+        return body, fmt.content_type
 
-    def _render(self, encoder: Callable[[_Families], bytes], openmetrics_format: bool) -> bytes:
-        headers = self._headers[_OPENMETRICS if openmetrics_format else "text"]
-        view = self.collector.view()
-        parts = [self._family(headers, metric) for metric in self.collector.head(view)]
+    def reused(self, accept: str | None, names: Sequence[str] = (), gzipped: bool = False) -> tuple[bytes, str] | None:
+        """What `render` would answer when it can serve a body rendered before (cheap: any thread may ask);
+        None when the scrape needs a rendering."""
+        fmt = negotiate(accept)
+        if names or fmt.escaping == "dots":
+            return None
+        body = self._reusable(fmt.openmetrics, gzipped, self.collector.sampler.store.current, self.collector.clock())
+        return None if body is None else (body, fmt.content_type)
+
+    def _reusable(self, openmetrics: bool, gzipped: bool, snapshot: Snapshot, now: float) -> bytes | None:
+        """The body rendered in this format for `snapshot` less than REUSE_SECONDS before `now`, if any."""
+        rendered = self._rendered.get((openmetrics, gzipped))
+        if rendered is not None and rendered.snapshot is snapshot and 0 <= now - rendered.at < REUSE_SECONDS:
+            return rendered.body
+        return None
+
+    def _render(self, view: _View, openmetrics: bool) -> bytes:
+        headers = self._headers[openmetrics]
+        parts = [self._text(headers, family) for family in self.collector.head(view)]
         for i, spec in enumerate(GPU_METRICS):
             lines = [sample.lines[i] for sample in view.fresh if sample.lines[i]]
             if lines:
-                parts.append(headers[_family_name(spec)])
+                parts.append(headers[spec.name])
                 parts += lines
-        parts += [self._family(headers, metric) for metric in self.collector.tail(view.snapshot.samples, view.now)]
-        others = [metric for collector in self.others for metric in collector.collect()]
-        parts.append(encoder(_Families(others)))  # ends with OpenMetrics' `# EOF`
+        parts += [self._text(headers, family) for family in self.collector.tail(view.snapshot.samples, view.now)]
+        parts += [self._text(headers, _family(spec, series)) for spec, series in self.process.families()]
+        if openmetrics:
+            parts.append(EOF)
         return b"".join(parts)
 
     @staticmethod
-    def _family(headers: dict[str, bytes], metric: Metric) -> bytes:
-        lines = "".join(line(s.name, sorted(s.labels.items()), s.value) for s in metric.samples)
-        return headers[metric.name] + lines.encode()
+    def _text(headers: dict[str, bytes], family: Family) -> bytes:
+        name, labels = family.spec.name, family.labels
+        lines = "".join(line(name, sorted(zip(labels, values)), value) for values, value in family.series)
+        return headers[name] + lines.encode()

@@ -120,3 +120,15 @@ HOST_PID_NAMESPACE = MetricSpec("nvml_exporter_host_pid_namespace", GAUGE,
                                 "and attribution; 0 if not: their PID only.")
 NVML_CALLS = MetricSpec("nvml_exporter_nvml_calls_total", COUNTER,
                         "NVML calls made by the sampler (field batches count once).")
+
+# The exporter process's own series, as prometheus_client's ProcessCollector and PlatformCollector name them.
+PROCESS_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("process_virtual_memory_bytes", GAUGE, "Virtual memory size in bytes."),
+    MetricSpec("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes."),
+    MetricSpec("process_start_time_seconds", GAUGE, "Start time of the process since unix epoch in seconds."),
+    MetricSpec("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds."),
+    MetricSpec("process_open_fds", GAUGE, "Number of open file descriptors."),
+    MetricSpec("process_max_fds", GAUGE, "Maximum number of open file descriptors."),
+)
+PYTHON_INFO = MetricSpec("python_info", GAUGE, "Python platform information",
+                         ("implementation", "major", "minor", "patchlevel", "version"))

@@ -203,8 +203,15 @@ def _answer(struct_type: type, entries: list[dict[str, int]], length: int) -> li
 
 
 def simulated_uuid(index: int) -> str:
-    """The UUID of simulated GPU `index` (stable, so a demo run can name the GPU it trains on)."""
-    return f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_URL, f'dualtrack-simulated-{index}')}"
+    """The UUID of simulated GPU `index` (stable, so a demo run can name the GPU it trains on): the UUID
+    version 5 of a URL, computed with CPython's own SHA-1 where there is one, because uuid5's hashlib loads
+    libcrypto (3.5 MB resident), which the exporter on real GPUs never loads."""
+    try:
+        from _sha1 import sha1
+    except ImportError:
+        from hashlib import sha1
+    digest = sha1(uuidlib.NAMESPACE_URL.bytes + f"dualtrack-simulated-{index}".encode()).digest()
+    return f"GPU-{uuidlib.UUID(bytes=digest[:16], version=5)}"
 
 
 class SimulatedNVML:

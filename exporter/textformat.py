@@ -1,4 +1,10 @@
-"""Sample lines of the Prometheus text format, written as prometheus_client writes them.
+"""The Prometheus text format 0.0.4 and OpenMetrics 1.0, written as prometheus_client 0.26 writes them.
+
+The exporter writes its expositions itself, without importing prometheus_client (whose `__init__`
+loads its HTTP server and client, and with them `ssl`: a third of the daemon's memory). What is
+written here follows prometheus_client's own code, and the tests compare the two byte for byte:
+the sample lines, the HELP/TYPE headers, float values (`float_text`, its `floatToGoString`), the
+Accept header's negotiation (`negotiate`, its `choose_encoder`) and `gzip_accepted`.
 
 Shared by the sampler (each GPU's lines are rendered once, when its sample is taken) and the scrape
 path (`exposition`), which joins them under HELP/TYPE headers. The lines are the same in the text
@@ -7,13 +13,108 @@ format 0.0.4 and OpenMetrics 1.0 for gauges and for counters whose samples end i
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Iterator
+import gzip
+import math
+from typing import Iterable, Iterator, NamedTuple
 
-from prometheus_client.utils import floatToGoString
-
-from exporter.metrics import GPU_LABELS, GPU_METRICS, MetricSpec
+from exporter.metrics import COUNTER, GPU_LABELS, GPU_METRICS, MetricSpec
 
 Values = dict[str, dict[tuple[str, ...], float]]
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text"
+OPENMETRICS_CONTENT_TYPE = f"{OPENMETRICS}; version=1.0.0; charset=utf-8"
+EOF = b"# EOF\n"
+# gzip's fastest level: a 60 KB exposition of 8 GPUs shrinks 9-fold in 0.13 ms (level 6: 10-fold in 0.56 ms)
+GZIP_LEVEL = 1
+_ESCAPINGS = ("allow-utf-8", "underscores", "dots", "values")
+
+
+class Format(NamedTuple):
+    """An exposition format as an Accept header negotiates it."""
+
+    openmetrics: bool
+    content_type: str
+    escaping: str  # how metric and label names are escaped: only "dots" changes the exporter's names
+
+
+def negotiate(accept: str | None) -> Format:
+    """The format an Accept header asks for, as prometheus_client's `choose_encoder` picks it (default text
+    0.0.4). One difference: a version that is not a dotted number is passed over, where prometheus_client
+    raises (and a scrape with it got a 500)."""
+    for accepted in (accept or "").split(","):
+        tokens = accepted.split(";")
+        media = tokens[0].strip()
+        if media not in (OPENMETRICS, "text/plain"):
+            continue
+        version, escaping = _parameter(tokens, "version"), _parameter(tokens, "escaping")
+        escaping = escaping if escaping in _ESCAPINGS else "underscores"
+        if media == OPENMETRICS and not version:
+            return Format(True, OPENMETRICS_CONTENT_TYPE, "underscores")
+        if version and _at_least_1(version):
+            if media == OPENMETRICS:
+                return Format(True, f"{OPENMETRICS}; version={version}; charset=utf-8; escaping={escaping}", escaping)
+            return Format(False, f"text/plain; version=1.0.0; charset=utf-8; escaping={escaping}", escaping)
+    return Format(False, TEXT_CONTENT_TYPE, "underscores")
+
+
+def _parameter(tokens: list[str], key: str) -> str:
+    """The first `key=value` parameter's value among an Accept entry's tokens, "" when absent."""
+    for token in tokens:
+        if "=" in token:
+            name, value = token.strip().split("=", 1)
+            if name == key:
+                return value
+    return ""
+
+
+def _at_least_1(version: str) -> bool:
+    parts = []
+    for part in version.split("."):
+        try:
+            parts.append(int(part))
+        except ValueError:
+            parts.append(part)
+    try:
+        return tuple(parts) >= (1, 0, 0)
+    except TypeError:  # "1.0.x" against (1, 0, 0)
+        return False
+
+
+def gzip_accepted(accept_encoding: str | None) -> bool:
+    """True when an Accept-Encoding header lists gzip (any q value, as prometheus_client reads it)."""
+    return any(entry.split(";")[0].strip().lower() == "gzip" for entry in (accept_encoding or "").split(","))
+
+
+def compress(body: bytes) -> bytes:
+    """`body` gzipped at GZIP_LEVEL."""
+    return gzip.compress(body, compresslevel=GZIP_LEVEL)
+
+
+def float_text(value: float) -> str:
+    """A sample value as prometheus_client writes it (Go's formatting): "+Inf", "NaN", "1e+22", "3.0"."""
+    number = float(value)
+    if number == math.inf:
+        return "+Inf"
+    if number == -math.inf:
+        return "-Inf"
+    if number != number:
+        return "NaN"
+    text = repr(number)
+    dot = text.find(".")
+    if number > 0 and dot > 6:  # Go switches to exponents sooner than Python
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return text
+
+
+def header(spec: MetricSpec, openmetrics: bool) -> bytes:
+    """A family's HELP and TYPE lines: OpenMetrics names a counter without `_total`, the text format with it."""
+    name = spec.name.removesuffix("_total") if openmetrics and spec.type == COUNTER else spec.name
+    help_text = spec.help.replace("\\", r"\\").replace("\n", r"\n")
+    if openmetrics:
+        help_text = help_text.replace('"', r"\"")
+    return f"# HELP {name} {help_text}\n# TYPE {name} {spec.type}\n".encode()
 
 
 def gpu_series(spec: MetricSpec, index: int, uuid: str, values: Values) -> Iterator[tuple[list[str], float]]:
@@ -30,7 +131,7 @@ def escape(value: str) -> str:
 
 def line(name: str, labels: Iterable[tuple[str, str]], value: float) -> str:
     """One sample line, as prometheus_client writes it in both formats; `labels` sorted by name."""
-    return f"{_own_series(name, tuple(labels))} {floatToGoString(value)}\n"
+    return f"{_own_series(name, tuple(labels))} {float_text(value)}\n"
 
 
 def _series(name: str, labels: tuple[tuple[str, str], ...]) -> str:
@@ -68,7 +169,7 @@ def sample_lines(index: int, uuid: str, values: Values, previous: tuple[Values, 
                 text = known.get(key) or _series(spec.name, tuple(sorted(zip(names, gpu + labels))))
                 if texts is not None:
                     texts[key] = text
-                lines.append(f"{text} {floatToGoString(value)}\n")
+                lines.append(f"{text} {float_text(value)}\n")
             out.append("".join(lines).encode())
         else:
             out.append(b"")

@@ -1,43 +1,37 @@
 """The exporter's HTTP endpoints: the telemetry path, health/readiness probes and the landing page.
 
-`WebServer` puts them together: the transport (`webtransport`: connections, slow clients, TLS),
-authentication (`webauth`: basic auth, client certificate SANs) and the flags and landing page
-(`webflags`). Concurrent scrapes share one rendering of the registry, done in a dedicated thread
-(see _Renderer).
+`WebServer` puts them together: the transport (`webtransport`: HTTP/1.1, connections, slow clients,
+TLS), authentication (`webauth`: basic auth, client certificate SANs) and the flags and landing page
+(`webflags`). Concurrent scrapes share one rendering, done in a dedicated thread (see _Renderer).
+Nothing here imports prometheus_client, `ssl` or `hashlib`: the web config loads `ssl` when it asks
+for TLS, the authenticator `hashlib` and bcrypt when it has users, and a server given a bare
+prometheus_client registry renders it with prometheus_client.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import functools
-import gzip
 import logging
 import threading
 from http import HTTPStatus
-from typing import Callable
+from typing import Callable, Sequence
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
-
+from exporter.exposition import render_registry
+from exporter.textformat import gzip_accepted
 from exporter.webauth import Authenticator, san_allowed
 from exporter.webconfig import WebConfig
 from exporter.webflags import check_telemetry_path, landing_page, parse_listen_address
-from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, BoundedHandler, Server,
-                                   bind)
+from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, BoundedHandler, Request,
+                                   Server, bind)
 
 RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 
-# gzip's fastest level: a 60 KB exposition of 8 GPUs shrinks 9-fold in 0.13 ms (level 6: 10-fold in 0.56 ms)
-GZIP_LEVEL = 1
-
 log = logging.getLogger("exporter.web")
-Render = Callable[[str | None], tuple[bytes, str]]  # Accept header -> (body, content type)
-
-
-def render_registry(registry, accept: str | None) -> tuple[bytes, str]:
-    """`registry` rendered by prometheus_client in the format an Accept header asks for, and its content type."""
-    encoder, content_type = choose_encoder(accept)
-    return encoder(registry), content_type
+# (Accept header, name[] filter, gzip) -> (body, gzipped when asked; content type)
+Render = Callable[[str | None, Sequence[str], bool], tuple[bytes, str]]
+Reused = Callable[[str | None, Sequence[str], bool], tuple[bytes, str] | None]  # the same, or None: render it
 
 
 class _Renderer:
@@ -93,104 +87,73 @@ class _Renderer:
 class _Handler(BoundedHandler):
     server: "_Server"
 
-    def version_string(self) -> str:
-        return "dualtrack-exporter"
+    def respond(self, request: Request) -> None:
+        if not self._authorized(request):
+            return
+        if request.method not in ("GET", "HEAD"):
+            self.close_connection = True  # a request body, if any, is left unread
+            self.reply(HTTPStatus.METHOD_NOT_ALLOWED, b"Method Not Allowed\n", extra={"Allow": "GET, HEAD"})
+            return
+        head = request.method == "HEAD"
+        url = urlsplit(request.target)
+        if url.path == self.server.telemetry_path:
+            self._metrics(request, parse_qs(url.query), head)
+        elif url.path == "/-/healthy":
+            self.reply(HTTPStatus.OK, b"Healthy\n", head=head)
+        elif url.path == "/-/ready":
+            ready = self.server.is_ready()
+            self.reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
+                       b"Ready\n" if ready else b"Not ready\n", head=head)
+        elif url.path == "/":
+            self.reply(HTTPStatus.OK, self.server.landing_page, "text/html; charset=utf-8", head=head)
+        else:
+            self.reply(HTTPStatus.NOT_FOUND, b"Not Found\n", head=head)
 
-    def __getattr__(self, name: str):
-        if name.startswith("do_"):  # any other method: 405, not http.server's 501
-            return self._method_not_allowed
-        raise AttributeError(name)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def _method_not_allowed(self) -> None:
-        self.close_connection = True  # a request body, if any, is left unread
-        if self._authorized():
-            self._reply(HTTPStatus.METHOD_NOT_ALLOWED, b"Method Not Allowed\n", extra={"Allow": "GET, HEAD"})
-
-    def _authorized(self) -> bool:
+    def _authorized(self, request: Request) -> bool:
         """Check client SANs and basic auth; on failure send the error reply and return False."""
         if self.server.allowed_sans and not san_allowed(self.connection, self.server.allowed_sans):
-            self._reply(HTTPStatus.FORBIDDEN, b"Forbidden\n")
+            self.reply(HTTPStatus.FORBIDDEN, b"Forbidden\n")
             return False
-        if self.server.authenticator and not self.server.authenticator.check(self.headers.get("Authorization")):
-            self._reply(HTTPStatus.UNAUTHORIZED, b"Unauthorized\n",
-                        extra={"WWW-Authenticate": 'Basic realm="dualtrack-exporter", charset="UTF-8"'})
+        if self.server.authenticator and not self.server.authenticator.check(request.headers.get("authorization")):
+            self.reply(HTTPStatus.UNAUTHORIZED, b"Unauthorized\n",
+                       extra={"WWW-Authenticate": 'Basic realm="dualtrack-exporter", charset="UTF-8"'})
             return False
         return True
 
-    def _serve(self, head: bool) -> None:
-        if not self._authorized():
-            return
-        url = urlsplit(self.path)
-        if url.path == self.server.telemetry_path:
-            self._metrics(parse_qs(url.query), head)
-        elif url.path == "/-/healthy":
-            self._reply(HTTPStatus.OK, b"Healthy\n", head=head)
-        elif url.path == "/-/ready":
-            ready = self.server.is_ready()
-            self._reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
-                        b"Ready\n" if ready else b"Not ready\n", head=head)
-        elif url.path == "/":
-            self._reply(HTTPStatus.OK, self.server.landing_page, "text/html; charset=utf-8", head=head)
-        else:
-            self._reply(HTTPStatus.NOT_FOUND, b"Not Found\n", head=head)
-
-    def _metrics(self, params: dict[str, list[str]], head: bool) -> None:
-        accept = self.headers.get("Accept")
+    def _metrics(self, request: Request, params: dict[str, list[str]], head: bool) -> None:
+        accept = request.headers.get("accept")
         names = tuple(sorted(params.get("name[]", ())))
-        compress = gzip_accepted(self.headers.get("Accept-Encoding"))
+        gzipped = gzip_accepted(request.headers.get("accept-encoding"))
         try:
-            body, content_type = self.server.renders.run((accept, names, compress),
-                                                         lambda: self.server.render(accept, names, compress))
+            reused = self.server.reused(accept, names, gzipped) if self.server.reused else None
+            body, content_type = reused or self.server.renders.run((accept, names, gzipped),
+                                                                   lambda: self.server.render(accept, names, gzipped))
         except Exception:  # a collector bug must not take the server down; the scrape reports 500
             log.exception("rendering metrics failed")
-            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
+            self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
             return
-        self._reply(HTTPStatus.OK, body, content_type, head=head,
-                    extra={"Content-Encoding": "gzip"} if compress else None)
-
-    def _reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
-               head: bool = False, extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (extra or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
+        self.reply(HTTPStatus.OK, body, content_type, head=head, extra={"Content-Encoding": "gzip"} if gzipped else None)
 
 
 class _Server(Server):
     """The transport's server with what the endpoints need: registry, renderer, auth, readiness."""
 
     def __init__(self, address: tuple[str, int], family: int, *, registry, render: Render | None,
+                 reused: Reused | None,
                  telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
                  max_connections: int, max_connections_per_client: int, auth_cache: bool) -> None:
         config = web_config or WebConfig()
         super().__init__(address, family, _Handler, ssl_context=config.ssl_context, extra_headers=config.headers,
                          header_timeout=header_timeout, max_connections=max_connections,
                          max_connections_per_client=max_connections_per_client)
-        self.registry = registry
-        self.render_all = render or functools.partial(render_registry, registry)
+        self.render = render or functools.partial(render_registry, registry)
+        self.reused = reused
         self.telemetry_path = telemetry_path
         self.ready = ready
         self.allowed_sans = config.client_allowed_sans
         self.authenticator = Authenticator(dict(config.users), cache=auth_cache) if config.users else None
         self.landing_page = landing_page(telemetry_path)
         self.renders = _Renderer()
-
-    def render(self, accept: str | None, names: tuple[str, ...], compress: bool) -> tuple[bytes, str]:
-        if names and hasattr(self.registry, "restricted_registry"):  # filtered scrapes are rare: the generic way
-            body, content_type = render_registry(self.registry.restricted_registry(names), accept)
-        else:
-            body, content_type = self.render_all(accept)
-        return gzip.compress(body, compresslevel=GZIP_LEVEL) if compress else body, content_type
 
     def is_ready(self) -> bool:
         try:
@@ -205,16 +168,21 @@ class _Server(Server):
 
 
 class WebServer:
-    """Serve `registry` on the telemetry path, plus /-/healthy, /-/ready and a landing page.
+    """Serve metrics on the telemetry path, plus /-/healthy, /-/ready and a landing page.
 
-    `render(accept_header) -> (body, content_type)`, when given, renders unfiltered scrapes (it must
-    serve what `registry` holds); `name[]`-filtered scrapes always render `registry` with prometheus_client.
+    `render(accept_header, names, gzipped) -> (body, content_type)` renders every scrape (`names`: the
+    `name[]` filter; `gzipped`: the body gzipped); without it, `registry` (a prometheus_client
+    collector or registry) is rendered by prometheus_client. `reused(accept_header, names, gzipped)`, when
+    given, is tried first in the connection's thread: a body `render` rendered before and may serve
+    again, or None.
     The constructor checks the listen address (ValueError); start() binds and serves from daemon
     threads, raising OSError when the address cannot be bound; shutdown() stops serving.
     """
 
-    def __init__(self, registry, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
-                 ready: Callable[[], bool], render: Render | None = None, header_timeout: float = HEADER_TIMEOUT,
+    def __init__(self, registry=None, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
+                 ready: Callable[[], bool], render: Render | None = None,
+                 reused: Reused | None = None,
+                 header_timeout: float = HEADER_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
                  auth_cache: bool = True) -> None:
         try:
@@ -222,7 +190,7 @@ class WebServer:
             check_telemetry_path(telemetry_path)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
-        self._options = dict(registry=registry, render=render, telemetry_path=telemetry_path, web_config=web_config,
+        self._options = dict(registry=registry, render=render, reused=reused, telemetry_path=telemetry_path, web_config=web_config,
                              ready=ready, header_timeout=header_timeout, max_connections=max_connections,
                              max_connections_per_client=max_connections_per_client, auth_cache=auth_cache)
         self._server: _Server | None = None

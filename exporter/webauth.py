@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import socket
-import ssl
 import threading
 from collections import OrderedDict
 
@@ -30,8 +28,11 @@ class Authenticator:
     """
 
     def __init__(self, users: dict[str, bytes], cache: bool = True) -> None:
-        import bcrypt  # here, not at start: an exporter without basic auth never loads it
+        import hashlib  # here, not at start: an exporter without basic auth loads neither (nor libcrypto)
+
+        import bcrypt
         self._bcrypt = bcrypt
+        self._sha256 = hashlib.sha256
         self._users = users
         self._cache: OrderedDict[bytes, None] | None = OrderedDict() if cache else None
         self._cache_lock = threading.Lock()
@@ -44,7 +45,7 @@ class Authenticator:
         if user is None or len(password) > MAX_PASSWORD_BYTES:
             return False
         hashed = self._users.get(user)
-        key = hashlib.sha256(repr((user, hashed, password)).encode()).digest()
+        key = self._sha256(repr((user, hashed, password)).encode()).digest()
         if hashed is not None and self._cache is not None:
             with self._cache_lock:
                 if key in self._cache:
@@ -81,7 +82,9 @@ def _basic_credentials(header: str | None) -> tuple[str | None, bytes]:
 
 
 def san_allowed(connection: socket.socket, allowed_sans: tuple[str, ...]) -> bool:
-    """True when the connection's verified client certificate names one of `allowed_sans`."""
+    """True when the connection's verified client certificate names one of `allowed_sans` (only a TLS
+    connection has one: SANs are only allowed with TLS, which has loaded `ssl`)."""
+    import ssl
     cert = connection.getpeercert() if isinstance(connection, ssl.SSLSocket) else None
     names = {value for _, value in (cert or {}).get("subjectAltName", ())}
     return bool(names & set(allowed_sans))

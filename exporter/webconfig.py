@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import ssl
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import ssl
 
 HASH_HINT = "make one with: python -c \"import bcrypt; print(bcrypt.hashpw(b'PASSWORD', bcrypt.gensalt()).decode())\""
 _BCRYPT_HASH = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
@@ -26,12 +28,12 @@ _TLS_KEYS = {"cert_file", "key_file", "cert", "key", "client_auth_type", "client
              "client_allowed_sans", "min_version", "max_version", "prefer_server_cipher_suites"}
 _TLS_UNSUPPORTED = {"cipher_suites", "curve_preferences"}
 _HTTP_KEYS = {"headers", "http2"}
-_TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
-                 "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
+# `ssl` (and libcrypto, 3.5 MB resident) is imported only for a config that enables TLS: names of its constants.
+_TLS_VERSIONS = {"TLS10": "TLSv1", "TLS11": "TLSv1_1", "TLS12": "TLSv1_2", "TLS13": "TLSv1_3"}
 # exporter-toolkit's client_auth_type names; the two that request a certificate without verifying it
 # cannot be expressed with Python's ssl module (and exporter-toolkit itself calls them insecure).
-_CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+_CLIENT_AUTH = {"NoClientCert": "CERT_NONE", "VerifyClientCertIfGiven": "CERT_OPTIONAL",
+                "RequireAndVerifyClientCert": "CERT_REQUIRED"}
 _CLIENT_AUTH_UNSUPPORTED = {"RequestClientCert", "RequireAnyClientCert"}
 # exporter-toolkit only allows these response headers, with these values where it restricts them.
 _HEADER_VALUES: dict[str, set[str] | None] = {
@@ -133,6 +135,7 @@ def _ssl_context(tls: dict, base: Path, where: str) -> ssl.SSLContext | None:
         missing = "cert_file" if not has_cert else "key_file"
         raise WebConfigError(f"{where}: {missing} is missing (both cert_file and key_file are needed)")
 
+    import ssl
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = _tls_version(tls.get("min_version", "TLS12"), f"{where}.min_version")
     context.maximum_version = _tls_version(tls.get("max_version", "TLS13"), f"{where}.max_version")
@@ -148,11 +151,13 @@ def _ssl_context(tls: dict, base: Path, where: str) -> ssl.SSLContext | None:
 def _tls_version(value: Any, where: str) -> ssl.TLSVersion:
     if value not in _TLS_VERSIONS:
         raise WebConfigError(f"{where}: {value!r} is not one of {', '.join(_TLS_VERSIONS)}")
-    return _TLS_VERSIONS[value]
+    import ssl
+    return getattr(ssl.TLSVersion, _TLS_VERSIONS[value])
 
 
 def _load_chain(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> None:
     """Load the server certificate and key, from files or from inline PEM strings."""
+    import ssl
     with tempfile.TemporaryDirectory(prefix="dualtrack-tls-") as tmp:
         paths = {}
         for file_key, inline_key in (("cert_file", "cert"), ("key_file", "key")):
@@ -170,6 +175,7 @@ def _load_chain(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> N
 
 
 def _client_auth(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> None:
+    import ssl
     auth_type = tls.get("client_auth_type", "NoClientCert")
     if auth_type in _CLIENT_AUTH_UNSUPPORTED:
         raise WebConfigError(f"{where}.client_auth_type: {auth_type} (a certificate without verification) is "
@@ -194,7 +200,7 @@ def _client_auth(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> 
             context.load_verify_locations(cadata=_string(tls["client_ca"], f"{where}.client_ca"))
     except (ssl.SSLError, ValueError) as exc:
         raise WebConfigError(f"{where}: cannot load the client CA: {_reason(exc)}") from None
-    context.verify_mode = _CLIENT_AUTH[auth_type]
+    context.verify_mode = getattr(ssl, _CLIENT_AUTH[auth_type])
 
 
 def _users(users: Any, where: str) -> dict[str, bytes]:

@@ -1,43 +1,84 @@
-"""The exporter's HTTP transport: connections, slow clients, the connection cap and the TLS handshake.
+"""The exporter's HTTP transport: HTTP/1.1 requests, connections, slow clients, the connection cap and TLS.
 
-Built on `http.server` with one daemon thread per connection. Hostile clients are bounded:
+A small HTTP/1.1 server on `socketserver` with one daemon thread per connection (not `http.server`,
+whose request parsing loads `http.client` and the `email` package: a few MB of resident memory for
+reading a handful of header lines). What it serves:
+- GET and HEAD (the handler answers anything else 405 with `Allow: GET, HEAD`); keep-alive for
+  HTTP/1.1 unless `Connection: close`, close for HTTP/1.0 unless `Connection: keep-alive`; a request
+  announcing a body (which is never read) closes its connection after the reply; pipelined requests
+  are answered in order. Every reply carries `Server`, `Date`, `Content-Type`, `Content-Length` and the
+  web config's extra headers; errors close the connection (`Connection: close`).
+- As Go's net/http (exporter-toolkit v0.17.1 serves with it): a request line that is not
+  `METHOD TARGET HTTP/x.y` is 400 (HTTP/0.9's two-word lines included), an HTTP major version other
+  than 1 is 505, a header line without a colon or folded onto the previous one is 400, and a
+  plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.". As
+  `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
+  or more than 100 headers is 431. Leading empty lines before a request line are skipped.
+Hostile clients are bounded:
 - a connection must deliver a complete request head within HEADER_TIMEOUT seconds in total, counted
   from accept (the TLS handshake included) and then from the end of each reply (a slowloris client
   trickling one byte a second, or one that stalls its handshake, is cut off), and the head may not
-  exceed MAX_HEADER_BYTES;
+  exceed MAX_HEADER_BYTES (431);
 - at most MAX_CONNECTIONS connections are open at once, at most MAX_CONNECTIONS_PER_CLIENT from one
   source address. Past either cap a new connection takes the slot of a connection still waiting for
   its request head (idle, mid-handshake or trickling): the longest waiting one of the client holding
   the most connections (past the per-client cap: of the same client). Only when every slot is busy
   serving a request is the new connection closed. So idle sockets, from one address or several, never
   keep a new client out;
-- the TLS handshake runs in the connection's thread, so a slow handshake never blocks `accept`.
-No request can stop the server: every error is confined to its connection. A plain-HTTP request to the TLS
-port gets the answer Go's net/http gives (and so every exporter-toolkit exporter): 400 "Client sent
-an HTTP request to an HTTPS server."
+- the TLS handshake runs in the connection's thread, so a slow handshake never blocks `accept`;
+- connections end with a lingering close, so that a client still sending never destroys its reply.
+No request can stop the server: every error is confined to its connection. `ssl` is never imported
+here: a TLS context comes from the web config, which imports it only when it asks for TLS.
 """
 from __future__ import annotations
 
-import http.client
-import io
 import logging
+import re
 import socket
 import socketserver
-import ssl
 import threading
 import time
 from collections import Counter
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    import ssl
 
 HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 96 * 1024  # the request line alone may be 64 KiB, as http.server allows
+MAX_LINE_BYTES = 64 * 1024
+MAX_HEADERS = 100
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_CLIENT = MAX_CONNECTIONS // 2  # above 50: the load test's keep-alive scrapers share one address
 _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")
+# Read a request head in pieces of this size: recv(n) allocates n bytes first, in the connection thread's
+# malloc arena (a head is a few hundred bytes; Python's http.server read through an 8 KiB buffer too).
+_READ_BYTES = 8192
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_VERSION = re.compile(r"HTTP/(\d+)\.(\d+)")
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 log = logging.getLogger("exporter.web")
+
+
+class Request(NamedTuple):
+    """A request head: method, target (path and query), HTTP version and headers by lower-case name
+    (a repeated header's values joined by ", ")."""
+
+    method: str
+    target: str
+    version: tuple[int, int]
+    headers: dict[str, str]
+
+
+class _Refused(Exception):
+    """A request head that gets an error reply and closes the connection."""
+
+    def __init__(self, status: HTTPStatus) -> None:
+        super().__init__(status.phrase)
+        self.status = status
 
 
 class _Connection:
@@ -64,88 +105,134 @@ class _Connection:
         self._handle.close()
 
 
-class _HeadReader(io.RawIOBase):
-    """Socket reader that enforces a total deadline and byte budget while a request head is read.
-
-    Socket timeouts apply per recv(), so alone they let a client trickling a byte a second hold a
-    connection for hours; here every recv() gets only the time left until the head's deadline.
-    """
-
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
-        self._sock = sock
-        self._timeout = timeout
-        self.deadline: float | None = None
-        self.budget = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("request head not received in time")
-            self._sock.settimeout(left)
-            if self.budget <= 0:
-                raise http.client.LineTooLong("request head")
-            buffer = memoryview(buffer)[:self.budget]
-        count = self._sock.recv_into(buffer)
-        if self.deadline is not None:
-            self.budget -= count
-            self._sock.settimeout(self._timeout)
-        return count
+def http_date(seconds: float | None = None) -> str:
+    """An HTTP date (RFC 9110 IMF-fixdate), English whatever the locale: "Sun, 06 Nov 1994 08:49:37 GMT"."""
+    t = time.gmtime(seconds)
+    return (f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year} "
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT")
 
 
-class BoundedHandler(BaseHTTPRequestHandler):
-    """A request handler whose request heads are read under a total deadline and a byte budget."""
+def parse_head(head: bytes) -> Request:
+    """A request head (up to its empty line) as a Request; raises _Refused with the status to answer."""
+    lines = head.decode("iso-8859-1").split("\n")
+    lines = [text[:-1] if text.endswith("\r") else text for text in lines]
+    while lines and not lines[0]:
+        del lines[0]  # empty lines before a request line are skipped (RFC 9112 2.2)
+    if not lines:
+        raise _Refused(HTTPStatus.BAD_REQUEST)
+    if len(lines[0]) > MAX_LINE_BYTES:
+        raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
+    words = lines[0].split()
+    if len(words) != 3 or not (version := _VERSION.fullmatch(words[2])):
+        raise _Refused(HTTPStatus.BAD_REQUEST)
+    if version.group(1) != "1" or len(version.group(2)) > 1:
+        raise _Refused(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
+    fields = [text for text in lines[1:] if text]
+    if len(fields) > MAX_HEADERS or any(len(text) > MAX_LINE_BYTES for text in fields):
+        raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+    headers: dict[str, str] = {}
+    for text in fields:
+        name, colon, value = text.partition(":")
+        if not colon or not name or name != name.strip() or text[0] in " \t":
+            raise _Refused(HTTPStatus.BAD_REQUEST)
+        name, value = name.lower(), value.strip(" \t")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return Request(words[0], words[1], (1, int(version.group(2))), headers)
+
+
+def _keeps_alive(request: Request) -> bool:
+    """Whether the connection stays open after the reply to `request`."""
+    tokens = {token.strip().lower() for token in request.headers.get("connection", "").split(",")}
+    if "close" in tokens or "content-length" in request.headers and request.headers["content-length"].strip() != "0" \
+            or "transfer-encoding" in request.headers:
+        return False  # a body is never read: the next request could not be found after it
+    return request.version >= (1, 1) or "keep-alive" in tokens
+
+
+class BoundedHandler:
+    """Serves one connection: reads request heads under a total deadline and a byte budget, hands each to
+    `respond` (defined by a subclass, which answers with `reply`), and closes after an error."""
 
     server: "Server"
-    protocol_version = "HTTP/1.1"
-    default_request_version = "HTTP/1.0"  # so that even a garbage request line gets a status line back
-    error_message_format = "%(code)d %(message)s\n"
-    error_content_type = "text/plain; charset=utf-8"
+    server_version = "dualtrack-exporter"
 
-    def __init__(self, request: socket.socket, client_address, server: "Server", connection: _Connection) -> None:
+    def __init__(self, sock: socket.socket, client_address, server: "Server", connection: _Connection) -> None:
+        self.connection = sock
+        self.client_address = client_address
+        self.server = server
         self.slot = connection
-        super().__init__(request, client_address, server)
+        self.close_connection = True
+        self._buffer = bytearray()  # appended in place: a head trickled byte by byte is not copied over and over
+        self.handle()
 
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # replaced below; closing releases its reference on the socket
-        self._head = _HeadReader(self.connection, self.server.header_timeout)
-        self.rfile = io.BufferedReader(self._head)
+    def respond(self, request: Request) -> None:
+        raise NotImplementedError
 
-    def handle_one_request(self) -> None:
-        if self.slot.waiting_since is None:  # the next request on a kept-alive connection
+    def handle(self) -> None:
+        while True:
+            try:
+                head = self._read_head()
+                if head is None:
+                    return
+                request = parse_head(head)
+            except _Refused as refused:
+                self.close_connection = True
+                self.reply(refused.status, f"{refused.status.value} {refused.status.phrase}\n".encode())
+                return
+            finally:
+                self.slot.waiting_since = None
+                self.connection.settimeout(self.server.header_timeout)  # for writing the reply
+            self.close_connection = not _keeps_alive(request)
+            log.debug("%s %s %s", self.client_address[0], request.method, request.target[:200])
+            self.respond(request)
+            if self.close_connection:
+                return
             self.slot.waiting_since = time.monotonic()
-        self._head.deadline = self.slot.waiting_since + self.server.header_timeout
-        self._head.budget = MAX_HEADER_BYTES
-        try:
-            super().handle_one_request()
-        except http.client.LineTooLong:  # budget exhausted while reading the request line
-            self.requestline = self.request_version = self.command = ""
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
-        finally:
-            self._head.deadline = None
 
-    def parse_request(self) -> bool:
-        ok = super().parse_request()
-        self._head.deadline = None
-        self.slot.waiting_since = None
-        return ok
+    def _read_head(self) -> bytes | None:
+        """The next request head, read by the head's deadline; None when the connection ends (or times
+        out) first; raises _Refused when it is too large."""
+        deadline = self.slot.waiting_since + self.server.header_timeout
+        searched = 0
+        while not (end := _HEAD_END.search(self._buffer, searched)):
+            searched = max(0, len(self._buffer) - 3)
+            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
+                raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
+            if len(self._buffer) >= MAX_HEADER_BYTES:
+                raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None  # slow client: cut off
+            self.connection.settimeout(left)
+            try:
+                chunk = self.connection.recv(min(_READ_BYTES, MAX_HEADER_BYTES - len(self._buffer)))
+            except (TimeoutError, OSError):
+                return None
+            if not chunk:
+                return None
+            self._buffer += chunk
+        head = bytes(self._buffer[:end.end()])
+        del self._buffer[:end.end()]
+        return head
 
-    def end_headers(self) -> None:
-        for name, value in self.server.extra_headers.items():
-            self.send_header(name, value)
-        super().end_headers()
+    def reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
+              head: bool = False, extra: Mapping[str, str] | None = None) -> None:
+        """Send a reply; `head`: its headers only (a HEAD request)."""
+        lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Server: {self.server_version}",
+                 f"Date: {http_date()}", f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
+        lines += [f"{name}: {value}" for headers in (extra or {}, self.server.extra_headers)
+                  for name, value in headers.items()]
+        if self.close_connection:
+            lines.append("Connection: close")
+        self.connection.sendall("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
+        if body and not head:  # not joined to the headers: a copy of the body in each connection's thread
+            self.connection.sendall(body)  # would grow that thread's malloc arena (TCP_NODELAY is set)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s %s", self.address_string(), format % args)
 
+class Server(socketserver.TCPServer):
+    """A TCP server with connection caps, per-connection threads and TLS handshakes, and quiet errors."""
 
-class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with connection caps, per-connection TLS handshake and quiet errors."""
-
+    allow_reuse_address = True
     daemon_threads = True
     request_queue_size = 128
 
@@ -166,8 +253,7 @@ class Server(ThreadingHTTPServer):
     def server_bind(self) -> None:
         if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # ":port" = IPv4 and IPv6
-        socketserver.TCPServer.server_bind(self)  # skip HTTPServer's getfqdn(): a DNS lookup at start-up
-        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+        super().server_bind()
 
     def process_request(self, request: socket.socket, client_address) -> None:
         try:

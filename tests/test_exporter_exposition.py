@@ -1,4 +1,5 @@
-"""The scrape path (pre-rendered GPU lines) serves exactly what prometheus_client renders from the same snapshot."""
+"""The scrape path (pre-rendered GPU lines, written without prometheus_client) serves exactly what
+prometheus_client renders from the same snapshot and the same /proc."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,14 +7,15 @@ import gzip
 import math
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import requests
-from prometheus_client import Gauge, Histogram, PlatformCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+from exporter import exposition as exposition_module
 from exporter.exposition import Exposition
 from exporter.metrics import GPU_METRICS
 from exporter.textformat import sample_lines
@@ -38,17 +40,27 @@ def rig(tmp_path) -> Rig:
     return rig
 
 
+def fake_proc(root: Path) -> str:
+    """A /proc whose `self` holds still (unlike the test process's own): stat, limits and four open fds."""
+    (root / "self" / "fd").mkdir(parents=True)
+    (root / "stat").write_text("cpu  1 2 3 4\nbtime 1700000000\nprocesses 5\n")
+    fields = ["S", *map(str, range(1, 19)), "123456", "987654321", "6789", *["0"] * 30]  # 20: start, 22: vsize, 23: rss
+    (root / "self" / "stat").write_text("4242 (python3 (x)) " + " ".join(fields) + "\n")
+    (root / "self" / "limits").write_text("Limit                     Soft Limit  Hard Limit  Units\n"
+                                          "Max open files            1024        524288      files\n")
+    for fd in range(4):
+        (root / "self" / "fd" / str(fd)).write_text("")
+    return str(root)
+
+
 def serve(rig: Rig) -> Exposition:
-    """The exposition the daemon builds, with other collectors whose values hold still (unlike process_*)."""
-    gauge = Gauge("other_gauge", "An other collector's gauge.", ["label"], registry=None)
-    gauge.labels('with "quotes"').set(2)
-    histogram = Histogram("other_seconds", "An other collector's histogram.", registry=None, buckets=(0.5, 1.0))
-    histogram.observe(0.7)
-    return Exposition(rig.sampler, [gauge, histogram, PlatformCollector(registry=None)], clock=rig.clock)
+    """The exposition the daemon builds, reading process_* from a /proc that holds still."""
+    root = Path(rig.sampler.proc_root) / "fake-proc"
+    return Exposition(rig.sampler, clock=rig.clock, proc=str(root) if root.exists() else fake_proc(root))
 
 
 def reference(exposition: Exposition, accept: str | None) -> tuple[bytes, str]:
-    """prometheus_client's own rendering of the same collectors."""
+    """prometheus_client's own rendering of the same collectors (and its ProcessCollector, PlatformCollector)."""
     encoder, content_type = choose_encoder(accept)
     return encoder(exposition.registry), content_type
 
@@ -74,6 +86,7 @@ def test_scrape_path_output_is_prometheus_clients_byte_for_byte(rig, accept):
     body = assert_same_as_prometheus_client(serve(rig), accept)
     assert b'_ratio{gpu="1",' in body  # (escaping=dots doubles the underscores in names)
     assert b'process="py \\"train\\" \\\\ 1"' in body
+    assert b"process_open_fds 4.0\n" in body or b"process__open__fds 4.0\n" in body
 
 
 def test_openmetrics_ends_with_one_eof_and_counters_keep_their_total_suffix(rig):
@@ -176,3 +189,24 @@ def test_a_sample_formats_only_the_families_that_changed(rig):
     assert after.lines[static] is before.lines[static]  # kept, not formatted again
     assert after.lines[moving] != before.lines[moving]
     assert after.lines == sample_lines(after.index, after.uuid, after.values)  # what a fresh rendering gives
+
+
+def test_a_body_is_reused_for_the_same_snapshot_and_format_for_at_most_a_second(rig):
+    exposition = serve(rig)
+    assert exposition.reused(TEXT) is None  # nothing rendered yet
+    text, content_type = exposition.render(TEXT)
+    assert exposition.render(TEXT)[0] is text  # same snapshot, same format: not rendered again
+    assert exposition.reused(TEXT) == (text, content_type) and exposition.reused(TEXT)[0] is text
+    assert exposition.reused(TEXT, names=["nvml_up"]) is None and exposition.reused(ACCEPTS[-1]) is None
+    assert exposition.render("text/plain; version=1.0.0")[0] is text  # the same body under another content type
+    openmetrics, _ = exposition.render(OPENMETRICS)
+    assert openmetrics is not text and openmetrics.endswith(b"# EOF\n")
+    gzipped, _ = exposition.render(TEXT, gzipped=True)
+    assert gzip.decompress(gzipped) == text and exposition.render(TEXT, gzipped=True)[0] is gzipped
+    rig.clock.advance(exposition_module.REUSE_SECONDS)
+    assert exposition.reused(TEXT) is None
+    aged = exposition.render(TEXT)[0]
+    assert aged is not text and b"nvml_exporter_snapshot_age_seconds 1.0\n" in aged  # rendered anew: ages move on
+    rig.step()
+    assert exposition.render(TEXT)[0] is not aged  # a new snapshot
+    assert_same_as_prometheus_client(exposition, TEXT)

@@ -304,6 +304,84 @@ def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_pat
         load_web_config(str(tmp_path / "missing.yml"))
 
 
+# --- the HTTP/1.1 transport ----------------------------------------------------------------------
+
+
+def read_replies(sock: socket.socket, count: int, head_request: int | None = None) -> list[tuple[str, dict[str, str], bytes]]:
+    """`count` replies read off a raw connection: (status line, headers by lower-case name, body);
+    `head_request`: the index of the one that answers a HEAD request (no body)."""
+    data, replies = b"", []
+    while len(replies) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {len(replies)} replies"
+            data += chunk
+        head, data = data.split(b"\r\n\r\n", 1)
+        status, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+        length = int(headers["content-length"]) if head_request is None or len(replies) != head_request else 0
+        while len(data) < length:
+            data += sock.recv(65536)
+        replies.append((status, headers, data[:length]))
+        data = data[length:]
+    return replies
+
+
+def closed(sock: socket.socket) -> bool:
+    """True when the server closes the connection (within the socket's timeout), False if it stays open."""
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
+    port = int(serve().rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:  # two pipelined requests, then a third
+        sock.sendall(b"\r\nGET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\nHEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        (status, headers, body), (head_status, head_headers, head_body) = read_replies(sock, 2, head_request=1)
+        assert status == "HTTP/1.1 200 OK" and body == b"Healthy\n" and "connection" not in headers
+        assert headers["server"] == "dualtrack-exporter" and headers["date"].endswith(" GMT")
+        assert head_status == "HTTP/1.1 200 OK" and head_body == b"" and int(head_headers["content-length"]) > 0
+        sock.sendall(b"GET /nope HTTP/1.1\r\n\r\n")
+        assert read_replies(sock, 1)[0][0] == "HTTP/1.1 404 Not Found"
+        assert not closed(sock)  # kept alive
+    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n", b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\n",
+                    b"GET /-/healthy HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"):  # a body is never read
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request)
+            (status, headers, _), = read_replies(sock, 1)
+            assert status == "HTTP/1.1 200 OK" and headers["connection"] == "close" and closed(sock), request
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        sock.sendall(b"GET /-/healthy HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+        assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK" and not closed(sock)
+
+
+@pytest.mark.parametrize("request_head, status", [
+    (b"GET /\r\n\r\n", "400 Bad Request"),  # HTTP/0.9: refused, as Go does
+    (b"GET / HTTP/2.0\r\n\r\n", "505 HTTP Version Not Supported"),
+    (b"GET / HTTP/0.9\r\n\r\n", "505 HTTP Version Not Supported"),
+    (b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
+])
+def test_malformed_request_heads_get_an_error_and_close(serve, request_head, status):
+    port = int(serve().rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request_head)
+        (line, headers, body), = read_replies(sock, 1)
+        assert line == "HTTP/1.1 " + status and body == (status + "\n").encode()
+        assert headers["connection"] == "close" and closed(sock)
+
+
+def test_the_web_configs_headers_go_on_every_reply(serve):
+    url = serve(WebConfig(headers={"X-Content-Type-Options": "nosniff", "X-Frame-Options": "deny"}))
+    for method, path, status in (("GET", "/metrics", 200), ("GET", "/nope", 404), ("POST", "/metrics", 405)):
+        response = requests.request(method, url + path, timeout=5)
+        assert response.status_code == status
+        assert response.headers["X-Content-Type-Options"] == "nosniff" and response.headers["X-Frame-Options"] == "deny"
+
+
 # --- the daemon, as a user starts it --------------------------------------------------------------
 
 

@@ -62,8 +62,9 @@ def test_rule_files_pass_promtool_lint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_rule_unit_tests_pass():
-    result = promtool("test", "rules", *map(str, RULE_TESTS))
+@pytest.mark.parametrize("rule_test", RULE_TESTS, ids=lambda path: path.stem)
+def test_rule_unit_tests_pass(rule_test):
+    result = promtool("test", "rules", str(rule_test))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
