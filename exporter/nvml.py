@@ -130,7 +130,7 @@ class Nvml:
         self.calls = 0  # system-level calls; devices count their own
         self.device_count: int | None = None  # what nvmlDeviceGetCount answered, opened or not
         self.value_types = value_types(lib)
-        entry = lib.c_nvmlFieldValue_t  # a field batch's entry: its size and where valueType, nvmlReturn and value lie
+        entry = lib.c_nvmlFieldValue_t  # a field batch's entry: its size, where valueType, nvmlReturn and value lie
         self.field_layout = (ctypes.sizeof(entry), entry.valueType.offset, entry.nvmlReturn.offset, entry.value.offset)
         self.success = lib.NVML_SUCCESS
         self._binding_bugs: set[str] = set()
@@ -343,7 +343,8 @@ class Device:
         for pair, at in zip(wanted, range(0, len(memory), size)):
             returned = _UINT.unpack_from(memory, at + return_at)[0]
             if returned == nvml.success:
-                result[pair] = union_value(nvml.value_types, _UINT.unpack_from(memory, at + type_at)[0], memory, at + value_at)
+                kind = _UINT.unpack_from(memory, at + type_at)[0]
+                result[pair] = union_value(nvml.value_types, kind, memory, at + value_at)
             elif returned in nvml._absent_field:
                 self.absent.add(("field", pair))
             else:
@@ -372,7 +373,8 @@ class FieldValue(NamedTuple):  # a tuple, not a frozen dataclass: built ~20 time
 
 def value_types(lib: ModuleType) -> dict[int, tuple[struct.Struct, int | None]]:
     """NVML_VALUE_TYPE_* tag -> (layout of the union member holding it, unsigned width in bits or None)."""
-    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"): (struct.Struct(ctype._type_), 8 * ctypes.sizeof(ctype) if unsigned else None)
+    return {constant(lib, f"NVML_VALUE_TYPE_{kind}"):
+            (struct.Struct(ctype._type_), 8 * ctypes.sizeof(ctype) if unsigned else None)
             for kind, (ctype, unsigned) in _VALUE_TYPES.items()}
 
 
@@ -380,7 +382,8 @@ _UNKNOWN_TYPE = (struct.Struct(ctypes.c_ulonglong._type_), 64)  # a tag this bin
 _UINT = struct.Struct(ctypes.c_uint._type_)  # valueType and nvmlReturn of a c_nvmlFieldValue_t
 
 
-def union_value(types: dict[int, tuple[struct.Struct, int | None]], kind: int, union: Any, offset: int = 0) -> FieldValue:
+def union_value(types: dict[int, tuple[struct.Struct, int | None]], kind: int, union: Any,
+                offset: int = 0) -> FieldValue:
     """The number in a c_nvmlValue_t union (at `offset` in `union`'s memory), read by its NVML_VALUE_TYPE_* tag.
 
     Read through the C type, not the binding's member name: nvidia-ml-py 12.535.108's union has no

@@ -151,7 +151,8 @@ def test_the_sample_buffer_read_from_a_timestamp_computes_only_the_newer_entries
 
 def test_a_field_batch_reads_through_the_bindings_own_members_in_the_type_each_field_is_answered_in():
     power, temp, pcie = H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_MEMORY_TEMP, H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
-    traits = DeviceTraits(power=False, field_types={temp: H.NVML_VALUE_TYPE_DOUBLE, pcie: H.NVML_VALUE_TYPE_UNSIGNED_INT})
+    traits = DeviceTraits(power=False, field_types={temp: H.NVML_VALUE_TYPE_DOUBLE,
+                                                    pcie: H.NVML_VALUE_TYPE_UNSIGNED_INT})
     clock = FakeClock()
     lib = SimulatedNVML("healthy", 1, devices={0: traits}, clock=clock)
     lib.nvmlInit()

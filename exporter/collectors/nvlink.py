@@ -20,7 +20,8 @@ class NvlinkCollector(Collector):
     def __init__(self, device, **kwargs) -> None:
         super().__init__(device, **kwargs)
         lib = device.nvml.lib
-        self.directions = {"tx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, "rx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+        self.directions = {"tx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                           "rx": lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
 
     def fields(self):
         return [(field_id, ALL_LINKS) for field_id in self.directions.values()]

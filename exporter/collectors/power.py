@@ -20,7 +20,8 @@ class PowerCollector(Collector):
         self.readings = (
             ("nvml_gpu_power_usage_watts", lib.NVML_FI_DEV_POWER_INSTANT, "nvmlDeviceGetPowerUsage"),
             ("nvml_gpu_power_limit_watts", lib.NVML_FI_DEV_POWER_CURRENT_LIMIT, "nvmlDeviceGetEnforcedPowerLimit"),
-            ("nvml_gpu_energy_joules_total", lib.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, "nvmlDeviceGetTotalEnergyConsumption"))
+            ("nvml_gpu_energy_joules_total", lib.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,
+             "nvmlDeviceGetTotalEnergyConsumption"))
 
     def fields(self):
         return ((field_id, 0) for _, field_id, _ in self.readings)

@@ -47,7 +47,7 @@ class ThrottleCollector(Collector):
         if mask != self.mask:
             self.mask = mask
             self.active = {(reason,): float(bool(mask & bit)) for reason, bit in REASONS.items()}
-        if mask & ANY_REASON and 0 < elapsed <= self.max_gap or not self.totals:
+        if (mask & ANY_REASON and 0 < elapsed <= self.max_gap) or not self.totals:
             for reason, bit in REASONS.items():
                 if mask & bit and 0 < elapsed <= self.max_gap:
                     self.seconds[reason] += elapsed
