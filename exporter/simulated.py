@@ -24,6 +24,11 @@ versioned entry point for). Utilization samples are 1/6 s apart by default (NVML
 product); a GPU's GPM counters start again from zero when it falls off the bus; a GPM metric can be
 answered NaN (`DeviceTraits.gpm_nan_metrics`).
 
+Its own CPU is charged to the process that hosts it (the exporter under `--simulate`; nvitop-exporter
+too, in bench/): structs it answers in bulk (field batches, per-process samples) are written as the
+driver writes them, into the struct's memory, not member by member through pynvml's Python-level
+`__setattr__`, a cost no real binding's answer has. A call's latency is `call_cost`, slept.
+
 Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
 subclass in tests/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
 that falls off the bus is `fall_off_bus(gpu)`.
