@@ -152,18 +152,32 @@ def test_daemon_serves_both_formats_gzip_and_name_filter(tmp_path, start_service
     url = exporter.url + "/metrics"
     processes.wait_until(lambda: "nvml_gpu_sm_active_ratio{" in requests.get(url, timeout=5).text,
                          timeout=10, what="GPM metrics after two GPM samples")
-    text = requests.get(url, timeout=5)
-    assert text.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    om = requests.get(url, timeout=5, headers={"Accept": OPENMETRICS, "Accept-Encoding": "gzip"}, stream=True)
-    assert om.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
-    assert om.headers["Content-Encoding"] == "gzip"
-    om_text = gzip.decompress(om.raw.read()).decode()
-    assert om_text.endswith("\n# EOF\n") and om_text.count("# EOF") == 1
 
     def series(families_) -> set:
         return {(s.name, tuple(sorted(s.labels.items()))) for f in families_ for s in f.samples
                 if not s.name.startswith(("process_", "nvml_exporter_collector_duration"))}
-    assert series(parse_text(text.text)) == series(parse_openmetrics(om_text))
+
+    def both_formats() -> tuple[requests.Response, str]:
+        text = requests.get(url, timeout=5)
+        assert text.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        om = requests.get(url, timeout=5, headers={"Accept": OPENMETRICS, "Accept-Encoding": "gzip"}, stream=True)
+        assert om.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+        assert om.headers["Content-Encoding"] == "gzip"
+        om_text = gzip.decompress(om.raw.read()).decode()
+        assert om_text.endswith("\n# EOF\n") and om_text.count("# EOF") == 1
+        return text, om_text
+
+    # the two scrapes may straddle a sample (every 0.1 s here) whose series differ: wait for a pair that
+    # saw the same sample; a series missing from either format never gets there
+    pairs: list[tuple[requests.Response, str]] = []
+
+    def same_series() -> bool:
+        pairs.append(both_formats())
+        text, om_text = pairs[-1]
+        return series(parse_text(text.text)) == series(parse_openmetrics(om_text))
+
+    processes.wait_until(same_series, timeout=10, what="the text and OpenMetrics scrapes to serve the same series")
+    text = pairs[-1][0]
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "check", "metrics"], input=text.text, capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
