@@ -72,7 +72,8 @@ def metric(family: Family) -> Metric:
     return out
 
 
-def render_registry(registry, accept: str | None, names: Sequence[str] = (), gzipped: bool = False) -> tuple[bytes, str]:
+def render_registry(registry, accept: str | None, names: Sequence[str] = (),
+                    gzipped: bool = False) -> tuple[bytes, str]:
     """`registry` (restricted to the families `names`, if any) rendered by prometheus_client in the format
     an Accept header asks for, gzipped or not, and its content type."""
     from prometheus_client.exposition import choose_encoder
@@ -179,7 +180,8 @@ class SnapshotCollector:
 
 
 _OWN_SPECS = (UP, DRIVER_INFO, BUILD_INFO, GPU_LOST, *GPU_METRICS, COLLECTOR_SUCCESS, COLLECTOR_DURATION, ERRORS,
-              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE, NVML_CALLS, *PROCESS_METRICS, PYTHON_INFO)
+              GPU_LOST_TOTAL, SNAPSHOT_AGE, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE, NVML_CALLS, *PROCESS_METRICS,
+              PYTHON_INFO)
 
 
 class _Rendered(NamedTuple):
@@ -192,9 +194,9 @@ class Exposition:
     """Everything the telemetry path serves: the snapshot's families, then process_* and python_info.
 
     `render(accept, names, gzipped)` is the scrape path (`reused`: its answer when no rendering is
-    needed, for the connection's own thread to serve without waiting for the rendering thread). `registry`, built (with prometheus_client) the
-    first time it is used, holds the same collectors as prometheus_client has them: the reference, and
-    what `name[]` filtering and `escaping=dots` render. `proc`: where process_* are read (/proc/self).
+    needed, for the connection's own thread to serve without waiting for the rendering thread).
+    `registry`, built (with prometheus_client) the first time it is used, holds the same collectors as
+    prometheus_client has them: the reference, and what `name[]` filtering and `escaping=dots` render. `proc`: where process_* are read (/proc/self).
     """
 
     def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:

@@ -132,16 +132,17 @@ class _Handler(BoundedHandler):
             log.exception("rendering metrics failed")
             self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
             return
-        self.reply(HTTPStatus.OK, body, content_type, head=head, extra={"Content-Encoding": "gzip"} if gzipped else None)
+        self.reply(HTTPStatus.OK, body, content_type, head=head,
+                   extra={"Content-Encoding": "gzip"} if gzipped else None)
 
 
 class _Server(Server):
     """The transport's server with what the endpoints need: registry, renderer, auth, readiness."""
 
     def __init__(self, address: tuple[str, int], family: int, *, registry, render: Render | None,
-                 reused: Reused | None,
-                 telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool], header_timeout: float,
-                 max_connections: int, max_connections_per_client: int, auth_cache: bool) -> None:
+                 reused: Reused | None, telemetry_path: str, web_config: WebConfig | None, ready: Callable[[], bool],
+                 header_timeout: float, max_connections: int, max_connections_per_client: int,
+                 auth_cache: bool) -> None:
         config = web_config or WebConfig()
         super().__init__(address, family, _Handler, ssl_context=config.ssl_context, extra_headers=config.headers,
                          header_timeout=header_timeout, max_connections=max_connections,
@@ -180,8 +181,7 @@ class WebServer:
     """
 
     def __init__(self, registry=None, *, listen_address: str, telemetry_path: str, web_config: WebConfig | None,
-                 ready: Callable[[], bool], render: Render | None = None,
-                 reused: Reused | None = None,
+                 ready: Callable[[], bool], render: Render | None = None, reused: Reused | None = None,
                  header_timeout: float = HEADER_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
                  auth_cache: bool = True) -> None:
@@ -190,9 +190,10 @@ class WebServer:
             check_telemetry_path(telemetry_path)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
-        self._options = dict(registry=registry, render=render, reused=reused, telemetry_path=telemetry_path, web_config=web_config,
-                             ready=ready, header_timeout=header_timeout, max_connections=max_connections,
-                             max_connections_per_client=max_connections_per_client, auth_cache=auth_cache)
+        self._options = dict(registry=registry, render=render, reused=reused, telemetry_path=telemetry_path,
+                             web_config=web_config, ready=ready, header_timeout=header_timeout,
+                             max_connections=max_connections, max_connections_per_client=max_connections_per_client,
+                             auth_cache=auth_cache)
         self._server: _Server | None = None
 
     def start(self) -> None:
