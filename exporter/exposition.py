@@ -196,7 +196,8 @@ class Exposition:
     `render(accept, names, gzipped)` is the scrape path (`reused`: its answer when no rendering is
     needed, for the connection's own thread to serve without waiting for the rendering thread).
     `registry`, built (with prometheus_client) the first time it is used, holds the same collectors as
-    prometheus_client has them: the reference, and what `name[]` filtering and `escaping=dots` render. `proc`: where process_* are read (/proc/self).
+    prometheus_client has them: the reference, and what `name[]` filtering and `escaping=dots` render.
+    `proc`: where process_* are read (/proc/self).
     """
 
     def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
