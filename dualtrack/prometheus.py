@@ -169,10 +169,13 @@ class Prometheus:
         worker = threading.Thread(target=fetch, name="dualtrack-prometheus-query", daemon=True)
         worker.start()
         worker.join(self.timeout)
-        if worker.is_alive():
+        error = outcome.get("error")
+        if isinstance(error, urllib.error.URLError) and isinstance(error.reason, TimeoutError):
+            error = error.reason
+        if worker.is_alive() or isinstance(error, TimeoutError):
+            # The socket timeout equals the deadline: whichever fires first, the answer is the same.
             late.set()  # the worker stops at its next read; nobody waits for it
             raise QueryError(f"query failed ({api}): no complete answer within {self.timeout:g} s")
-        error = outcome.get("error")
         if isinstance(error, urllib.error.HTTPError):
             raise QueryError(f"query failed ({api}): HTTP {error.code} {str(error.reason)[:200]}")
         if isinstance(error, urllib.error.URLError):

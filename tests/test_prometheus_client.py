@@ -109,3 +109,14 @@ def test_the_hostile_servers_stop():
         with pytest.raises(prometheus.QueryError, match="within 0.5 s"):
             client.query("up")
     assert server.stop.is_set() and len(server.requests) == 1
+
+
+def test_a_socket_timeout_before_the_deadline_reads_as_the_deadline():
+    """The socket timeout equals the deadline, so on a busy machine either may fire first: a silent
+    server gets the same line both ways. Here the socket's timeout is made to fire first."""
+    with hostile.RawServer(hostile.silent) as server:
+        client = prometheus.Prometheus(resolve("prometheus", prometheus.ENV_URL, server.url), timeout=2)
+        opened = client._open
+        client._open = lambda request, _timeout: opened(request, 0.2)
+        with pytest.raises(prometheus.QueryError, match=r"^query failed \(query\): no complete answer within 2 s$"):
+            client.query("up")
