@@ -24,7 +24,7 @@ from trainer_hook.text import one_line
 from . import prometheus
 from . import thresholds as limits
 from .summary import utc
-from .text import fail, warner
+from .text import duration, fail, warner
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
 warn = warner("explain")
@@ -154,15 +154,18 @@ def parse_time(text: str, now: float, flag: str) -> float:
 
 
 def _parse_time(text: str, now: float, flag: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
-    if match:
-        return now - float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    if text.strip()[-1:].isalpha():  # a duration with its unit (6h): that long ago; else ISO 8601 (...Z)
+        try:
+            return now - duration(text)
+        except argparse.ArgumentTypeError:
+            pass
     try:
         return float(text)
     except ValueError:
         pass
     try:
-        parsed = datetime.fromisoformat(text.strip())
+        # Python 3.10's fromisoformat does not read the "Z" of UTC.
+        parsed = datetime.fromisoformat(re.sub(r"[zZ]$", "+00:00", text.strip()))
     except ValueError:
         raise ValueError(f"{flag} {text!r}: not unix seconds, ISO 8601 or a duration like 6h") from None
     if parsed.tzinfo is None:

@@ -255,6 +255,18 @@ def test_times_that_are_not_finite_get_one_line(prometheus, capsys):
         assert err.count("\n") == 1 and f"{flag} " in err and "not a finite time" in err, err
 
 
+def test_times_are_unix_seconds_iso_8601_or_a_duration_ago():
+    """--since/--until: a duration with its unit is read by the command's one duration parser."""
+    now = 1_800_000_000.0
+    for text, expected in (("90m", now - 5400), ("1.5h", now - 5400), ("250ms", now - 0.25), (" 2d ", now - 172800),
+                           ("1700000000", 1.7e9), ("2026-12-03T10:00:00Z", 1796292000.0),
+                           ("2026-12-03T10:00:00", 1796292000.0)):
+        assert explain_module.parse_time(text, now, "--since") == expected, text
+    for text in ("yesterday", "90 minutes", "h"):
+        with pytest.raises(ValueError, match="^--since"):
+            explain_module.parse_time(text, now, "--since")
+
+
 def test_control_characters_in_labels_are_escaped_in_the_text():
     hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m"
     found = explain_module.Timeline(
