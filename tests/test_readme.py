@@ -103,3 +103,16 @@ def test_the_layout_table_names_every_module() -> None:
             if not named:
                 missing.append(f"{package}/{path.name}")
     assert missing == [], "not in the README's layout table"
+
+
+def test_the_supported_versions_are_pyprojects_floors() -> None:
+    """The README's "Supported versions" names Python's floor and every dependency's, as declared."""
+    project = (REPO / "pyproject.toml").read_text()
+    supported = re.search(r"^Supported versions: (.*?)\.\s", README.read_text(), re.M | re.S).group(1)
+    python = re.search(r'^requires-python = ">=([\d.]+)"$', project, re.M).group(1)
+    floors = re.findall(r'^    "([\w-]+)>=([\w.]+)"', re.search(r"^dependencies = \[(.*?)^\]", project, re.M | re.S).group(1),
+                        re.M)
+    assert floors and f"Python >= {python}," in supported
+    for name, floor in floors:
+        assert f"`{name} >= {floor}`" in supported.replace("\n", " "), (name, floor)
+    assert f"on Python {python}" in README.read_text()
