@@ -1,18 +1,21 @@
 """The local record: append-only JSON lines, the post-mortem file that survives a dead stack.
 
 Format and rotation: docs/postmortem.md ("The record"). Where others may plant links, the record
-writes through none: its folder must be this user's and not writable by others (unless sticky), or
-is created 0700; the file is opened with O_NOFOLLOW and must be a regular file of this user, or is
-created with O_EXCL and mode 0600; every name is resolved relative to the folder opened once, and
-rotation writes a fresh file created with O_EXCL under a random name before renaming it into place.
+writes through none: its folder must be this user's and not writable by others (unless sticky; its
+group may write where the group is the user's private one), or is created 0700; the file is opened
+with O_NOFOLLOW and must be a regular file of this user, or is created with O_EXCL and mode 0600;
+every name is resolved relative to the folder opened once, and rotation writes a fresh file created
+with O_EXCL under a random name before renaming it into place.
 Anything else: one warning, no record (counted in training_record_failures_total), training goes on.
 """
 from __future__ import annotations
 
 import errno
+import grp
 import json
 import logging
 import os
+import pwd
 import re
 import secrets
 import stat
@@ -60,12 +63,24 @@ def _open_folder(folder: Path) -> int:
     problem = None
     if info.st_uid != os.geteuid():
         problem = f"the folder belongs to uid {info.st_uid}, not to this process (uid {os.geteuid()})"
-    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+    elif (info.st_mode & stat.S_IWOTH or info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid)) \
+            and not info.st_mode & stat.S_ISVTX:
         problem = f"the folder is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
     if problem:
         os.close(fd)
         raise Unsafe(problem)
     return fd
+
+
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's private group (umask 002 systems give each user one): the user's
+    primary group, named after the user, with no other member. Its write bit lets in no one else."""
+    try:
+        user = pwd.getpwuid(os.geteuid())
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
 def _open_file(name: str, folder: int) -> int:
