@@ -20,6 +20,7 @@ own metrics are served.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -75,13 +76,21 @@ def metric(family: Family) -> Metric:
 def render_registry(registry, accept: str | None, names: Sequence[str] = (),
                     gzipped: bool = False) -> tuple[bytes, str]:
     """`registry` (restricted to the families `names`, if any) rendered by prometheus_client in the format
-    an Accept header asks for, gzipped or not, and its content type."""
-    from prometheus_client.exposition import choose_encoder
-    encoder, content_type = choose_encoder(accept)
+    an Accept header asks for (`negotiate`, as the fast path reads it), gzipped or not, and its content type."""
+    fmt = negotiate(accept)
+    # Every name here is a legacy name, which "values" leaves as it is; prometheus_client 0.26's OpenMetrics
+    # writer gives each sample name a U__ prefix under "values" (not its family's): "underscores" is that text.
+    escaping = "underscores" if fmt.escaping == "values" else fmt.escaping
+    if fmt.openmetrics:
+        from prometheus_client.openmetrics.exposition import generate_latest
+        encoder = functools.partial(generate_latest, escaping=escaping, version="1.0.0")
+    else:
+        from prometheus_client.exposition import generate_latest
+        encoder = functools.partial(generate_latest, escaping=escaping)
     if names and hasattr(registry, "restricted_registry"):
         registry = registry.restricted_registry(names)
     body = encoder(registry)
-    return compress(body) if gzipped else body, content_type
+    return compress(body) if gzipped else body, fmt.content_type
 
 
 def installed_version(distribution: str) -> str:

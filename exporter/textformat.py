@@ -4,7 +4,8 @@ The exporter writes its expositions itself, without importing prometheus_client 
 loads its HTTP server and client, and with them `ssl`: a third of the daemon's memory). What is
 written here follows prometheus_client's own code, and the tests compare the two byte for byte:
 the sample lines, the HELP/TYPE headers, float values (`float_text`, its `floatToGoString`), the
-Accept header's negotiation (`negotiate`, its `choose_encoder`) and `gzip_accepted`.
+Accept header's negotiation (`negotiate`, its `choose_encoder`) and `gzip_accepted`, except where
+prometheus_client departs from HTTP: q-values (q=0 included), case, and versions that are no number.
 
 Shared by the sampler (each GPU's lines are rendered once, when its sample is taken) and the scrape
 path (`exposition`), which joins them under HELP/TYPE headers. The lines are the same in the text
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import gzip
 import math
+import re
 from typing import Iterable, Iterator, NamedTuple
 
 from exporter.metrics import COUNTER, GPU_LABELS, GPU_METRICS, MetricSpec
@@ -38,52 +40,79 @@ class Format(NamedTuple):
     escaping: str  # how metric and label names are escaped: only "dots" changes the exporter's names
 
 
+#: text 0.0.4, the default
+PLAIN = Format(False, TEXT_CONTENT_TYPE, "underscores")
+_VERSION = re.compile(r"\d+(?:\.\d+)*")
+
+
 def negotiate(accept: str | None) -> Format:
-    """The format an Accept header asks for, as prometheus_client's `choose_encoder` picks it (default text
-    0.0.4). One difference: a version that is not a dotted number is passed over, where prometheus_client
-    raises (and a scrape with it got a 500)."""
+    """The format an Accept header asks for (default text 0.0.4), as prometheus_client's `choose_encoder`
+    picks it among entries of equal q-value: the first that asks for OpenMetrics (without a version, or
+    1.0.0 or later) or for text 1.0.0 or later, else text 0.0.4. Unlike `choose_encoder`:
+    - q-values count: the highest wins and q=0 is never chosen (Prometheus' `scrape_protocols` order
+      reaches the exporter as q-values);
+    - media types and parameter names are read in any case, a quoted value without its quotes;
+    - a version that is not a dotted number is passed over (prometheus_client raises: a 500).
+    """
+    best, best_rank = PLAIN, (0.0, False)
     for accepted in (accept or "").split(","):
-        tokens = accepted.split(";")
-        media = tokens[0].strip()
-        if media not in (OPENMETRICS, "text/plain"):
+        media, *tokens = accepted.split(";")
+        media = media.strip().lower()
+        parameters = _parameters(tokens)
+        q = _quality(parameters.get("q", "1"))
+        version = parameters.get("version", "")
+        if version and not _VERSION.fullmatch(version):
             continue
-        version, escaping = _parameter(tokens, "version"), _parameter(tokens, "escaping")
+        escaping = parameters.get("escaping", "underscores")
         escaping = escaping if escaping in _ESCAPINGS else "underscores"
         if media == OPENMETRICS and not version:
-            return Format(True, OPENMETRICS_CONTENT_TYPE, "underscores")
-        if version and _at_least_1(version):
-            if media == OPENMETRICS:
-                return Format(True, f"{OPENMETRICS}; version={version}; charset=utf-8; escaping={escaping}", escaping)
-            return Format(False, f"text/plain; version=1.0.0; charset=utf-8; escaping={escaping}", escaping)
-    return Format(False, TEXT_CONTENT_TYPE, "underscores")
+            found = Format(True, OPENMETRICS_CONTENT_TYPE, "underscores")
+        elif media == OPENMETRICS and _at_least_1(version):
+            found = Format(True, f"{OPENMETRICS}; version={version}; charset=utf-8; escaping={escaping}", escaping)
+        elif media == "text/plain" and version and _at_least_1(version):
+            found = Format(False, f"text/plain; version=1.0.0; charset=utf-8; escaping={escaping}", escaping)
+        elif media in ("text/plain", "text/*", "*/*"):
+            found = PLAIN
+        else:
+            continue
+        rank = (q, found is not PLAIN)  # at equal q, what asks for more than text 0.0.4 wins
+        if q > 0 and rank > best_rank:
+            best, best_rank = found, rank
+    return best
 
 
-def _parameter(tokens: list[str], key: str) -> str:
-    """The first `key=value` parameter's value among an Accept entry's tokens, "" when absent."""
+def _parameters(tokens: list[str]) -> dict[str, str]:
+    """An Accept entry's parameters (`key=value`; the first of a key counts), keys lowercased and
+    values without surrounding spaces or quotes."""
+    found: dict[str, str] = {}
     for token in tokens:
         if "=" in token:
-            name, value = token.strip().split("=", 1)
-            if name == key:
-                return value
-    return ""
+            name, value = token.split("=", 1)
+            found.setdefault(name.strip().lower(), value.strip().strip('"'))
+    return found
+
+
+def _quality(text: str) -> float:
+    """An Accept entry's q-value within [0, 1]; 1 where it is not a number."""
+    try:
+        q = float(text)
+    except ValueError:
+        return 1.0
+    return min(1.0, q) if q >= 0 else 1.0
 
 
 def _at_least_1(version: str) -> bool:
-    parts = []
-    for part in version.split("."):
-        try:
-            parts.append(int(part))
-        except ValueError:
-            parts.append(part)
-    try:
-        return tuple(parts) >= (1, 0, 0)
-    except TypeError:  # "1.0.x" against (1, 0, 0)
-        return False
+    return tuple(int(part) for part in version.split(".")) >= (1, 0, 0)
 
 
 def gzip_accepted(accept_encoding: str | None) -> bool:
-    """True when an Accept-Encoding header lists gzip (any q value, as prometheus_client reads it)."""
-    return any(entry.split(";")[0].strip().lower() == "gzip" for entry in (accept_encoding or "").split(","))
+    """True when an Accept-Encoding header lists gzip with a q-value above 0 (prometheus_client takes
+    gzip;q=0 too)."""
+    for entry in (accept_encoding or "").split(","):
+        coding, *tokens = entry.split(";")
+        if coding.strip().lower() == "gzip":
+            return _quality(_parameters(tokens).get("q", "1")) > 0
+    return False
 
 
 def compress(body: bytes) -> bytes:

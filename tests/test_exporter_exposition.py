@@ -89,6 +89,19 @@ def test_scrape_path_output_is_prometheus_clients_byte_for_byte(rig, accept):
     assert b"process_open_fds 4.0\n" in body or b"process__open__fds 4.0\n" in body
 
 
+def test_a_filtered_scrape_negotiates_as_the_fast_path(rig):
+    """name[] scrapes go through prometheus_client: the same format for the same Accept header, a version
+    that is no number passed over (not a 500), and escaping=values leaving legacy names as they are."""
+    exposition = serve(rig)
+    for accept in ("application/openmetrics-text;version=1.0.x, text/plain", 'text/plain;version="1.0.0"',
+                   "application/openmetrics-text;version=1.0.0;escaping=values", OPENMETRICS, TEXT):
+        fast, fast_type = exposition.render(accept)
+        only, only_type = exposition.render(accept, names=["nvml_up"])
+        assert only_type == fast_type, accept
+        wanted = [f for f in families(fast, fast_type) if f[0] == "nvml_up"]
+        assert wanted and families(only, only_type) == wanted, accept
+
+
 def test_openmetrics_ends_with_one_eof_and_counters_keep_their_total_suffix(rig):
     body, content_type = serve(rig).render(OPENMETRICS)
     assert content_type.startswith("application/openmetrics-text; version=1.0.0")

@@ -1,5 +1,6 @@
 """The text format's pieces the exporter writes itself (`exporter.textformat`) are prometheus_client's:
-float values, the Accept header's negotiation and gzip's, over generated inputs."""
+float values, the Accept header's negotiation and gzip's, over generated inputs; where prometheus_client
+falls short of HTTP (q-values, case, a version that is no number), the exporter follows HTTP."""
 from __future__ import annotations
 
 import pytest
@@ -24,16 +25,17 @@ def test_float_text_is_prometheus_clients_float_to_go_string(value):
 
 _MEDIA = st.sampled_from(["application/openmetrics-text", "text/plain", "*/*", "text/html", " text/plain ",
                           "application/openmetrics-text ", "application/json"])
+# (no q-values and no spaces around "=": prometheus_client ignores both, the exporter does not)
 _PARAMETER = st.sampled_from(["version=1.0.0", "version=0.0.1", "version=0.0.4", "version=2.0.0", "version=1",
-                              "version=10", " version=1.0.0", "version =1.0.0", "escaping=dots", "escaping=values",
-                              "escaping=allow-utf-8", "escaping=underscores", "escaping=bogus", "q=0.5", "charset=utf-8",
+                              "version=10", " version=1.0.0", "escaping=dots", "escaping=values",
+                              "escaping=allow-utf-8", "escaping=underscores", "escaping=bogus", "charset=utf-8",
                               "version=", "=", ""])
 _ENTRY = st.builds(lambda media, parameters: ";".join([media, *parameters]), _MEDIA, st.lists(_PARAMETER, max_size=3))
 
 
 @given(st.none() | st.builds(",".join, st.lists(_ENTRY, max_size=4)))
 @example("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-         "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+         "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # Prometheus 2's: q-values in the order of the entries
 def test_accept_negotiation_is_prometheus_clients(accept):
     encoder, content_type = choose_encoder(accept)
     chosen = negotiate(accept)
@@ -47,12 +49,46 @@ def test_a_version_that_is_no_number_is_passed_over_where_prometheus_client_rais
     with pytest.raises(TypeError):
         choose_encoder(accept)
     assert negotiate(accept).content_type == "text/plain; version=0.0.4; charset=utf-8"
+    # nor is a version that is no number echoed into the reply's headers
+    for version in ("2.0\rSet-Cookie: x=1", "1.0.0.garbage", "2.x"):
+        assert negotiate(f"application/openmetrics-text;version={version}").content_type == \
+            "text/plain; version=0.0.4; charset=utf-8"
 
 
-@given(st.none() | st.builds(",".join, st.lists(st.sampled_from(["gzip", "GZIP;q=0", " gzip ", "deflate", "br",
+PROMETHEUS_TEXT_FIRST = "text/plain;version=0.0.4;q=0.6,application/openmetrics-text;version=1.0.0;" \
+                        "escaping=underscores;q=0.5,*/*;q=0.4"  # scrape_protocols: [PrometheusText0.0.4, ...]
+
+
+@pytest.mark.parametrize("accept, content_type", [
+    (PROMETHEUS_TEXT_FIRST, "text/plain; version=0.0.4; charset=utf-8"),
+    ("application/openmetrics-text;version=1.0.0;q=0, text/plain;version=1.0.0",
+     "text/plain; version=1.0.0; charset=utf-8; escaping=underscores"),
+    ("text/plain;version=1.0.0;q=0, application/openmetrics-text;version=1.0.0;q=0.5",
+     "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"),
+    ("application/openmetrics-text;q=0", "text/plain; version=0.0.4; charset=utf-8"),
+    ("text/plain;version=1.0.0;q=0.5, application/openmetrics-text;version=1.0.0;q=0.5",  # equal: as listed
+     "text/plain; version=1.0.0; charset=utf-8; escaping=underscores"),
+    ("text/plain;q=0.9, application/openmetrics-text;version=1.0.0;q=0.9",  # equal: more than 0.0.4 wins
+     "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"),
+    ('Application/OpenMetrics-Text; Version = "1.0.0"; ESCAPING=allow-utf-8',
+     "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=allow-utf-8"),
+])
+def test_q_values_case_and_quotes_are_read_as_http_says(accept, content_type):
+    """q-values choose (Prometheus sends its scrape_protocols' order as q-values; q=0 is "not at all"),
+    media types and parameter names in any case, values quoted or not."""
+    assert negotiate(accept).content_type == content_type
+
+
+@given(st.none() | st.builds(",".join, st.lists(st.sampled_from(["gzip", "GZIP;q=0.5", " gzip ", "deflate", "br",
                                                                  "x-gzip", "*", "identity;q=1", ""]), max_size=4)))
 def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
     assert gzip_accepted(accept_encoding) == prometheus_gzip_accepted(accept_encoding)
+
+
+def test_gzip_with_q_0_is_not_accepted():
+    """Where prometheus_client still compresses: gzip;q=0 means "not gzip"."""
+    for header in ("gzip;q=0", "GZIP; q=0.0, identity", "gzip;q=0, deflate"):
+        assert prometheus_gzip_accepted(header) and not gzip_accepted(header)
 
 
 @pytest.mark.parametrize("kind", [GAUGE, COUNTER])
