@@ -16,7 +16,7 @@ import logging
 import threading
 from http import HTTPStatus
 from typing import Callable, Sequence
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from exporter.exposition import render_registry
 from exporter.textformat import gzip_accepted
@@ -94,20 +94,24 @@ class _Handler(BoundedHandler):
             self.close_connection = True  # a request body, if any, is left unread
             self.reply(HTTPStatus.METHOD_NOT_ALLOWED, b"Method Not Allowed\n", extra={"Allow": "GET, HEAD"})
             return
-        head = request.method == "HEAD"
-        url = urlsplit(request.target)
-        if url.path == self.server.telemetry_path:
-            self._metrics(request, parse_qs(url.query), head)
-        elif url.path == "/-/healthy":
-            self.reply(HTTPStatus.OK, b"Healthy\n", head=head)
-        elif url.path == "/-/ready":
+        try:
+            url = urlsplit(request.target)
+            path, params = unquote(url.path), parse_qs(url.query)  # "/%2D/healthy" is "/-/healthy", as in Go
+        except ValueError:  # "http://[/metrics"
+            self.close_connection = True
+            self.reply(HTTPStatus.BAD_REQUEST, b"400 Bad Request\n")
+            return
+        if path == self.server.telemetry_path:
+            self._metrics(request, params)
+        elif path == "/-/healthy":
+            self.reply(HTTPStatus.OK, b"Healthy\n")
+        elif path == "/-/ready":
             ready = self.server.is_ready()
-            self.reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
-                       b"Ready\n" if ready else b"Not ready\n", head=head)
-        elif url.path == "/":
-            self.reply(HTTPStatus.OK, self.server.landing_page, "text/html; charset=utf-8", head=head)
+            self.reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, b"Ready\n" if ready else b"Not ready\n")
+        elif path == "/":
+            self.reply(HTTPStatus.OK, self.server.landing_page, "text/html; charset=utf-8")
         else:
-            self.reply(HTTPStatus.NOT_FOUND, b"Not Found\n", head=head)
+            self.reply(HTTPStatus.NOT_FOUND, b"Not Found\n")
 
     def _authorized(self, request: Request) -> bool:
         """Check client SANs and basic auth; on failure send the error reply and return False."""
@@ -120,7 +124,7 @@ class _Handler(BoundedHandler):
             return False
         return True
 
-    def _metrics(self, request: Request, params: dict[str, list[str]], head: bool) -> None:
+    def _metrics(self, request: Request, params: dict[str, list[str]]) -> None:
         accept = request.headers.get("accept")
         names = tuple(sorted(params.get("name[]", ())))
         gzipped = gzip_accepted(request.headers.get("accept-encoding"))
@@ -130,10 +134,11 @@ class _Handler(BoundedHandler):
                                                                    lambda: self.server.render(accept, names, gzipped))
         except Exception:  # a collector bug must not take the server down; the scrape reports 500
             log.exception("rendering metrics failed")
-            self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n", head=head)
+            self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, b"error rendering metrics\n")
             return
-        self.reply(HTTPStatus.OK, body, content_type, head=head,
-                   extra={"Content-Encoding": "gzip"} if gzipped else None)
+        # The body depends on both headers: a cache in between must not hand it to another client.
+        extra = {"Vary": "Accept, Accept-Encoding", **({"Content-Encoding": "gzip"} if gzipped else {})}
+        self.reply(HTTPStatus.OK, body, content_type, extra=extra)
 
 
 class _Server(Server):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import ssl
 
 HASH_HINT = "make one with: python -c \"import bcrypt; print(bcrypt.hashpw(b'PASSWORD', bcrypt.gensalt()).decode())\""
-_BCRYPT_HASH = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")
+_BCRYPT_HASH = re.compile(r"\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}")
 
 _TOP_KEYS = {"tls_server_config", "http_server_config", "basic_auth_users"}
 _TLS_KEYS = {"cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file", "client_ca",
@@ -210,7 +210,7 @@ def _users(users: Any, where: str) -> dict[str, bytes]:
     for user, hashed in users.items():
         if not isinstance(user, str) or not user or ":" in user:
             raise WebConfigError(f"{where}: user name {user!r} must be a non-empty string without ':'")
-        if not isinstance(hashed, str) or not _BCRYPT_HASH.match(hashed):
+        if not isinstance(hashed, str) or not _BCRYPT_HASH.fullmatch(hashed):
             raise WebConfigError(f"{where}.{user}: the password must be a bcrypt hash, not plain text ({HASH_HINT})")
         checked[user] = hashed.encode("ascii")
     return checked
@@ -222,8 +222,8 @@ def _headers(headers: Any, where: str) -> dict[str, str]:
     for name, value in headers.items():
         if value in (None, ""):
             continue  # exporter-toolkit: unset if blank
-        if not isinstance(value, str) or "\n" in value or "\r" in value:
-            raise WebConfigError(f"{where}.{name} must be a single-line string")
+        if not isinstance(value, str) or not value.isascii() or not value.isprintable():
+            raise WebConfigError(f"{where}.{name} must be a single line of printable ASCII")
         allowed = _HEADER_VALUES[name]
         if allowed is not None and value.lower() not in allowed:
             raise WebConfigError(f"{where}.{name}: {value!r} is not one of {', '.join(sorted(allowed))}")

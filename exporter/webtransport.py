@@ -7,24 +7,28 @@ reading a handful of header lines). What it serves:
   HTTP/1.1 unless `Connection: close`, close for HTTP/1.0 unless `Connection: keep-alive`; a request
   announcing a body (which is never read) closes its connection after the reply; pipelined requests
   are answered in order. Every reply carries `Server`, `Date`, `Content-Type`, `Content-Length` and the
-  web config's extra headers; errors close the connection (`Connection: close`).
+  web config's extra headers (a reply to HEAD no body, whatever its status; one kept alive for HTTP/1.0
+  says `Connection: keep-alive`); errors close the connection (`Connection: close`).
 - As Go's net/http (exporter-toolkit v0.17.1 serves with it): a request line that is not
   `METHOD TARGET HTTP/x.y` is 400 (HTTP/0.9's two-word lines included), an HTTP major version other
-  than 1 is 505, a header line without a colon or folded onto the previous one is 400, and a
+  than 1 is 505, a header line without a colon or folded onto the previous one, or a header value with a
+  control character other than a tab, is 400, and a
   plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.". As
   `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
   or more than 100 headers is 431. Leading empty lines before a request line are skipped.
 Hostile clients are bounded:
 - a connection must deliver a complete request head within HEADER_TIMEOUT seconds in total, counted
-  from accept (the TLS handshake included) and then from the end of each reply (a slowloris client
-  trickling one byte a second, or one that stalls its handshake, is cut off), and the head may not
-  exceed MAX_HEADER_BYTES (431);
+  from accept (the TLS handshake included), and on a kept-alive connection from the first byte of each
+  next request, which may come up to KEEPALIVE_TIMEOUT after the reply (a slowloris client trickling
+  one byte a second, or one that stalls its handshake, is cut off); the head may not exceed
+  MAX_HEADER_BYTES (431);
 - at most MAX_CONNECTIONS connections are open at once, at most MAX_CONNECTIONS_PER_CLIENT from one
   source address. Past either cap a new connection takes the slot of a connection still waiting for
   its request head (idle, mid-handshake or trickling): the longest waiting one of the client holding
-  the most connections (past the per-client cap: of the same client). Only when every slot is busy
-  serving a request is the new connection closed. So idle sockets, from one address or several, never
-  keep a new client out;
+  the most connections (past the per-client cap: of the same client). A connection whose client has
+  not read a reply for STALLED_WRITE seconds waits on its client too. Only when every slot is busy
+  serving a request is the new connection closed. So idle sockets, and clients that send requests but
+  never read the replies, from one address or several, never keep a new client out;
 - the TLS handshake runs in the connection's thread, so a slow handshake never blocks `accept`;
 - connections end with a lingering close, so that a client still sending never destroys its reply.
 No request can stop the server: every error is confined to its connection. `ssl` is never imported
@@ -46,6 +50,11 @@ if TYPE_CHECKING:
     import ssl
 
 HEADER_TIMEOUT = 10.0
+#: How long a kept-alive connection may wait for the first byte of its next request: past the usual
+#: scrape intervals (15 s to 1 min), so that a scraper's connection, and its TLS session, is reused.
+KEEPALIVE_TIMEOUT = 120.0
+#: A reply blocked this long on a client that does not read makes its connection evictable.
+STALLED_WRITE = 1.0
 MAX_HEADER_BYTES = 96 * 1024  # the request line alone may be 64 KiB, as http.server allows
 MAX_LINE_BYTES = 64 * 1024
 MAX_HEADERS = 100
@@ -56,6 +65,7 @@ _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", 
 # malloc arena (a head is a few hundred bytes; Python's http.server read through an 8 KiB buffer too).
 _READ_BYTES = 8192
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: all but HTAB (RFC 9110 5.5)
 _VERSION = re.compile(r"HTTP/(\d+)\.(\d+)")
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
@@ -92,6 +102,16 @@ class _Connection:
         self.accepted = time.monotonic()
         # Since when it waits for a request head (monotonic), or None while a request is served.
         self.waiting_since: float | None = self.accepted
+        # Since when a reply is being written (monotonic), or None.
+        self.writing_since: float | None = None
+
+    def waits_on_client(self, now: float) -> float | None:
+        """Since when the connection waits on its client: for a request head, or to read a reply blocked
+        for STALLED_WRITE seconds (a client that sends requests but never reads); None while serving."""
+        if self.waiting_since is not None:
+            return self.waiting_since
+        writing = self.writing_since
+        return writing if writing is not None and now - writing >= STALLED_WRITE else None
 
     def evict(self) -> None:
         """Cut the connection: its thread sees the end of the stream and finishes."""
@@ -136,6 +156,8 @@ def parse_head(head: bytes) -> Request:
         if not colon or not name or name != name.strip() or text[0] in " \t":
             raise _Refused(HTTPStatus.BAD_REQUEST)
         name, value = name.lower(), value.strip(" \t")
+        if _CONTROL.search(value):
+            raise _Refused(HTTPStatus.BAD_REQUEST)
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     return Request(words[0], words[1], (1, int(version.group(2))), headers)
 
@@ -162,6 +184,9 @@ class BoundedHandler:
         self.server = server
         self.slot = connection
         self.close_connection = True
+        self.served = False  # a request was answered: the connection is kept alive for the next
+        self.head_request = False  # the request being answered is a HEAD: replies carry no body
+        self.keep_alive_announced = False  # HTTP/1.0 asked for keep-alive: replies say so
         self._buffer = bytearray()  # appended in place: a head trickled byte by byte is not copied over and over
         self.handle()
 
@@ -176,25 +201,35 @@ class BoundedHandler:
                     return
                 request = parse_head(head)
             except _Refused as refused:
-                self.close_connection = True
+                self.close_connection, self.head_request = True, False
                 self.reply(refused.status, f"{refused.status.value} {refused.status.phrase}\n".encode())
                 return
             finally:
                 self.slot.waiting_since = None
                 self.connection.settimeout(self.server.header_timeout)  # for writing the reply
             self.close_connection = not _keeps_alive(request)
+            self.head_request = request.method == "HEAD"
+            self.keep_alive_announced = request.version < (1, 1) and not self.close_connection
             log.debug("%s %s %s", self.client_address[0], request.method, request.target[:200])
             self.respond(request)
             if self.close_connection:
                 return
+            self.served = True
             self.slot.waiting_since = time.monotonic()
 
     def _read_head(self) -> bytes | None:
         """The next request head, read by the head's deadline; None when the connection ends (or times
-        out) first; raises _Refused when it is too large."""
-        deadline = self.slot.waiting_since + self.server.header_timeout
+        out) first; raises _Refused when it is too large. A kept-alive connection may wait
+        KEEPALIVE_TIMEOUT for the request's first byte; the head's deadline runs from then."""
+        kept_alive = self.served and not self._buffer
+        timeout = self.server.keepalive_timeout if kept_alive else self.server.header_timeout
+        deadline = self.slot.waiting_since + timeout
         searched = 0
-        while not (end := _HEAD_END.search(self._buffer, searched)):
+        while True:
+            if self._buffer[:1] in (b"\r", b"\n"):  # empty lines before a request line are skipped (RFC 9112 2.2)
+                del self._buffer[:len(self._buffer) - len(self._buffer.lstrip(b"\r\n"))]
+            if end := _HEAD_END.search(self._buffer, searched):
+                break
             searched = max(0, len(self._buffer) - 3)
             if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
                 raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
@@ -210,23 +245,32 @@ class BoundedHandler:
                 return None
             if not chunk:
                 return None
+            if kept_alive and not self._buffer:  # the first byte of the next request: the head's deadline
+                deadline = min(deadline, time.monotonic() + self.server.header_timeout)
             self._buffer += chunk
         head = bytes(self._buffer[:end.end()])
         del self._buffer[:end.end()]
         return head
 
     def reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
-              head: bool = False, extra: Mapping[str, str] | None = None) -> None:
-        """Send a reply; `head`: its headers only (a HEAD request)."""
+              extra: Mapping[str, str] | None = None) -> None:
+        """Send a reply (its headers only to a HEAD request). A client that does not read it makes its
+        connection evictable after STALLED_WRITE seconds."""
         lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Server: {self.server_version}",
                  f"Date: {http_date()}", f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for headers in (extra or {}, self.server.extra_headers)
                   for name, value in headers.items()]
         if self.close_connection:
             lines.append("Connection: close")
-        self.connection.sendall("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
-        if body and not head:  # not joined to the headers: a copy of the body in each connection's thread
-            self.connection.sendall(body)  # would grow that thread's malloc arena (TCP_NODELAY is set)
+        elif self.keep_alive_announced:
+            lines.append("Connection: keep-alive")
+        self.slot.writing_since = time.monotonic()
+        try:
+            self.connection.sendall("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
+            if body and not self.head_request:  # not joined to the headers: a copy of the body in each connection's
+                self.connection.sendall(body)  # thread would grow that thread's malloc arena (TCP_NODELAY is set)
+        finally:
+            self.slot.writing_since = None
 
 
 class Server(socketserver.TCPServer):
@@ -238,12 +282,14 @@ class Server(socketserver.TCPServer):
 
     def __init__(self, address: tuple[str, int], family: int, handler: type[BoundedHandler], *,
                  ssl_context: ssl.SSLContext | None, extra_headers: Mapping[str, str], header_timeout: float,
-                 max_connections: int, max_connections_per_client: int) -> None:
+                 max_connections: int, max_connections_per_client: int,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT) -> None:
         self.address_family = family
         super().__init__(address, handler, bind_and_activate=False)
         self.ssl_context = ssl_context
         self.extra_headers = dict(extra_headers)
         self.header_timeout = header_timeout
+        self.keepalive_timeout = keepalive_timeout
         self._max_connections = max_connections
         self._max_per_client = max_connections_per_client
         self._connections: list[_Connection] = []
@@ -295,9 +341,12 @@ class Server(socketserver.TCPServer):
             return connection
 
     def _longest_waiting(self, candidates: list[_Connection]) -> _Connection | None:
-        """The connection waiting longest for a request head, of the client holding the most connections."""
+        """The connection waiting longest on its client (`waits_on_client`), of the client holding the most
+        connections."""
         held = Counter(connection.client for connection in self._connections)
-        waiting = [(connection, since) for connection in candidates if (since := connection.waiting_since) is not None]
+        now = time.monotonic()
+        waiting = [(connection, since) for connection in candidates
+                   if (since := connection.waits_on_client(now)) is not None]
         if not waiting:
             return None
         return max(waiting, key=lambda pair: (held[pair[0].client], -pair[1]))[0]

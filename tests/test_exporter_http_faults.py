@@ -265,6 +265,42 @@ def test_connections_serving_a_request_keep_their_slots():
         server.shutdown()
 
 
+def test_clients_that_never_read_their_replies_keep_no_one_out():
+    """Every slot held by a connection that pipelines scrapes and never reads the replies (its reply
+    blocked): past STALLED_WRITE such a connection makes room, and a new client is answered."""
+    registry = prometheus_client.CollectorRegistry()
+    wide = prometheus_client.Gauge("wide", "Many series: a reply that fills the socket buffers.", ["n"],
+                                   registry=registry)
+    for n in range(2000):
+        wide.labels(str(n)).set(n)
+    # A blocked write times out after header_timeout too: long enough here that only STALLED_WRITE can help.
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics", web_config=None,
+                       ready=lambda: True, max_connections=8, max_connections_per_client=4, header_timeout=60.0)
+    server.start()
+    port = server.server_address[1]
+    hogs = []
+    try:
+        for source in ["127.0.0.2"] * 4 + ["127.0.0.3"] * 4:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((source, 0))
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 100)  # and never read
+            hogs.append(sock)
+
+        def answered() -> bool:
+            try:
+                return get_from("127.0.0.1", port, "/-/healthy").status_code == 200
+            except requests.ConnectionError:  # closed unanswered: every slot still busy
+                return False
+
+        wait_until(answered, timeout=30, what="a new client answered while every slot's client does not read")
+    finally:
+        for sock in hogs:
+            sock.close()
+        server.shutdown()
+
+
 def test_slow_tls_handshakes_are_cut_off_and_https_served_meanwhile(pki, tmp_path):
     """Clients that open the TLS port and stall mid-handshake never block the accept loop."""
     config = tmp_path / "web.yml"

@@ -6,6 +6,7 @@ would notice on the command line start `python -m exporter` as a daemon.
 """
 from __future__ import annotations
 
+import base64
 import gzip
 import os
 import shutil
@@ -127,6 +128,8 @@ def test_openmetrics_and_gzip_are_negotiated_like_client_python(serve):
     assert raw[8] == 4  # the gzip header's XFL: compressed at the fastest level (a scrape's CPU matters more than bytes)
     plain = requests.get(url + "/metrics", timeout=5, headers={"Accept-Encoding": "identity"})
     assert "Content-Encoding" not in plain.headers and "nvml_up 1.0" in plain.text
+    for reply in (response, plain):  # a cache between scraper and exporter keeps the two apart
+        assert reply.headers["Vary"] == "Accept, Accept-Encoding"
 
 
 def test_a_failing_collector_gives_500_and_the_server_keeps_serving(serve, registry):
@@ -278,6 +281,10 @@ def test_basic_auth_guards_every_path(serve, tmp_path, password_hash):
     ("tls_server_config:\n  cert_file: CERT\n  key_file: KEY\n  client_auth_type: RequireAndVerifyClientCert\n",
      "needs client_ca_file"),
     ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n", "is not one of deny, sameorigin"),
+    ("http_server_config:\n  headers:\n    Content-Security-Policy: default-src \u2018self\u2019\n",
+     "must be a single line of printable ASCII"),
+    ("basic_auth_users:\n  prom: |\n    $2b$04$VNSVF/.FAvElI3Ap7ijfkOg.v6zvSqpMDiKGOMuvKvNM6T9LOIloS\n",
+     "must be a bcrypt hash"),  # a block scalar keeps a final line break
     ("- just\n- a list\n", "expected a mapping"),
 ])
 def test_malformed_web_config_is_one_clear_line(text, problem, pki, tmp_path):
@@ -354,7 +361,31 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
             assert status == "HTTP/1.1 200 OK" and headers["connection"] == "close" and closed(sock), request
     with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
         sock.sendall(b"GET /-/healthy HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
-        assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK" and not closed(sock)
+        (status, headers, _), = read_replies(sock, 1)
+        assert status == "HTTP/1.1 200 OK" and headers["connection"] == "keep-alive" and not closed(sock)
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:  # empty lines before a request line
+        sock.sendall(b"\r\n\r\n\r\nGET /-/healthy HTTP/1.1\r\n\r\n")
+        assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK"
+
+
+def test_a_kept_alive_connection_waits_past_the_head_timeout_for_its_next_request(registry):
+    """A scraper's connection (and its TLS session) lasts from one scrape to the next: the head's deadline
+    runs from the request's first byte, not from the last reply. A trickled head is still cut off."""
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics", web_config=None,
+                       ready=lambda: True, header_timeout=0.5)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as sock:
+            for _ in range(2):
+                sock.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK"
+                sock.settimeout(1.5)
+                assert not closed(sock)  # three head timeouts idle, still open
+            sock.settimeout(5)
+            sock.sendall(b"GET /-/healthy HTTP/1.1\r\n")  # ... then a head that never ends
+            assert closed(sock)
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.parametrize("request_head, status", [
@@ -364,14 +395,39 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
     (b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", "400 Bad Request"),
     (b"GET / HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
     (b"GET / HTTP/1.1\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nAccept: text/plain\rSet-Cookie: x=1\r\n\r\n", "400 Bad Request"),  # a bare CR
+    (b"GET / HTTP/1.1\r\nX-A: 1\x002\r\n\r\n", "400 Bad Request"),
+    (b"GET http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),  # no URL
+    (b"HEAD http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),
 ])
 def test_malformed_request_heads_get_an_error_and_close(serve, request_head, status):
     port = int(serve().rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(request_head)
-        (line, headers, body), = read_replies(sock, 1)
-        assert line == "HTTP/1.1 " + status and body == (status + "\n").encode()
+        head = request_head.startswith(b"HEAD ")
+        (line, headers, body), = read_replies(sock, 1, head_request=0 if head else None)
+        assert line == "HTTP/1.1 " + status and body == (b"" if head else (status + "\n").encode())
         assert headers["connection"] == "close" and closed(sock)
+
+
+def test_a_path_is_matched_percent_decoded(serve):
+    port = int(serve().rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /%2D/healthy HTTP/1.1\r\nHost: x\r\n\r\nGET /%6Detrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        (healthy, _, body), (metrics, _, _) = read_replies(sock, 2)
+        assert healthy == metrics == "HTTP/1.1 200 OK" and body == b"Healthy\n"
+
+
+def test_a_head_request_gets_no_body_whatever_the_status(serve, tmp_path, password_hash):
+    """A HEAD refused (401) carries no body: one would be read as the start of the next reply."""
+    url = serve(load_web_config(write_config(tmp_path, f"basic_auth_users:\n  prom: '{password_hash}'\n")))
+    authorization = "Basic " + base64.b64encode(f"prom:{PASSWORD}".encode()).decode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5) as sock:
+        sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization.encode() + b"\r\n\r\n")
+        (refused, headers, body), (healthy, _, healthy_body) = read_replies(sock, 2, head_request=0)
+        assert refused == "HTTP/1.1 401 Unauthorized" and int(headers["content-length"]) > 0 and body == b""
+        assert healthy == "HTTP/1.1 200 OK" and healthy_body == b"Healthy\n"
 
 
 def test_the_web_configs_headers_go_on_every_reply(serve):
