@@ -45,6 +45,7 @@ PLAIN = Format(False, TEXT_CONTENT_TYPE, "underscores")
 _VERSION = re.compile(r"\d+(?:\.\d+)*")
 
 
+@functools.lru_cache(maxsize=64)  # a scraper sends the same header every time
 def negotiate(accept: str | None) -> Format:
     """The format an Accept header asks for (default text 0.0.4), as prometheus_client's `choose_encoder`
     picks it among entries of equal q-value: the first that asks for OpenMetrics (without a version, or
