@@ -403,6 +403,18 @@ class Server(socketserver.TCPServer):
             self.shutdown_request(sock)
             return None
 
+    def server_close(self) -> None:
+        """Close the listening socket and the connections waiting on their clients (a kept-alive one would
+        linger up to KEEPALIVE_TIMEOUT); requests being served finish."""
+        super().server_close()
+        now = time.monotonic()
+        with self._lock:
+            waiting = [connection for connection in self._connections if connection.waits_on_client(now) is not None]
+            for connection in waiting:
+                self._connections.remove(connection)
+        for connection in waiting:
+            connection.evict()
+
     def shutdown_request(self, request: socket.socket) -> None:
         """Lingering close: half-close, read what the client still sends (bounded), then close.
 

@@ -384,6 +384,11 @@ def test_a_kept_alive_connection_waits_past_the_head_timeout_for_its_next_reques
             sock.settimeout(5)
             sock.sendall(b"GET /-/healthy HTTP/1.1\r\n")  # ... then a head that never ends
             assert closed(sock)
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as sock:
+            sock.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK"
+            server.shutdown()  # ... and a kept-alive connection ends with the server
+            assert closed(sock)
     finally:
         server.shutdown()
 
