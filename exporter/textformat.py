@@ -42,7 +42,7 @@ class Format(NamedTuple):
 
 #: text 0.0.4, the default
 PLAIN = Format(False, TEXT_CONTENT_TYPE, "underscores")
-_VERSION = re.compile(r"\d+(?:\.\d+)*")
+_VERSION = re.compile(r"\d{1,9}(?:\.\d{1,9}){0,9}")  # parts int() reads whatever their length
 
 
 @functools.lru_cache(maxsize=64)  # a scraper sends the same header every time
