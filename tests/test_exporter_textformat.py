@@ -55,6 +55,14 @@ def test_a_version_that_is_no_number_is_passed_over_where_prometheus_client_rais
             "text/plain; version=0.0.4; charset=utf-8"
 
 
+@given(st.text(alphabet=st.sampled_from("application/openmetrics-text;version=q,.0123456789 \"\r*")) | st.text())
+def test_any_accept_or_accept_encoding_header_gets_an_answer(header):
+    """Whatever a client sends: a format and a yes or no for gzip, never an exception (a 500)."""
+    assert negotiate(header).content_type.endswith(("charset=utf-8", "escaping=underscores", "escaping=dots",
+                                                    "escaping=values", "escaping=allow-utf-8"))
+    assert gzip_accepted(header) in (True, False)
+
+
 PROMETHEUS_TEXT_FIRST = "text/plain;version=0.0.4;q=0.6,application/openmetrics-text;version=1.0.0;" \
                         "escaping=underscores;q=0.5,*/*;q=0.4"  # scrape_protocols: [PrometheusText0.0.4, ...]
 
