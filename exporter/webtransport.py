@@ -135,11 +135,7 @@ def http_date(seconds: float | None = None) -> str:
 def parse_head(head: bytes) -> Request:
     """A request head (up to its empty line) as a Request; raises _Refused with the status to answer."""
     lines = head.decode("iso-8859-1").split("\n")
-    lines = [text[:-1] if text.endswith("\r") else text for text in lines]
-    while lines and not lines[0]:
-        del lines[0]  # empty lines before a request line are skipped (RFC 9112 2.2)
-    if not lines:
-        raise _Refused(HTTPStatus.BAD_REQUEST)
+    lines = [text[:-1] if text.endswith("\r") else text for text in lines]  # (no empty line first: _read_head)
     if len(lines[0]) > MAX_LINE_BYTES:
         raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
     words = lines[0].split()
