@@ -118,7 +118,9 @@ class _Handler(BoundedHandler):
         if self.server.allowed_sans and not san_allowed(self.connection, self.server.allowed_sans):
             self.reply(HTTPStatus.FORBIDDEN, b"Forbidden\n")
             return False
-        if self.server.authenticator and not self.server.authenticator.check(request.headers.get("authorization")):
+        if self.server.authenticator and not self.server.authenticator.check(
+                request.headers.get("authorization"), self.client_address[0], self.waiting_on_server):
+            self.close_connection = True  # a guesser reconnects: its next try waits for a slot like anyone's
             self.reply(HTTPStatus.UNAUTHORIZED, b"Unauthorized\n",
                        extra={"WWW-Authenticate": 'Basic realm="dualtrack-exporter", charset="UTF-8"'})
             return False

@@ -36,6 +36,7 @@ here: a TLS context comes from the web config, which imports it only when it ask
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import socket
@@ -44,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
 
 if TYPE_CHECKING:
     import ssl
@@ -188,6 +189,16 @@ class BoundedHandler:
 
     def respond(self, request: Request) -> None:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def waiting_on_server(self) -> Iterator[None]:
+        """While inside, the connection may be evicted for a new one, as one waiting on its client may: for
+        waits that only a flood makes long (a password check queued behind others' for bcrypt)."""
+        self.slot.waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.slot.waiting_since = None
 
     def handle(self) -> None:
         while True:

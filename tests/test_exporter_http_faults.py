@@ -6,6 +6,7 @@ figures to load.json in the test's tmp dir (and prints them: run with -s to see 
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -201,6 +202,66 @@ def test_idle_sockets_from_one_client_past_every_cap_keep_no_one_out(daemon):
         for sock in idle:
             sock.close()
     assert daemon.running()
+
+
+def test_a_password_guessing_flood_from_two_addresses_leaves_the_right_password_served(tmp_path):
+    """64 keep-alive guessers from each of two addresses send wrong passwords as fast as they are answered.
+    A scraper from a third address is served all the while: 20 of 20 scrapes with its (cached) password,
+    and a second user's first (uncached, so bcrypt) check too. A 401 closes its connection."""
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=10)}'\n"
+                      f"  other: '{bcrypt_hash('pw2', cost=10)}'\n")
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
+                       web_config=load_web_config(str(config)), ready=lambda: True)
+    server.start()
+    port = server.server_address[1]
+    wrong = base64.b64encode(b"prom:guess").decode()
+    guess = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {wrong}\r\n\r\n".encode()
+    stop, answered, guessers = threading.Event(), [], []
+
+    def guesser(source: str) -> None:
+        sock = None
+        deadline = time.monotonic() + 60  # bounded whatever happens to the test
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                sock = sock or connect_from(source, port)
+                sock.sendall(guess)
+                reply = sock.recv(65536)
+                answered.append(reply[:12])
+                if not reply or b"Connection: close" in reply:
+                    sock.close()
+                    sock = None
+            except OSError:
+                if sock is not None:
+                    sock.close()
+                sock = None
+        if sock is not None:
+            sock.close()
+
+    try:
+        assert get_from("127.0.0.1", port, auth=("prom", "pw")).status_code == 200  # cached from now on
+        first = exchange(port, guess)
+        assert first.startswith(b"HTTP/1.1 401") and b"Connection: close" in first
+        guessers += [threading.Thread(target=guesser, args=(source,), daemon=True)
+                     for source in ["127.0.0.2", "127.0.0.3"] for _ in range(64)]
+        for thread in guessers:
+            thread.start()
+        wait_until(lambda: len(answered) >= 20, timeout=30, what="the guessers to get answers")
+        statuses = []
+        for _ in range(20):
+            try:
+                statuses.append(get_from("127.0.0.1", port, auth=("prom", "pw")).status_code)
+            except requests.RequestException as exc:
+                statuses.append(type(exc).__name__)
+        assert statuses == [200] * 20
+        assert get_from("127.0.0.4", port, auth=("other", "pw2")).status_code == 200
+    finally:
+        stop.set()
+        for thread in guessers:
+            thread.join(10)
+        server.shutdown()
 
 
 def test_waiting_connections_make_room_before_tls_and_auth(pki, tmp_path):

@@ -424,14 +424,22 @@ def test_a_path_is_matched_percent_decoded(serve):
 
 
 def test_a_head_request_gets_no_body_whatever_the_status(serve, tmp_path, password_hash):
-    """A HEAD refused (401) carries no body: one would be read as the start of the next reply."""
+    """A HEAD refused (401) carries no body and closes its connection (a password guesser gets one try per
+    connection); an answered HEAD carries none either: one would be read as the start of the next reply."""
     url = serve(load_web_config(write_config(tmp_path, f"basic_auth_users:\n  prom: '{password_hash}'\n")))
     authorization = "Basic " + base64.b64encode(f"prom:{PASSWORD}".encode()).decode()
-    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5) as sock:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
                      b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization.encode() + b"\r\n\r\n")
-        (refused, headers, body), (healthy, _, healthy_body) = read_replies(sock, 2, head_request=0)
+        [(refused, headers, body)] = read_replies(sock, 1, head_request=0)
         assert refused == "HTTP/1.1 401 Unauthorized" and int(headers["content-length"]) > 0 and body == b""
+        assert headers["connection"] == "close" and closed(sock)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"HEAD /-/healthy HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization.encode() + b"\r\n\r\n"
+                     b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization.encode() + b"\r\n\r\n")
+        (head, headers, body), (healthy, _, healthy_body) = read_replies(sock, 2, head_request=0)
+        assert head == "HTTP/1.1 200 OK" and int(headers["content-length"]) > 0 and body == b""
         assert healthy == "HTTP/1.1 200 OK" and healthy_body == b"Healthy\n"
 
 
