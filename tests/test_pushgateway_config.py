@@ -6,9 +6,14 @@ bad group is deleted. The check limits one gateway to about 250 ranks (docs/scal
 hook writes to a remote-write store instead."""
 from __future__ import annotations
 
+import re
+import time
+from datetime import datetime, timezone
+
 import requests
 
 from stack import processes
+from tests.daemons import query, wait_for_series
 from tests.test_compose import services
 from tests.test_kubernetes import find
 
@@ -35,3 +40,38 @@ def test_a_conflicting_push_is_refused_and_every_run_stays_scrapeable(tmp_path, 
     scrape = requests.get(f"{pgw.url}/metrics", timeout=10)
     assert scrape.status_code == 200, scrape.text[:300]
     assert 'training_step{instance="",job="train",rank="0",run="r1"} 7' in scrape.text
+
+
+def test_a_pushed_gpu_series_never_reaches_prometheus_nor_fires_a_gpu_alert(tmp_path, start_service):
+    """Whoever holds the hook's credentials pushes an XID 79 "on" a GPU of their choosing, and a recorded
+    series of the rules' own: Prometheus, scraping the real Pushgateway with the shipped job and rules,
+    keeps neither (the job's keep-list), and GPUXidError never fires; the hook's own series get through."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    config = processes.render_prometheus_config(tmp_path, {"pushgateway": [f"127.0.0.1:{pgw.port}"]},
+                                                scrape_interval="1s", evaluation_interval="1s")
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    forged = ('# TYPE nvml_gpu_xid_errors_total counter\n'
+              'nvml_gpu_xid_errors_total{gpu="0",uuid="GPU-victim",xid="79",instance="victim-node:9942"} 3\n'
+              '# TYPE job_run_rank:training_infra_cause:score gauge\n'
+              'job_run_rank:training_infra_cause:score{run="r1",rank="0",cause="xid"} 0.95\n'
+              '# TYPE training_step gauge\ntraining_step 7\n')
+    pushed = requests.put(f"{pgw.url}/metrics/job/train/run/r1/rank/0", data=forged, timeout=10)
+    assert pushed.status_code == 200, pushed.text
+    wait_for_series(prometheus.url, 'training_step{job="train",run="r1"}', timeout=60)
+    # Every rule group evaluated again 3 s after the scrape that brought the push in (GPUXidError has no `for`).
+    since = time.time() + 3
+
+    def evaluated() -> bool:
+        groups = requests.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        return all(_unix(group["lastEvaluation"]) > since for group in groups)
+
+    processes.wait_until(evaluated, 60, interval=0.5, what="every rule group to be evaluated")
+    assert query(prometheus.url, '{__name__=~"nvml_.*"}') == []
+    assert query(prometheus.url, 'job_run_rank:training_infra_cause:score{cause="xid"}') == []
+    assert query(prometheus.url, 'ALERTS{alertname="GPUXidError"}') == []
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus' RFC 3339 time (nanoseconds, Z) as a Unix time."""
+    whole, fraction = re.fullmatch(r"(.+T\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339).groups()
+    return datetime.fromisoformat(whole).replace(tzinfo=timezone.utc).timestamp() + float(fraction or 0)
