@@ -1,9 +1,16 @@
-"""The processes a test started, found through /proc: to check they stopped, or to kill them all."""
+"""The processes a test started, found through /proc: to check they stopped, or to kill them all; and
+what a process started as another user can reach."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def _stat(pid: int | str) -> list[str] | None:
@@ -47,3 +54,37 @@ def kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def runnable_as(uid: int) -> str | None:
+    """Why this interpreter cannot run as `uid` (a checkout or environment under a folder only root may
+    enter, such as a clone in /root or a `mktemp -d`), or None when it can."""
+    done = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                           sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    if done.returncode == 0:
+        return None
+    return f"{sys.executable} cannot run as uid {uid} (a checkout only root may enter): {done.stderr.strip()[-200:]}"
+
+
+@contextlib.contextmanager
+def readable_copy(*packages: str) -> Iterator[Path]:
+    """A copy of the repository's `packages`, in a folder every user may read, for PYTHONPATH of a process
+    started as another user (the checkout itself may be private); removed on exit."""
+    from stack.processes import REPO
+
+    folder = Path(tempfile.mkdtemp(prefix="dualtrack-readable-"))
+    try:
+        for package in packages:
+            shutil.copytree(REPO / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def default_signal_actions() -> None:
+    """For `preexec_fn`: the child starts with SIGINT, SIGTERM and SIGHUP at their default actions,
+    whatever the launcher of the tests ignores (`nohup` ignores SIGHUP; a background job, SIGINT)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)

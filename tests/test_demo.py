@@ -23,7 +23,7 @@ from exporter.simulated import simulated_uuid
 from stack.demo import sweep
 from stack.processes import REPO, wait_until
 from tests.daemons import query, wait_for_series
-from tests.process_support import alive, children
+from tests.process_support import alive, children, default_signal_actions
 from tests.test_pid_namespace_e2e import evaluated_since
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
     started: list[subprocess.Popen] = []
 
     def start(argv: list[str], **kwargs) -> subprocess.Popen:
-        kwargs.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        kwargs.setdefault("preexec_fn", default_signal_actions)
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
         started.append(proc)
         return proc

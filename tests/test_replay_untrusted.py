@@ -16,6 +16,7 @@ import pytest
 from dualtrack.cli import main
 from stack.processes import REPO, wait_until
 from tests.test_replay import START, dump, step, write
+from tests.process_support import default_signal_actions
 
 NOW = time.time()
 LIVE = {**START, "time": NOW - 600}
@@ -266,7 +267,7 @@ def _slow_replay(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     out = tmp_path / "out"
     child = subprocess.Popen([sys.executable, "-m", "dualtrack", "replay", str(record), "--out", str(out),
                               "--promtool", str(fake)], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=default_signal_actions)
     wait_until(started.exists, 60, what="promtool to start")
     return child, out, started
 
