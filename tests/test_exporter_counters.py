@@ -2,12 +2,14 @@
 power as a mean, per-process utilization without samples, cadences in seconds (simulated NVML, fake clock)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from exporter.nvml import REPROBE_AFTER
 from exporter.simulated import H, PCIE_32_BIT, PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE, DeviceTraits
 from tests.exporter_support import Rig
-from tests.nvml_faults import Fault
+from tests.nvml_faults import Fault, load_fault_plan
 
 
 def pcie(rig: Rig, direction: str) -> float | None:
@@ -115,3 +117,15 @@ def test_cadences_are_seconds_so_a_5_s_interval_reads_memory_at_every_sample():
     assert rig.lib.calls["nvmlDeviceGetMemoryInfo"] == 4  # a 5 s period: every 5 s sample, not every 25 s
     clocks = rig.lib.calls["nvmlDeviceGetClockInfo"]
     assert clocks == 2 * 4  # a 10 s period: every other sample, four clocks each
+
+
+def test_a_fault_plan_answers_pcie_counters_at_32_bits(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"devices": {"0": {"field_types": {"197": 1, "198": 1}, "gpm": False}}}))
+    devices, _ = load_fault_plan(str(plan))
+    assert devices[0].field_types == PCIE_32_BIT
+    rig = Rig(gpus=1, collectors=["pcie"], devices=devices)
+    for _ in range(3):
+        rig.step()
+    busy = rig.lib.utilization(0, rig.clock() - rig.lib.start)
+    assert pcie(rig, "rx") == pytest.approx(PCIE_RX_RATE + PCIE_RX_BUSY_RATE * busy, rel=0.02)
