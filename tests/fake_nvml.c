@@ -30,7 +30,11 @@ typedef struct {
     value_t value;
 } field_value_t;
 typedef struct { unsigned long long total, free, used; } memory_t;
-typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } process_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} process_t;
 
 static device_t gpu0 = {0};
 
@@ -39,6 +43,8 @@ static double now(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
+
+static unsigned long long as_count(double count) { return (unsigned long long)count; }
 
 static int copy(char *to, unsigned int length, const char *text) {
     if (strlen(text) + 1 > length) return INSUFFICIENT_SIZE;
@@ -94,9 +100,9 @@ int nvmlDeviceGetFieldValues(device_t *device, int count, field_value_t *values)
         v->timestamp = (long long)(t * 1e6);
         v->nvmlReturn = SUCCESS;
         switch (v->fieldId) {
-        case 197: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = (unsigned int)(unsigned long long)(FAKE_PCIE_TX * t); break;
-        case 198: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = (unsigned int)(unsigned long long)(FAKE_PCIE_RX * t); break;
-        case 83: v->valueType = TYPE_UNSIGNED_LONG_LONG; v->value.ull = (unsigned long long)(FAKE_WATTS * t * 1000); break;
+        case 197: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = (unsigned int)as_count(FAKE_PCIE_TX * t); break;
+        case 198: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = (unsigned int)as_count(FAKE_PCIE_RX * t); break;
+        case 83: v->valueType = TYPE_UNSIGNED_LONG_LONG; v->value.ull = as_count(FAKE_WATTS * t * 1000); break;
         case 186: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = FAKE_INSTANT_MW; break;
         case 190: v->valueType = TYPE_UNSIGNED_INT; v->value.ui = 700000; break;
         default: v->nvmlReturn = NOT_SUPPORTED;
