@@ -71,16 +71,17 @@ def test_field_widths_and_returns_are_ones_the_exporter_handles():
 
 def test_pcie_rate_matches_nvidia_smi_dmon(tmp_path, start_service):
     exporter = start_service(processes.exporter(tmp_path, ["--sample-interval=1s", "--no-collector.xid"]))
-    load = cuda_load(12)
+    load = cuda_load(20)
     try:
-        time.sleep(2)  # the load has started copying
-        dmon = subprocess.run(["nvidia-smi", "dmon", "-s", "t", "-c", "6", "-i", "0"], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
+        time.sleep(5)  # CUDA is up and copying
+        dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "t", "-c", "6", "-i", "0"], stdout=subprocess.PIPE,
+                                text=True)
         ours = []
-        for _ in range(6):
+        for _ in range(6):  # the same seconds as dmon's
+            time.sleep(1)
             ours.append({s.labels["direction"]: s.value for s in scrape(exporter).get(
                 "nvml_gpu_pcie_throughput_bytes_per_second", []) if s.labels["gpu"] == "0"})
-            time.sleep(1)
+        dmon = dmon.communicate(timeout=30)[0]
     finally:
         load.wait(timeout=60)
     header = next(line for line in dmon.splitlines() if line.startswith("#") and "rxpci" in line).split()[1:]
@@ -95,13 +96,13 @@ def test_pcie_rate_matches_nvidia_smi_dmon(tmp_path, start_service):
 
 def test_process_utilization_names_a_computing_process_and_an_idle_answer_is_no_error(tmp_path, start_service):
     exporter = start_service(processes.exporter(tmp_path, ["--sample-interval=1s", "--no-collector.xid"]))
-    load = cuda_load(15)
+    load = cuda_load(25)
     try:
         def busy() -> float | None:
             found = [s.value for s in scrape(exporter).get("nvml_gpu_process_sm_utilization_ratio", [])
                      if s.labels["pid"] == str(load.pid)]
             return found[0] if found and found[0] > 0 else None
-        ratio = processes.wait_until(busy, timeout=14, what="the computing process's SM utilization")
+        ratio = processes.wait_until(busy, timeout=24, what="the computing process's SM utilization")
         print(f"process {load.pid}: nvml_gpu_process_sm_utilization_ratio {ratio}")
     finally:
         load.wait(timeout=60)
