@@ -45,8 +45,13 @@ def cuda_load(seconds: float) -> subprocess.Popen:
 
 
 def scrape(exporter: processes.Service) -> dict[str, list]:
+    """The exporter's samples by sample name (a counter's with `_total`)."""
     text = requests.get(exporter.url + "/metrics", timeout=10).text
-    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+    found: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
 
 
 def test_field_widths_and_returns_are_ones_the_exporter_handles():
