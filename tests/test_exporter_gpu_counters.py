@@ -8,11 +8,9 @@ import sys
 import time
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
-
 from exporter.collectors.nvlink import ALL_LINKS
 from stack import processes
+from tests.exporter_support import scraped
 
 pytestmark = pytest.mark.gpu
 pynvml = pytest.importorskip("pynvml")
@@ -45,13 +43,7 @@ def cuda_load(seconds: float) -> subprocess.Popen:
 
 
 def scrape(exporter: processes.Service) -> dict[str, list]:
-    """The exporter's samples by sample name (a counter's with `_total`)."""
-    text = requests.get(exporter.url + "/metrics", timeout=10).text
-    found: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found.setdefault(sample.name, []).append(sample)
-    return found
+    return scraped(exporter.url)
 
 
 def test_field_widths_and_returns_are_ones_the_exporter_handles():

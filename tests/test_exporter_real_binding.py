@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
 from stack.processes import REPO
 from tests import fake_libnvml
+from tests.exporter_support import scraped
 
 PROBE = """
 import json, pynvml
@@ -62,16 +61,8 @@ def test_the_daemon_on_the_real_binding_gives_true_pcie_rates_mean_power_and_no_
     exporter = start_service(processes.exporter(tmp_path, ["--sample-interval=0.5", "--no-collector.xid"],
                                                 env=fake_driver))
 
-    def samples() -> dict[str, list]:
-        text = requests.get(exporter.url + "/metrics", timeout=5).text
-        found: dict[str, list] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                found.setdefault(sample.name, []).append(sample)
-        return found
-
     def value(metric: str, **labels: str) -> float | None:
-        return next((s.value for s in samples().get(metric, []) if labels.items() <= s.labels.items()), None)
+        return next((s.value for s in scraped(exporter.url).get(metric, []) if labels.items() <= s.labels.items()), None)
 
     processes.wait_until(lambda: value("nvml_gpu_pcie_throughput_bytes_per_second", direction="tx") is not None
                          and value("nvml_gpu_process_sm_utilization_ratio") is not None,
@@ -89,4 +80,4 @@ def test_the_daemon_on_the_real_binding_gives_true_pcie_rates_mean_power_and_no_
     assert value("nvml_gpu_process_sm_utilization_ratio") == 0
     assert value("nvml_gpu_memory_total_bytes") == 80 * 2**30  # through the v1 call: the driver lacks _v2
     assert value("nvml_gpu_info", name="NVIDIA H100 80GB HBM3") == 1
-    assert samples().get("nvml_exporter_errors_total", []) == []
+    assert scraped(exporter.url).get("nvml_exporter_errors_total", []) == []
