@@ -22,7 +22,9 @@ An older driver is `driver_lacks` (entry points libnvidia-ml does not have: the 
 FUNCTION_NOT_FOUND, or nvidia-ml-py >= 12.560's NVMLLibraryMismatchError for the functions it calls a
 versioned entry point for). Utilization samples are 1/6 s apart by default (NVML: 1/6 s to 1 s by
 product); a GPU's GPM counters start again from zero when it falls off the bus; a GPM metric can be
-answered NaN (`DeviceTraits.gpm_nan_metrics`).
+answered NaN (`DeviceTraits.gpm_nan_metrics`). A field is answered in the value type a driver picks for
+it (`DeviceTraits.field_types`; PCIE_32_BIT: the PCIe byte counters at 32 bits, wrapping within a
+second); a Blackwell GPU (`DeviceTraits.nvlink5`) has its NVLink counters in NVLink5's fields only.
 
 Its own CPU is charged to the process that hosts it (the exporter under `--simulate`; nvitop-exporter
 too, in bench/): structs it answers in bulk (field batches, per-process samples) are written as the
@@ -688,8 +690,9 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list:
         """Like the driver: each computing process's samples newer than `timeStamp` (CPU microseconds),
-        none while it idles, grouped by process newest first, padded with empty entries; NOT_FOUND when
-        there is none; NOT_SUPPORTED in MIG mode and on boards without it."""
+        none while it idles, grouped by process newest first, padded with empty entries; when there is none,
+        what pynvml raises for the driver's SUCCESS without samples, NVMLError(0); NOT_SUPPORTED in MIG mode
+        and on boards without it."""
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig or not self.traits[gpu].process_utilization:
             raise pynvml.NVMLError_NotSupported()
