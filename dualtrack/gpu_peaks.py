@@ -23,8 +23,17 @@ H100_PCIE = {"fp8": 1513 * TERA, "bf16": 756.5 * TERA, "fp16": 756.5 * TERA, "tf
              "fp32": 51 * TERA}
 L40S = {"fp8": 733 * TERA, "bf16": 362.05 * TERA, "fp16": 362.05 * TERA, "tf32": 183 * TERA,
         "fp32": 91.6 * TERA}
-B200 = {"fp8": 4500 * TERA, "bf16": 2250 * TERA, "fp16": 2250 * TERA, "tf32": 1100 * TERA,
+#: H100 NVL and H200 NVL (PCIe cards with NVLink bridges): the datasheets' per-GPU NVL columns.
+HOPPER_NVL = {"fp8": 1670.5 * TERA, "bf16": 835.5 * TERA, "fp16": 835.5 * TERA, "tf32": 417.5 * TERA,
+              "fp32": 60 * TERA}
+#: H20 (the HGX H20 product brief prints dense figures).
+H20 = {"fp8": 296 * TERA, "bf16": 148 * TERA, "fp16": 148 * TERA, "tf32": 74 * TERA, "fp32": 44 * TERA}
+#: HGX B200 datasheet, the 8-GPU board's figures divided by 8 (TF32: 18 PFLOPS sparse -> 1,125 dense).
+B200 = {"fp8": 4500 * TERA, "bf16": 2250 * TERA, "fp16": 2250 * TERA, "tf32": 1125 * TERA,
         "fp32": 75 * TERA}
+#: GB200 NVL72 datasheet, the GB200 superchip column (one Grace, two Blackwell GPUs) divided by 2.
+GB200 = {"fp8": 5000 * TERA, "bf16": 2500 * TERA, "fp16": 2500 * TERA, "tf32": 1250 * TERA,
+         "fp32": 80 * TERA}
 
 #: NVML name -> (datasheet, dense peak FLOP/s by precision).
 PEAKS: dict[str, tuple[str, dict[str, float]]] = {
@@ -32,11 +41,20 @@ PEAKS: dict[str, tuple[str, dict[str, float]]] = {
     "NVIDIA A100-SXM4-80GB": ("A100 datasheet (SXM4 80GB)", A100),
     "NVIDIA A100-PCIE-40GB": ("A100 datasheet (PCIe 40GB)", A100),
     "NVIDIA A100 80GB PCIe": ("A100 datasheet (PCIe 80GB)", A100),
+    "NVIDIA A800-SXM4-80GB": ("A800 datasheet (SXM4 80GB; same compute as A100)", A100),
+    "NVIDIA A800 80GB PCIe": ("A800 datasheet (PCIe 80GB; same compute as A100)", A100),
     "NVIDIA H100 80GB HBM3": ("H100 datasheet (H100 SXM)", H100_SXM),
     "NVIDIA H100 PCIe": ("H100 datasheet (H100 PCIe)", H100_PCIE),
+    "NVIDIA H100 NVL": ("H100 datasheet (H100 NVL, per GPU)", HOPPER_NVL),
+    "NVIDIA H800": ("H800 datasheet (H800 SXM; same compute as H100 SXM)", H100_SXM),
+    "NVIDIA H800 PCIe": ("H800 datasheet (H800 PCIe; same compute as H100 PCIe)", H100_PCIE),
+    "NVIDIA H20": ("HGX H20 product brief", H20),
     "NVIDIA H200": ("H200 datasheet (H200 SXM; same compute as H100 SXM)", H100_SXM),
+    "NVIDIA H200 NVL": ("H200 datasheet (H200 NVL, per GPU)", HOPPER_NVL),
+    "NVIDIA GH200 480GB": ("GH200 Grace Hopper Superchip datasheet (480GB; same compute as H100 SXM)", H100_SXM),
     "NVIDIA L40S": ("L40S datasheet", L40S),
     "NVIDIA B200": ("HGX B200 datasheet, per GPU (1000 W)", B200),
+    "NVIDIA GB200": ("GB200 NVL72 datasheet, per GPU (half a GB200 superchip)", GB200),
 }
 
 RECORD = "name_precision:gpu_peak_flops_per_second:dense"

@@ -49,6 +49,9 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
        "threshold"),
     _g("nvml_gpu_fan_speed_ratio", "Fan speed as a fraction of its maximum.", "fan"),
     _g("nvml_gpu_power_usage_watts",
+       "Board power draw, in watts: the mean over the sample period, from the energy counter (as nvidia-smi's "
+       "power.draw); the instantaneous reading where there is no energy counter."),
+    _g("nvml_gpu_power_instant_watts",
        "Board power draw, in watts: instantaneous (field POWER_INSTANT); where only nvmlDeviceGetPowerUsage "
        "answers, a 1 s average on Ampere (except A100) and newer."),
     _g("nvml_gpu_power_limit_watts", "Enforced power limit, in watts."),

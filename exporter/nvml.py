@@ -6,7 +6,9 @@ The NVML library is an injected module object: the real `pynvml` by default, the
 * NOT_SUPPORTED / FUNCTION_NOT_FOUND (or a binding without the function, or nvidia-ml-py >= 12.560's
   NVMLLibraryMismatchError, a plain Exception it raises where the driver lacks the versioned entry point
   it calls, as R470/R510 lack nvmlDeviceGetComputeRunningProcesses_v3) -> `Absent`: the GPU or driver
-  lacks the reading. It is remembered per device so it is never asked again.
+  lacks the reading. It is remembered per device and asked again only every REPROBE_AFTER seconds: a
+  reading can appear after start (NVLink fields once the fabric manager is up, a field after a driver
+  update or a MIG mode change).
 * GPU_IS_LOST / UNKNOWN / RESET_REQUIRED -> `GpuLost` only if a cheap probe of the same GPU
   (nvmlDeviceGetMemoryInfo on the GPU itself, also for a call on one of its MIG devices) fails the
   same way too; otherwise one sensor is broken, not the GPU, and the error is a `CallFailed` like any
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
+import time
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -39,6 +42,7 @@ _LOST_ERRORS = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_RESE
 #: the short names (`Nvml.error_name`) of the errors that may mean a lost GPU
 LOST_ERROR_NAMES = frozenset(name[len("NVML_ERROR_"):].lower() for name in _LOST_ERRORS)
 PROBE = "nvmlDeviceGetMemoryInfo"  # answered by every GPU and driver, costs one driver round trip
+REPROBE_AFTER = 300.0  # seconds a reading found absent is not asked for (then asked once again)
 
 #: NVML constants the exporter uses that the oldest supported nvidia-ml-py (12.535.108) lacks, with
 #: their values from nvml.h (and the binding release that added them).
@@ -46,6 +50,8 @@ NEWER_CONSTANTS: dict[str, int] = {
     "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197,  # 12.555
     "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,  # 12.555
     "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,  # 12.560
+    "NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES": 202,  # NVLink5 (Blackwell) byte counters, after 12.535
+    "NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES": 204,
 }
 
 
@@ -80,9 +86,12 @@ class CallFailed(Exception):
 
 
 def error_names(lib: ModuleType) -> dict[int, str]:
-    """Map NVML return codes to short names: 15 -> "gpu_is_lost"."""
-    return {getattr(lib, name): name[len("NVML_ERROR_"):].lower()
-            for name in dir(lib) if name.startswith("NVML_ERROR_") and isinstance(getattr(lib, name), int)}
+    """Map NVML return codes to short names: 15 -> "gpu_is_lost". pynvml raises NVMLError(NVML_SUCCESS)
+    where a size query succeeds with nothing to size (nvmlDeviceGetProcessUtilization without samples):
+    "success", for the caller to take as an empty answer."""
+    return {lib.NVML_SUCCESS: "success",
+            **{getattr(lib, name): name[len("NVML_ERROR_"):].lower()
+               for name in dir(lib) if name.startswith("NVML_ERROR_") and isinstance(getattr(lib, name), int)}}
 
 
 def handle_key(handle: Any) -> int:
@@ -234,9 +243,10 @@ class Device:
     name: str = ""
     pci_bus_id: str = ""
     mig_mode: str = ""
-    absent: set = field(default_factory=set)
+    absent: dict = field(default_factory=dict)  # what was found absent -> when to ask again (clock seconds)
     static: dict = field(default_factory=dict)
     calls: int = 0
+    clock: Callable[[], float] = time.monotonic
 
     @classmethod
     def open(cls, nvml: Nvml, index: int) -> "Device":
@@ -274,14 +284,15 @@ class Device:
         key = _absent_key(function, args)
         if handle is not self.handle:
             key = ("mig", *key)
-        if key in self.absent:
+        if self.remembers_absent(key):
             raise Absent("remembered")
         self.calls += 1
         try:
             return self.nvml.invoke(function, handle, *args, **kwargs)
         except Absent as exc:
-            log.debug("GPU %d: %s%s not supported (%s); not asking again", self.index, function, args[:1], exc)
-            self.absent.add(key)
+            log.debug("GPU %d: %s%s not supported (%s); asking again in %.0f s", self.index, function, args[:1],
+                      exc, REPROBE_AFTER)
+            self.found_absent(key)
             raise
         except GpuLost as exc:
             is_probe = function == PROBE and handle is self.handle and not args and not kwargs
@@ -316,22 +327,36 @@ class Device:
         except (Absent, CallFailed):
             return None
 
+    def found_absent(self, key: Any) -> None:
+        """Remember that `key` (a call or a field) is absent: not asked for again until REPROBE_AFTER."""
+        self.absent[key] = self.clock() + REPROBE_AFTER
+
+    def remembers_absent(self, key: Any) -> bool:
+        """True while `key` was found absent less than REPROBE_AFTER ago (then it is forgotten, and asked)."""
+        again_at = self.absent.get(key)
+        if again_at is None:
+            return False
+        if self.clock() < again_at:
+            return True
+        del self.absent[key]
+        return False
+
     def lacks(self, function: str, *args: Any) -> bool:
-        """True if `call(function, *args)` was found absent (and so is no longer made)."""
-        return _absent_key(function, args) in self.absent
+        """True if `call(function, *args)` was found absent (and so is not made until it is re-probed)."""
+        return self.remembers_absent(_absent_key(function, args))
 
     def lacks_field(self, field_id: int, scope: int = 0) -> bool:
         """True if the GPU answered NOT_SUPPORTED for this field, or the driver has no field batches."""
-        return ("field", (field_id, scope)) in self.absent or self.lacks("nvmlDeviceGetFieldValues")
+        return self.remembers_absent(("field", (field_id, scope))) or self.lacks("nvmlDeviceGetFieldValues")
 
     def field_values(self, fields: Iterable[tuple[int, int]]) -> dict[tuple[int, int], FieldValue | CallFailed]:
         """Read many fields in ONE nvmlDeviceGetFieldValues call.
 
         `fields` are (field_id, scope_id) pairs. Returns {pair: FieldValue or CallFailed}; fields the GPU
         does not support (NOT_SUPPORTED, or INVALID_ARGUMENT for an id or scope the driver does not
-        know) are left out of the result and never requested again.
+        know) are left out of the result and not requested again until they are re-probed.
         """
-        wanted = [f for f in dict.fromkeys(fields) if ("field", f) not in self.absent]
+        wanted = [f for f in dict.fromkeys(fields) if not (self.absent and self.remembers_absent(("field", f)))]
         if not wanted:
             return {}
         values = self.call("nvmlDeviceGetFieldValues", wanted)
@@ -346,7 +371,7 @@ class Device:
                 kind = _UINT.unpack_from(memory, at + type_at)[0]
                 result[pair] = union_value(nvml.value_types, kind, memory, at + value_at)
             elif returned in nvml._absent_field:
-                self.absent.add(("field", pair))
+                self.found_absent(("field", pair))
             else:
                 result[pair] = CallFailed(nvml._names.get(returned, str(returned)))
         return result

@@ -99,6 +99,12 @@ class SnapshotStore:
             self.current = Snapshot(tuple(self._samples.values()), lost)
 
 
+def samples_per_period(period: float, interval: float) -> int:
+    """How many samples of `interval` seconds apart make a collector's `period` (seconds): at least one, so
+    a period shorter than the interval runs at every sample."""
+    return max(1, round(period / interval))
+
+
 class GpuSampler:
     """Samples one GPU every interval with the enabled collectors."""
 
@@ -123,11 +129,12 @@ class GpuSampler:
         self._latest: dict[str, tuple[Values, CollectorRun]] = {}
         self._rendered: tuple[str, Values, tuple[bytes, ...]] | None = None  # uuid, values, lines of the last sample
         self._texts: dict[tuple[str, tuple[str, ...]], str] = {}  # its series as written (see sample_lines)
-        slow = [c for c in collectors if c.period > 1]
-        phase = {id(c): position % c.period for position, c in enumerate(slow)}
+        every = {id(c): samples_per_period(c.period, interval) for c in collectors}
+        slow = [c for c in collectors if every[id(c)] > 1]
+        phase = {id(c): position % every[id(c)] for position, c in enumerate(slow)}
         # which collectors run (and which fields they read: static) at each sample of the cycle, and at the first
-        due = [[c for c in collectors if (taken + phase.get(id(c), 0)) % c.period == 0]
-               for taken in range(math.lcm(*(c.period for c in collectors)))]
+        due = [[c for c in collectors if (taken + phase.get(id(c), 0)) % every[id(c)] == 0]
+               for taken in range(math.lcm(*every.values()))]
         self._plans = [(plan, tuple(chain.from_iterable(c.fields() for c in plan))) for plan in [collectors, *due]]
 
     def _plan(self) -> tuple[list[Collector], tuple[tuple[int, int], ...]]:
@@ -255,6 +262,8 @@ class Sampler:
     def __post_init__(self) -> None:
         self.collectors = list(self.collectors)
         self.devices = self.nvml.devices()
+        for device in self.devices:
+            device.clock = self.clock  # absent readings are re-probed on the sampler's clock
         self.driver_version, self.cuda_driver_version = self.nvml.driver_info()
         self.xid_counts = XidCounts()
         self.xid = XidWatcher(self.nvml, self.devices, self.xid_counts) if "xid" in self.collectors else None

@@ -22,7 +22,9 @@ An older driver is `driver_lacks` (entry points libnvidia-ml does not have: the 
 FUNCTION_NOT_FOUND, or nvidia-ml-py >= 12.560's NVMLLibraryMismatchError for the functions it calls a
 versioned entry point for). Utilization samples are 1/6 s apart by default (NVML: 1/6 s to 1 s by
 product); a GPU's GPM counters start again from zero when it falls off the bus; a GPM metric can be
-answered NaN (`DeviceTraits.gpm_nan_metrics`).
+answered NaN (`DeviceTraits.gpm_nan_metrics`). A field is answered in the value type a driver picks for
+it (`DeviceTraits.field_types`; PCIE_32_BIT: the PCIe byte counters at 32 bits, wrapping within a
+second); a Blackwell GPU (`DeviceTraits.nvlink5`) has its NVLink counters in NVLink5's fields only.
 
 Its own CPU is charged to the process that hosts it (the exporter under `--simulate`; nvitop-exporter
 too, in bench/): structs it answers in bulk (field batches, per-process samples) are written as the
@@ -92,7 +94,9 @@ NVML_H: dict[str, int] = {
     "NVML_FI_DEV_REMAPPED_FAILURE": 145,
     "NVML_FI_DEV_POWER_AVERAGE": 185, "NVML_FI_DEV_POWER_INSTANT": 186, "NVML_FI_DEV_POWER_CURRENT_LIMIT": 190,
     "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 197, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 198,
+    "NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES": 202, "NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES": 204,
     "NVML_GPM_METRIC_SM_UTIL": 2, "NVML_GPM_METRIC_ANY_TENSOR_UTIL": 5, "NVML_GPM_METRIC_DRAM_BW_UTIL": 10,
+    "NVML_GPM_METRIC_PCIE_TX_PER_SEC": 20, "NVML_GPM_METRIC_PCIE_RX_PER_SEC": 21,
     "NVML_GPM_SUPPORT_VERSION": 1, "NVML_GPM_METRICS_GET_VERSION": 1,
     "nvmlEventTypeXidCriticalError": 0x8, "nvmlClocksEventReasonGpuIdle": 0x1,
     "nvmlClocksEventReasonSwThermalSlowdown": 0x20,
@@ -106,6 +110,10 @@ MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount of an H100
 MIG_INSTANCES = 2  # a simulated GPU in MIG mode is split into two GPU instances (ids 1 and 2)
 GPM_MIN_WINDOW = 0.1  # seconds: two GPM samples closer than this give no metrics (INVALID_ARGUMENT)
 _NVLINK_FIELDS = (H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+_NVLINK5_FIELDS = (H.NVML_FI_DEV_NVLINK_COUNT_XMIT_BYTES, H.NVML_FI_DEV_NVLINK_COUNT_RCV_BYTES)
+#: field_types for a driver that answers the PCIe byte counters at 32 bits (they wrap within a second)
+PCIE_32_BIT = {H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: H.NVML_VALUE_TYPE_UNSIGNED_INT,
+               H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: H.NVML_VALUE_TYPE_UNSIGNED_INT}
 _POWER_FIELDS = (H.NVML_FI_DEV_POWER_INSTANT, H.NVML_FI_DEV_POWER_CURRENT_LIMIT, H.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION)
 #: c_nvmlFieldValue_t up to its value union: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn
 _FIELD_HEAD = struct.Struct("@IIqqII")
@@ -120,6 +128,7 @@ VERSIONED_ENTRY_POINTS = {"nvmlDeviceGetComputeRunningProcesses": "nvmlDeviceGet
 # The PCIe byte counters start this close to 2**64 and wrap a few seconds into a run, as any
 # counter eventually does.
 PCIE_COUNTER_START = 2**64 - 6 * 10**9
+PCIE_TX_RATE, PCIE_RX_RATE, PCIE_RX_BUSY_RATE = 0.5e9, 1.5e9, 4e9  # bytes/s: idle, and more received while busy
 
 
 @dataclass
@@ -133,6 +142,7 @@ class DeviceTraits:
     mig: bool = False
     gpm: bool = True
     nvlinks: int = 18
+    nvlink5: bool = False  # Blackwell: NVLink counters in fields COUNT_XMIT/RCV_BYTES, THROUGHPUT_DATA absent
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
     sample_period: float = 1 / 6  # seconds between utilization samples, on average (1/6 s to 1 s by product)
     process_utilization: bool = True  # nvmlDeviceGetProcessUtilization (NOT_SUPPORTED on some boards)
@@ -650,7 +660,8 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetPcieThroughput(self, handle: Any, counter: int) -> int:
         busy = self.utilization(self._gpu_of(handle), self._t())
-        return int((0.5e9 if counter == H.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
+        return int((PCIE_TX_RATE if counter == H.NVML_PCIE_UTIL_TX_BYTES else PCIE_RX_RATE + PCIE_RX_BUSY_RATE * busy)
+                   / 1024)
 
     def pids_on(self, gpu: int) -> list[int]:
         """The host PIDs GPU `gpu` runs: those the `processes` file lists for it (read at each call, so
@@ -679,8 +690,9 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list:
         """Like the driver: each computing process's samples newer than `timeStamp` (CPU microseconds),
-        none while it idles, grouped by process newest first, padded with empty entries; NOT_FOUND when
-        there is none; NOT_SUPPORTED in MIG mode and on boards without it."""
+        none while it idles, grouped by process newest first, padded with empty entries; when there is none,
+        what pynvml raises for the driver's SUCCESS without samples, NVMLError(0); NOT_SUPPORTED in MIG mode
+        and on boards without it."""
         gpu = self._gpu_of(handle)
         if self.traits[gpu].mig or not self.traits[gpu].process_utilization:
             raise pynvml.NVMLError_NotSupported()
@@ -695,8 +707,8 @@ class SimulatedNVML:
                 if timeStamp < stamp <= now and load.get(pid, 0.0) > 0:
                     samples.append({"pid": pid, "timeStamp": stamp, "smUtil": round(100 * load[pid]),
                                     "memUtil": round(45 * load[pid])})
-        if not samples:
-            raise pynvml.NVMLError_NotFound()
+        if not samples:  # the driver's size query succeeds with nothing to size: pynvml raises NVMLError(SUCCESS)
+            raise pynvml.NVMLError(H.NVML_SUCCESS)
         return _answer(pynvml.c_nvmlProcessUtilizationSample_t, samples, PROCESS_ENTRIES)
 
     @_api()
@@ -743,16 +755,20 @@ class SimulatedNVML:
 
     def _scope_error(self, gpu: int, field_id: int, scope: int) -> int | None:
         """INVALID_ARGUMENT for a link id past NVML_NVLINK_MAX_LINKS (other than "all links")."""
-        if field_id in _NVLINK_FIELDS and scope != NVLINK_SCOPE_ALL and scope >= H.NVML_NVLINK_MAX_LINKS:
+        if (field_id in _NVLINK_FIELDS or field_id in _NVLINK5_FIELDS) and scope != NVLINK_SCOPE_ALL \
+                and scope >= H.NVML_NVLINK_MAX_LINKS:
             return H.NVML_ERROR_INVALID_ARGUMENT
         return None
 
     def _field(self, gpu: int, field_id: int, scope: int, t: float, busy: float) -> float | None:
         traits = self.traits[gpu]
-        if field_id in _NVLINK_FIELDS:  # KiB: each link carries an equal share of 20 GB per busy second
-            if not traits.nvlinks or (scope != NVLINK_SCOPE_ALL and scope >= traits.nvlinks):
+        if field_id in _NVLINK_FIELDS or field_id in _NVLINK5_FIELDS:
+            # each link carries an equal share of 20 GB per busy second: KiB in the older fields, bytes in NVLink5's
+            if (not traits.nvlinks or (scope != NVLINK_SCOPE_ALL and scope >= traits.nvlinks)
+                    or traits.nvlink5 != (field_id in _NVLINK5_FIELDS)):
                 return None
-            return 20e9 * busy / 1024 / (1 if scope == NVLINK_SCOPE_ALL else traits.nvlinks)
+            unit = 1 if traits.nvlink5 else 1024
+            return 20e9 * busy / unit / (1 if scope == NVLINK_SCOPE_ALL else traits.nvlinks)
         if field_id in _POWER_FIELDS and not traits.power:
             return None
         if field_id == H.NVML_FI_DEV_MEMORY_TEMP:
@@ -762,9 +778,9 @@ class SimulatedNVML:
         if field_id == H.NVML_FI_DEV_POWER_INSTANT:
             return self.power_mw(gpu, t)
         if field_id == H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
-            return (PCIE_COUNTER_START + int(0.5e9 * t)) % 2**64
+            return (PCIE_COUNTER_START + int(PCIE_TX_RATE * t)) % 2**64
         if field_id == H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
-            return (PCIE_COUNTER_START + int(1.5e9 * t + 4e9 * busy)) % 2**64
+            return (PCIE_COUNTER_START + int(PCIE_RX_RATE * t + PCIE_RX_BUSY_RATE * busy)) % 2**64
         return _CONSTANT_FIELDS.get(field_id)
 
     # --- events (XID) ----------------------------------------------------------------------------
@@ -892,6 +908,8 @@ class SimulatedNVML:
         busy = (second[2] - first[2]) / (second[1] - first[1])
         scale = {H.NVML_GPM_METRIC_SM_UTIL: 85.0, H.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 60.0,
                  H.NVML_GPM_METRIC_DRAM_BW_UTIL: 45.0}
+        pcie = {H.NVML_GPM_METRIC_PCIE_TX_PER_SEC: PCIE_TX_RATE / MIB,  # MiB/s
+                H.NVML_GPM_METRIC_PCIE_RX_PER_SEC: (PCIE_RX_RATE + PCIE_RX_BUSY_RATE * busy) / MIB}
         nan = self.traits[second[0]].gpm_nan_metrics
         for slot in range(request.numMetrics):
             metric = request.metrics[slot]
@@ -901,6 +919,8 @@ class SimulatedNVML:
                 # from counters, as the driver does: across a fall off the bus they restarted, and the
                 # difference is garbage (negative here)
                 metric.value, metric.nvmlReturn = scale[metric.metricId] * busy, H.NVML_SUCCESS
+            elif metric.metricId in pcie:
+                metric.value, metric.nvmlReturn = pcie[metric.metricId], H.NVML_SUCCESS
             else:
                 metric.nvmlReturn = H.NVML_ERROR_NOT_SUPPORTED
         return request

@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import requests
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,6 +75,15 @@ def faulty_exporter(workdir: Path, args: list[str], **kwargs) -> processes.Servi
     service = processes.exporter(workdir, args, **kwargs)
     service.argv[service.argv.index("exporter")] = "tests.faulty_exporter"
     return service
+
+
+def scraped(url: str) -> dict[str, list]:
+    """A daemon's /metrics samples by sample name (a counter's with `_total`, which its family name lacks)."""
+    found: dict[str, list] = {}
+    for family in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
 
 
 def gpus_with(rig: Rig, name: str) -> set[str]:

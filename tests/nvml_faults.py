@@ -10,8 +10,9 @@ A plan file, as `python -m tests.faulty_exporter --faults=FILE` and `FaultyNVML`
                 {"function": "nvmlDeviceGetSamples", "error": "FunctionNotFound"},
                 {"gpu": 0, "xid": 79, "at": 1, "times": 3}]}
 
-`devices` changes what a GPU has (exporter.simulated.DeviceTraits); `at`/`until` are seconds since
-start; `times` caps how often a rule fires; `error` is a pynvml error class suffix
+`devices` changes what a GPU has (exporter.simulated.DeviceTraits; `"field_types": {"197": 1, "198": 1}`
+answers the PCIe byte counters at 32 bits, `"nvlink5": true` NVLink in Blackwell's fields); `at`/`until`
+are seconds since start; `times` caps how often a rule fires; `error` is a pynvml error class suffix
 (NVMLError_<error>); `hang` sleeps inside the call; `xid` raises XID events. `answer` (bytes, from
 Python only) is what the driver writes for a text function (names, versions, UUIDs), or into the
 struct field `answer_field` (busId): it goes through pynvml's own decoding, which raises
@@ -75,6 +76,8 @@ def load_fault_plan(path: str) -> tuple[dict[int, DeviceTraits], list[Fault]]:
             unknown = set(traits) - known
             if unknown:
                 raise FaultPlanError(f"{path}: unknown device trait(s) {sorted(unknown)}")
+            if "field_types" in traits:  # JSON keys are strings; field ids are numbers
+                traits = {**traits, "field_types": {int(field): kind for field, kind in traits["field_types"].items()}}
             devices[int(index)] = DeviceTraits(**traits)
         faults = [Fault(**rule) for rule in plan.get("faults", [])]
     except FaultPlanError:

@@ -147,12 +147,13 @@ def test_a_busy_gpu_reads_busy_whatever_the_jitter_and_period_of_the_drivers_sam
 def test_the_gpu_ratio_comes_from_the_sample_buffer_and_the_rates_call_is_rare():
     rig = Rig("healthy", gpus=1, collectors=["utilization"])
     uuid = rig.sampler.devices[0].uuid
-    for _ in range(3 * RATES_PERIOD):
+    samples = round(3 * RATES_PERIOD / rig.sampler.interval)  # RATES_PERIOD is in seconds
+    for _ in range(samples):
         rig.step()
         assert 0.85 < rig.value("nvml_gpu_utilization_ratio", gpu="0", uuid=uuid) <= 1
         assert 0.3 < rig.value("nvml_gpu_memory_controller_utilization_ratio", gpu="0", uuid=uuid) < 0.5
     assert rig.lib.calls["nvmlDeviceGetUtilizationRates"] == 3  # the memory-controller ratio, every RATES_PERIOD
-    assert rig.lib.calls["nvmlDeviceGetSamples"] == 3 * RATES_PERIOD
+    assert rig.lib.calls["nvmlDeviceGetSamples"] == samples
 
 
 def test_while_the_sample_buffer_is_dry_the_rates_call_answers():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
-from exporter.simulated import H, DeviceTraits, simulated_uuid
+from exporter.simulated import H, PCIE_32_BIT, PCIE_TX_RATE, DeviceTraits, simulated_uuid
 from tests.nvml_faults import Fault, FaultyNVML
 from tests.exporter_support import Rig, gpus_with, EVERY_COLLECTOR
 
@@ -144,7 +144,8 @@ def test_error_on_one_field_is_counted_and_breaks_nothing_else():
     rig = Rig(gpus=2, faults=faults)
     rig.step()
     rig.step()
-    assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"1"}
+    assert gpus_with(rig, "nvml_gpu_power_instant_watts") == {"1"}
+    assert gpus_with(rig, "nvml_gpu_power_usage_watts") == {"0", "1"}  # the mean, from the energy counter
     assert gpus_with(rig, "nvml_gpu_temperature_celsius") == {"1"}
     assert gpus_with(rig, "nvml_gpu_energy_joules_total") == {"0", "1"}
     assert gpus_with(rig, "nvml_gpu_memory_used_bytes") == {"0", "1"}
@@ -174,7 +175,7 @@ def test_unknown_error_from_one_sensor_is_a_failed_field_not_a_lost_gpu():
 def test_pcie_byte_counters_unknown_to_the_driver_fall_back_to_the_throughput_call():
     faults = [Fault(field=H.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, error="InvalidArgument"),
               Fault(field=H.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, error="InvalidArgument")]
-    rig = Rig(gpus=1, faults=faults, collectors=["pcie"])
+    rig = Rig(gpus=1, faults=faults, collectors=["pcie"], devices={0: DeviceTraits(gpm=False)})
     for _ in range(3):
         rig.step()
     uuid = rig.sampler.devices[0].uuid
@@ -380,7 +381,8 @@ def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
         rig.step()
     nvlink = {H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, H.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
     assert {pair for pair in requested if pair[0] in nvlink} == {(field, 0xFFFFFFFF) for field in nvlink}
-    assert len(requested) == 6  # two fields per sample, not two per possible link
+    # two fields per sample, not two per possible link (the first sample also asks NVLink5's, found absent)
+    assert len(requested) == 4 + 2 + 2
     uuid = rig.sampler.devices[0].uuid
     busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
     assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=uuid, direction="tx") == \
@@ -501,11 +503,14 @@ def test_mig_device_slots_the_driver_does_not_support_are_no_failure(caplog):
 
 
 def test_gpm_windows_shorter_than_the_driver_computes_are_not_sampled():
-    # every 5th sample of 10 ms is a 50 ms GPM window: NVML answers INVALID_ARGUMENT under 100 ms
-    rig = Rig(gpus=1, collectors=["gpm"], interval=0.01)
+    # 32-bit PCIe counters: the rate comes from GPM at every 10 ms sample; NVML answers INVALID_ARGUMENT
+    # for a window under 100 ms, so windows are left open until they are long enough
+    rig = Rig(gpus=1, collectors=["pcie"], interval=0.01, devices={0: DeviceTraits(field_types=PCIE_32_BIT)})
     for _ in range(50):
         rig.step()
-    assert 0.5 < rig.value("nvml_gpu_sm_active_ratio", gpu="0", uuid=rig.sampler.devices[0].uuid) <= 1
+    uuid = rig.sampler.devices[0].uuid
+    assert rig.value("nvml_gpu_pcie_throughput_bytes_per_second", gpu="0", uuid=uuid, direction="tx") == \
+        pytest.approx(PCIE_TX_RATE, rel=1e-3)
     assert rig.series("nvml_exporter_errors_total") == []
 
 

@@ -91,7 +91,7 @@ def test_hanging_call_and_failing_field(tmp_path, start_service):
     assert gpus(metrics, "nvml_gpu_memory_used_bytes") == {"1", "2"}
     assert value(metrics, "nvml_gpu_lost", gpu="0") == 0  # slow is not lost
     # The failing field: counted, only that reading missing.
-    assert gpus(metrics, "nvml_gpu_power_usage_watts") == {"1"}
+    assert gpus(metrics, "nvml_gpu_power_instant_watts") == {"1"}
     assert "2" in gpus(metrics, "nvml_gpu_energy_joules_total")
     assert value(metrics, "nvml_exporter_errors_total", collector="power", error="unknown") > 0
     assert value(metrics, "nvml_exporter_collector_success", collector="power") == 0

@@ -50,8 +50,9 @@ def test_simulated_healthy_exposition_matches_golden_file(tmp_path):
 def test_daemon_output_passes_promtool_and_matches_golden_structure(tmp_path, start_service):
     exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
                                                            "--sample-interval=0.1"]))
-    processes.wait_until(lambda: "nvml_gpu_sm_active_ratio{" in requests.get(exporter.url + "/metrics").text,
-                         timeout=10, what="GPM metrics after two GPM samples")
+    # both GPUs: each is sampled by its own thread; GPM's second sample (5 s in) gives its first ratios
+    processes.wait_until(lambda: requests.get(exporter.url + "/metrics").text.count("nvml_gpu_sm_active_ratio{") == 2,
+                         timeout=15, what="GPM metrics of both GPUs after two GPM samples")
     text = requests.get(exporter.url + "/metrics", timeout=5).text
     promtool_check(text)
     ours = "\n".join(line for line in text.splitlines() if not re.match(r"^(# \w+ )?(process|python)_", line))

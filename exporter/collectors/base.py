@@ -14,12 +14,12 @@ class Collector:
 
     A collector instance belongs to one GPU and is only ever run by that GPU's sampler thread, so
     it may keep state (counters integrated between samples) without locking.
-    `period` is in samples: slow-changing readings run every `period`-th sample, spread over
-    different samples so that no sample pays for all of them at once.
+    `period` is in seconds: slow-changing readings run once per `period` (every sample when the sample
+    interval is as long), spread over different samples so that no sample pays for all of them at once.
     """
 
     name: ClassVar[str] = ""
-    period: ClassVar[int] = 1
+    period: ClassVar[float] = 0.0  # seconds; 0: every sample
     default_enabled: ClassVar[bool] = True
     help: ClassVar[str] = ""
 

@@ -1,6 +1,6 @@
 """Current and maximum clocks. nvidia-smi: clocks.gr, clocks.sm, clocks.mem, clocks.video, clocks.max.*.
 
-NVML: nvmlDeviceGetClockInfo per clock domain (every `period` (10) samples: four calls, and what
+NVML: nvmlDeviceGetClockInfo per clock domain (every `period` (10 s): four calls, and what
 makes the clocks drop is told every sample by the throttle reasons), nvmlDeviceGetMaxClockInfo once
 (static).
 """

@@ -33,11 +33,15 @@ def gpm_supported(ctx: SampleContext, device: Device) -> bool | None:
 
 
 class GpmWindow:
-    """Two GPM sample buffers filled in turn by `take(buffer)`; ratios over the last two samples."""
+    """Two GPM sample buffers filled in turn by `take(buffer)`; `metrics` ({suffix: NVML_GPM_METRIC_* name}) over
+    the last two samples, each NVML value times `scale` (percentages to ratios by default)."""
 
-    def __init__(self, device: Device, take: Callable[[Any], Any]) -> None:
+    def __init__(self, device: Device, take: Callable[[Any], Any], metrics: dict[str, str] = GPM_METRICS,
+                 scale: float = 0.01) -> None:
         self.device = device
         self.take = take
+        self.metrics = metrics
+        self.scale = scale
         self.buffers: list = []
         self.have_previous = False
         self.taken_at = 0.0  # ctx.now of the previous sample
@@ -66,14 +70,14 @@ class GpmWindow:
             return {}
         request = lib.c_nvmlGpmMetricsGet_t()
         request.version = lib.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request.numMetrics = len(self.metrics)
         request.sample1, request.sample2 = previous, current
-        for slot, constant in enumerate(GPM_METRICS.values()):
+        for slot, constant in enumerate(self.metrics.values()):
             request.metrics[slot].metricId = getattr(lib, constant)
         if ctx.guarded(lambda: nvml.call("nvmlGpmMetricsGet", request)) is None:
             self.ratios = {}
         else:
-            self.ratios = {suffix: request.metrics[slot].value / 100 for slot, suffix in enumerate(GPM_METRICS)
+            self.ratios = {suffix: request.metrics[slot].value * self.scale for slot, suffix in enumerate(self.metrics)
                            if request.metrics[slot].nvmlReturn == lib.NVML_SUCCESS
                            and not math.isnan(request.metrics[slot].value)}
         return self.ratios

@@ -1,7 +1,7 @@
 """Device memory. nvidia-smi: memory.used, memory.total, memory.free.
 
 NVML: nvmlDeviceGetMemoryInfo_v2 (used excludes driver-reserved memory, as nvidia-smi shows it),
-falling back to the v1 call on drivers older than R510. Every `period` (5) samples: memory moves with
+falling back to the v1 call on drivers older than R510. Every `period` (5 s): memory moves with
 allocations, and the alerts on it look at minutes.
 """
 from __future__ import annotations

@@ -12,13 +12,16 @@ name a process with any bytes): undecodable bytes are replaced. Process names an
 sensitive: `--no-collector.processes` turns all of this off.
 
 Each listed process's SM utilization comes from nvmlDeviceGetProcessUtilization (nvidia-smi pmon's
-"sm" column): the driver's per-process samples newer than the last seen timestamp (CPU time in
-microseconds), read like the utilization collector reads nvmlDeviceGetSamples (the first read takes
-what the driver kept). The gauge is the mean of a process's samples since the last read; a listed
-process without one (NOT_FOUND: none newer, the driver takes none while a process idles) computed
-nothing, 0. The driver pads its answer with empty entries (pid 0, timestamp 0), skipped, in no time
-order, which a mean does not need. GPUs or drivers without it (NOT_SUPPORTED, some boards and MIG)
-export no utilization series.
+"sm" column). It is a snapshot, not a mean over the exporter's period: nvml.h answers "one utilization
+sample structure ... per process running, that had some non-zero utilization during the last sample
+period" (the driver's period, 1/6 s to 1 s), newer than the timestamp passed (CPU time in microseconds,
+the newest seen). So the gauge is each process's SM share over the driver's last sampling period before
+the read, once per `period`; a process busy between two reads but idle in that last period reads 0, and
+the GPU-wide nvml_gpu_busy_seconds_total is what integrates time. Where the driver answers more than one
+entry for a process, the gauge is their mean. A listed process without an entry (NOT_FOUND, or SUCCESS
+with no entries, which pynvml raises as NVMLError(0)) computed nothing: 0, and no error. The driver pads
+its answer with empty entries (pid 0, timestamp 0), skipped. GPUs or drivers without it (NOT_SUPPORTED,
+some boards and MIG) export no utilization series; that is asked again every few minutes.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, read_field
 
 log = logging.getLogger(__name__)
+
+UTILIZATION_ABSENT = ("process_utilization",)  # the device's absence key for nvmlDeviceGetProcessUtilization
 
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
@@ -135,7 +140,6 @@ class ProcessesCollector(Collector):
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
         self.last_timestamp = 0  # NVML microseconds of the newest per-process sample seen (0: all kept)
-        self.utilization_absent = False  # the GPU or driver has no per-process utilization
 
     def collect(self, ctx: SampleContext) -> None:
         try:
@@ -167,15 +171,17 @@ class ProcessesCollector(Collector):
     def _sm_utilization(self, ctx: SampleContext) -> dict[int, float] | None:
         """Each process's mean SM utilization (0..1) over the driver's samples since the last read;
         None when the GPU has none (remembered) or the read failed (counted)."""
-        if self.utilization_absent:
+        if self.device.remembers_absent(UTILIZATION_ABSENT):
             return None
         try:
             samples = self.device.call("nvmlDeviceGetProcessUtilization", self.last_timestamp)
-        except Absent:  # remembered here: Device.call would remember it per timestamp
-            self.utilization_absent = True
+        except Absent:  # remembered under one key: Device.call would remember it per timestamp
+            self.device.found_absent(UTILIZATION_ABSENT)
             return None
         except CallFailed as exc:
-            if exc.error != "not_found":  # NOT_FOUND: no sample newer than the timestamp
+            # NOT_FOUND: no sample newer than the timestamp; SUCCESS: none at all (pynvml raises NVMLError(0)
+            # when the driver's size query succeeds, which it does when it has no sample to size)
+            if exc.error not in ("not_found", "success"):
                 ctx.errors.append(exc.error)
                 return None
             samples = []

@@ -1,7 +1,7 @@
 """Temperatures, temperature thresholds and fans.
 
 nvidia-smi: temperature.gpu, temperature.memory, `-q -d TEMPERATURE` (thresholds), fan.speed.
-Temperatures every `period` (10) samples: they change over tens of seconds, and thermal slowdown
+Temperatures every `period` (10 s): they change over tens of seconds, and thermal slowdown
 itself is the throttle collector's, read every sample.
 NVML: nvmlDeviceGetTemperatureV(GPU) where the driver and binding have it (the older
 nvmlDeviceGetTemperature is deprecated for removal in CUDA 14) else nvmlDeviceGetTemperature, field

@@ -13,7 +13,7 @@ rate is integrated instead.
 
 Cadence: with the buffer, the GPU ratio is the newest buffer sample's (the driver's latest sample
 period, what nvmlDeviceGetUtilizationRates answers too), so nvmlDeviceGetUtilizationRates is called
-only every RATES_PERIOD samples, for the memory-controller ratio, and on a poll that finds no new
+only every RATES_PERIOD seconds, for the memory-controller ratio, and on a poll that finds no new
 buffer sample (an idle GPU, a product sampling once a second). Without the buffer it is called on
 every sample.
 """
@@ -30,7 +30,7 @@ MAX_PERIOD = 2.0  # seconds: twice the longest sampling period of any product (1
 DEFAULT_PERIOD = 1 / 6  # seconds: the period of most products, until spacings are seen
 JITTER_BOUND = 1.5  # a spacing up to this many typical periods is the sample's own period
 LAG_PERIODS = 2  # poll time not yet covered by samples, in typical periods, that is lag rather than idle
-RATES_PERIOD = 10  # samples between two nvmlDeviceGetUtilizationRates calls while the buffer answers
+RATES_PERIOD = 10.0  # seconds between two nvmlDeviceGetUtilizationRates calls while the buffer answers
 
 
 class UtilizationCollector(Collector):
@@ -46,7 +46,7 @@ class UtilizationCollector(Collector):
         self.uncovered = 0.0  # poll time since the newest sample: lag up to LAG_PERIODS, then idle
         self.last_poll: float | None = None
         self.integrating = False
-        self.polls = 0
+        self.rates_at: float | None = None  # when nvmlDeviceGetUtilizationRates was last called
         self.memory_ratio: float | None = None  # of the last nvmlDeviceGetUtilizationRates answer
 
     def collect(self, ctx: SampleContext) -> None:
@@ -60,7 +60,8 @@ class UtilizationCollector(Collector):
         except CallFailed as exc:
             ctx.errors.append(exc.error)  # the samples stay in the buffer; read next time
         rates = None
-        if not buffered or newest is None or self.polls % RATES_PERIOD == 0:
+        if not buffered or newest is None or self.rates_at is None or ctx.now - self.rates_at >= RATES_PERIOD:
+            self.rates_at = ctx.now
             rates = ctx.call("nvmlDeviceGetUtilizationRates")
             self.memory_ratio = None if rates is None else _ratio(rates.memory)
         if not buffered:
@@ -69,7 +70,6 @@ class UtilizationCollector(Collector):
             newest = _ratio(rates.gpu)
         ctx.emit("nvml_gpu_utilization_ratio", newest)
         ctx.emit("nvml_gpu_memory_controller_utilization_ratio", self.memory_ratio)
-        self.polls += 1
         self.last_poll = ctx.now
         if self.integrating:
             ctx.emit("nvml_gpu_busy_seconds_total", self.busy)
