@@ -75,7 +75,10 @@ class TrainingMonitor:
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
                  delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None,
                  flops_per_token: float | None = None, flops_per_sample: float | None = None,
-                 precision: str = DEFAULT_PRECISION) -> None:
+                 precision: str = DEFAULT_PRECISION, remote_write_basic_auth: tuple[str, str] | None = None,
+                 remote_write_bearer_token: str | None = None, remote_write_ca_file: str | None = None,
+                 remote_write_client_cert: tuple[str, str] | None = None,
+                 allow_insecure_credentials: bool | None = None) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -127,7 +130,8 @@ class TrainingMonitor:
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         self._offer(self._latest)
-        if pushgateway is None and not s.pushgateway and s.listen_port is None and not s.remote_write:
+        sinks = s.pushgateway or s.listen_port is not None or s.remote_write or s.refused_sinks
+        if pushgateway is None and not sinks:
             log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY), no remote write and no "
                         "listen_port: metrics go only to the local record %s", s.record_path)
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
@@ -406,7 +410,8 @@ class TrainingMonitor:
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
-            push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
+            push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender)
+            + len(self.settings.refused_sinks),
             published=time.time(), precision=self.settings.precision,
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
