@@ -12,7 +12,7 @@ from collections import deque
 from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
-from prometheus_client import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
@@ -25,6 +25,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
+from .serve import MetricsServer
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
@@ -78,7 +79,8 @@ class TrainingMonitor:
                  precision: str = DEFAULT_PRECISION, remote_write_basic_auth: tuple[str, str] | None = None,
                  remote_write_bearer_token: str | None = None, remote_write_ca_file: str | None = None,
                  remote_write_client_cert: tuple[str, str] | None = None,
-                 allow_insecure_credentials: bool | None = None) -> None:
+                 allow_insecure_credentials: bool | None = None, listen_basic_auth: tuple[str, str] | None = None,
+                 listen_tls: tuple[str, str] | None = None) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -119,11 +121,11 @@ class TrainingMonitor:
         self._server = None
         self._latest = Snapshot()  # until the first publish, a few lines below
         if s.listen_port is not None:
-            const = {"run": s.run, "rank": str(s.rank)}
+            registry = registry_for(lambda: self._latest, {"run": s.run, "rank": str(s.rank)})
             try:
-                self._server, _ = start_http_server(s.listen_port, addr=s.listen_address,
-                                                    registry=registry_for(lambda: self._latest, const))
-            except OSError as exc:
+                self._server = MetricsServer(s.listen_address, s.listen_port, partial(generate_latest, registry),
+                                             CONTENT_TYPE_LATEST, s.listen_basic_auth, s.listen_tls)
+            except (OSError, ValueError) as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
         self.record.write([self._start_line()])
@@ -484,14 +486,13 @@ class TrainingMonitor:
         if self._writer:
             self._writer.finish(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
         lifecycle.unregister(self)
 
     @property
     def listen_port(self) -> int | None:
         """The port pull mode serves /metrics on (useful with listen_port=0)."""
-        return self._server.server_port if self._server is not None else None
+        return self._server.port if self._server is not None else None
 
     def __enter__(self) -> "TrainingMonitor":
         return self

@@ -24,7 +24,7 @@ ENV_RUN = "DUALTRACK_RUN"
 ENV_GPU_UUID = "DUALTRACK_GPU_UUID"
 ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and its own credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
-ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS
+ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS, _USERNAME/_PASSWORD, _CERT_FILE/_KEY_FILE
 DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
 DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
@@ -53,6 +53,8 @@ class Settings:
     push_timeout: float
     listen_port: int | None
     listen_address: str
+    listen_basic_auth: tuple[str, str] | None = dataclasses.field(repr=False)
+    listen_tls: tuple[str, str] | None  # (certificate file, key file)
     record_path: Path | None
     gpu_uuids: tuple[str, ...]
     basic_auth: tuple[str, str] | None = dataclasses.field(repr=False)  # secrets never in repr()
@@ -237,7 +239,12 @@ def _sinks(a: dict[str, Any]) -> None:
         raise ValueError(f"{'=, '.join(given)}= are the Pushgateway's and no Pushgateway is configured: remote "
                          f"write takes its own ({'=, '.join('remote_write_' + name for name in given)}=)")
     allowed, refused = allow_insecure(a.pop("allow_insecure_credentials")), []
-    for what, endpoint in (("Pushgateway", gateway), ("remote-write receiver", writer)):
+    listener = None
+    if a["listen_port"] is not None:  # the same rule for the password pull mode asks for
+        listener = Endpoint(f"{'https' if a['listen_tls'] else 'http'}://{_host(a['listen_address'])}",
+                            a["listen_basic_auth"])
+    for what, endpoint in (("Pushgateway", gateway), ("remote-write receiver", writer),
+                           ("pull-mode endpoint", listener)):
         try:
             if endpoint is not None:
                 check_transport(endpoint, what, log.warning, allowed)
@@ -248,6 +255,7 @@ def _sinks(a: dict[str, Any]) -> None:
                         "training continues", exc)
             refused.append(what)
     a["remote_write"] = None if "remote-write receiver" in refused else writer
+    a["listen_port"] = None if "pull-mode endpoint" in refused else a["listen_port"]
     a.update(pushgateway=None if "Pushgateway" in refused else gateway.url, basic_auth=gateway.basic_auth,
              bearer_token=gateway.bearer_token, ca_file=gateway.ca_file, client_cert=gateway.client_cert,
              refused_sinks=tuple(refused))
@@ -265,6 +273,7 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
     a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
     a["listen_port"], a["listen_address"] = _listen(a["listen_port"], a["listen_address"])
+    a["listen_basic_auth"], a["listen_tls"] = _listen_access(a["listen_basic_auth"], a["listen_tls"])
     listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
@@ -295,6 +304,28 @@ def _listen(port: int | None, address: str) -> tuple[int | None, str]:
     if address == DEFAULT_LISTEN_ADDRESS:
         address = os.environ.get(f"{ENV_LISTEN}_ADDRESS", "").strip() or address
     return port, address
+
+
+def _listen_access(basic_auth: Any, tls: Any) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """Pull mode's basic auth (argument, else $DUALTRACK_LISTEN_USERNAME/_PASSWORD) and TLS certificate
+    and key files (argument, else $DUALTRACK_LISTEN_CERT_FILE/_KEY_FILE)."""
+    env = os.environ
+    if basic_auth is None and env.get(f"{ENV_LISTEN}_USERNAME"):
+        basic_auth = (env[f"{ENV_LISTEN}_USERNAME"], env.get(f"{ENV_LISTEN}_PASSWORD", ""))
+    if basic_auth is not None and (isinstance(basic_auth, str) or len(basic_auth) != 2
+                                   or not all(isinstance(part, str) and part for part in basic_auth)):
+        raise ValueError("listen_basic_auth must be a (username, password) pair of non-empty strings")
+    if tls is None and env.get(f"{ENV_LISTEN}_CERT_FILE"):
+        tls = (env[f"{ENV_LISTEN}_CERT_FILE"], env.get(f"{ENV_LISTEN}_KEY_FILE", ""))
+    if tls is not None and (isinstance(tls, str) or len(tls) != 2 or not all(Path(p).is_file() for p in tls)):
+        raise ValueError("listen_tls must be a (certificate file, key file) pair of existing files")
+    return (tuple(basic_auth) if basic_auth else None), (tuple(str(p) for p in tls) if tls else None)
+
+
+def _host(address: str) -> str:
+    """`address` as a URL's host (an IPv6 address in brackets; all addresses for "")."""
+    address = address or "0.0.0.0"
+    return f"[{address}]" if ":" in address else address
 
 
 def _as_float(value: Any) -> float:
