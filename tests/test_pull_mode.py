@@ -10,6 +10,7 @@ import time
 
 import pytest
 import requests
+import yaml
 
 from stack import processes
 from trainer_hook import TrainingMonitor, serve
@@ -84,6 +85,27 @@ def test_tls_and_basic_auth_with_a_real_client(tmp_path, pki):
         with pytest.raises(requests.exceptions.ConnectionError):
             scrape(url.replace("https", "http"), auth=(USER, PASSWORD))  # no plain http on the TLS port
         assert served_loss(scrape(url, auth=(USER, PASSWORD), verify=str(pki.ca_cert)))  # still serving
+    finally:
+        monitor.close()
+
+
+@pytest.mark.e2e
+def test_a_real_prometheus_scrapes_it_over_tls_with_basic_auth(tmp_path, pki, start_service):
+    monitor = puller(tmp_path, listen_basic_auth=(USER, PASSWORD), listen_tls=(str(pki.server_cert),
+                                                                               str(pki.server_key)))
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": "pull", "scheme": "https", "tls_config": {"ca_file": str(pki.ca_cert)},
+         "basic_auth": {"username": USER, "password": PASSWORD},
+         "static_configs": [{"targets": [f"127.0.0.1:{monitor.listen_port}"]}]}]}))
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+
+    def loss() -> list:
+        answer = requests.get(prometheus.url + "/api/v1/query", params={"query": 'training_loss{job="pull"}'},
+                              timeout=10).json()
+        return [sample["value"][1] for sample in answer["data"]["result"]]
+    try:
+        assert processes.wait_until(loss, 30, what="Prometheus scraping the hook over TLS") == ["0.25"]
     finally:
         monitor.close()
 

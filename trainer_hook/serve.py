@@ -91,6 +91,13 @@ class MetricsServer:
         self._closing = True
         self._wake_write.send(b"x")
         self._threads[0].join(5)
+        while True:  # requests not taken yet are not answered
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].close()
         for _ in range(WORKERS):
             self._ready.put(None)
         for thread in self._threads[1:]:
