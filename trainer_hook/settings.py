@@ -225,9 +225,10 @@ def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | No
 
 
 def _sinks(a: dict[str, Any]) -> None:
-    """Resolve both sinks in `a`, each with its own credentials. A sink whose credentials would go over
-    plain http:// to another host is refused: ValueError when strict, else one warning and the sink left
-    out (named in refused_sinks), unless allow_insecure_credentials (or its variable) opts in."""
+    """Resolve the Pushgateway and remote write in `a`, each with its own credentials. A sink (pull mode's
+    endpoint included) whose password would cross plain http:// beyond loopback is refused: ValueError
+    when strict, else one warning and the sink left out (named in refused_sinks), unless
+    allow_insecure_credentials (or its variable) opts in."""
     tls_verify = bool(a["tls_verify"])
     writer = remote_write(a.pop("remote_write_url"), a.pop("remote_write_basic_auth"),
                           a.pop("remote_write_bearer_token"), a.pop("remote_write_ca_file"),
