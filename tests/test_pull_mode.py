@@ -154,3 +154,15 @@ def test_unknown_paths_and_methods_are_refused(tmp_path):
         processes.wait_until(lambda: served_loss(scrape(base + "/metrics?debug=1")), 10, what="a scrape")
     finally:
         monitor.close()
+
+
+def test_the_kubernetes_pod_monitor_scrapes_over_https_with_basic_auth():
+    """The pod-monitor component never asks for 0.0.0.0 without TLS and a password: its PodMonitor
+    scrapes with https, a CA and a user from Secrets, and its comment names the hook's variables."""
+    from tests.test_kubernetes import KUBE, find, with_components
+    endpoint, = find("PodMonitor", "dualtrack-training", with_components("pod-monitor"))["spec"]["podMetricsEndpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["ca"]["secret"]["name"] == "dualtrack-pull-tls"
+    assert {endpoint["basicAuth"][key]["name"] for key in ("username", "password")} == {"dualtrack-pull-auth"}
+    text = (KUBE / "components" / "pod-monitor" / "kustomization.yaml").read_text()
+    for variable in ("DUALTRACK_LISTEN_ADDRESS=0.0.0.0", "DUALTRACK_LISTEN_CERT_FILE", "DUALTRACK_LISTEN_USERNAME"):
+        assert variable in text, variable
