@@ -30,7 +30,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer_hook.connection import opener, push_handler, read_secret, resolve, warn_plaintext
+from trainer_hook.connection import allow_insecure, check_transport, opener, push_handler, read_secret, resolve
 from trainer_hook.settings import ENV_PUSHGATEWAY
 from trainer_hook.text import one_line
 
@@ -76,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--pushgateway-password-file needs ${ENV_PUSHGATEWAY}_USERNAME")
         access = resolve("pushgateway", ENV_PUSHGATEWAY, url, None if password is None else (username, password))
         handler, open_ = push_handler(access), opener(access)
+        logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
+        log.setLevel(logging.INFO)
+        check_transport(access, "Pushgateway", log.warning, allow_insecure())
     except ValueError as exc:
         return _usage_error(str(exc))
-    logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
-    log.setLevel(logging.INFO)
-    warn_plaintext(access, "Pushgateway", log.warning)
     janitor = Janitor(access.url, open_, handler, args)
     if args.once:
         deleted = janitor.sweep()

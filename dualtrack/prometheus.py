@@ -10,7 +10,8 @@ Flags (each with an environment fallback, like the hook's DUALTRACK_PUSHGATEWAY_
     --prometheus-timeout SECONDS         (default 10)
 
 Passwords and tokens never go on the command line (other users see it in `ps`), and never into a
-message, a report or repr(): trainer_hook.connection checks the URL and credentials.
+message, a report or repr(): trainer_hook.connection checks the URL and credentials (and refuses them
+over plain http:// to another host unless $DUALTRACK_ALLOW_INSECURE_CREDENTIALS=1).
 
 Each query has a total deadline (connecting, the answer's head and its whole body: a server that
 trickles bytes cannot hold it longer) and a size cap; whatever goes wrong on the way (refused, reset,
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from trainer_hook.connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.connection import Endpoint, allow_insecure, check_transport, opener, read_secret, resolve, shown
 from trainer_hook.text import one_line
 
 from .text import duration
@@ -90,7 +91,7 @@ def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometh
     endpoint = resolve("prometheus", ENV_URL, url, (username, password) if username else None,
                        read_secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file"),
                        args.prometheus_ca_file)
-    warn_plaintext(endpoint, "Prometheus", warn)
+    check_transport(endpoint, "Prometheus", warn, allow_insecure())  # plain http:// beyond loopback: ValueError
     return Prometheus(endpoint, getattr(args, "prometheus_timeout", DEFAULT_TIMEOUT))
 
 

@@ -34,10 +34,10 @@ def decode(body: bytes) -> tuple[dict, list]:
 
 
 @contextlib.contextmanager
-def receiver(respond: Callable[[Received], int | tuple[int, bytes]] = lambda _: 204
+def receiver(respond: Callable[[Received], int | tuple] = lambda _: 204
              ) -> Iterator[tuple[str, list[Received]]]:
     """Yields (URL, the requests received so far); `respond(request)` gives each one's status, or
-    (status, body) (it may block, as a hung receiver)."""
+    (status, body), or (status, body, headers) (it may block, as a hung receiver)."""
     got: list[Received] = []
     lock = threading.Lock()
 
@@ -49,8 +49,10 @@ def receiver(respond: Callable[[Received], int | tuple[int, bytes]] = lambda _: 
             with lock:
                 got.append(request)
             answer = respond(request)
-            status, text = answer if isinstance(answer, tuple) else (answer, b"")
+            status, text, *headers = answer if isinstance(answer, tuple) else (answer, b"")
             self.send_response(status)
+            for name, value in (headers[0] if headers else {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(text)))
             self.end_headers()
             self.wfile.write(text)

@@ -16,7 +16,8 @@ from dualtrack.cli import main
 from trainer_hook.connection import resolve
 from stack import processes
 from tests.certs import bcrypt_hash
-from tests.hook_support import http_gateway, run_id
+from tests.hook_support import http_gateway, run_id, wait_pushed
+from tests.remote_write_support import receiver
 from tests.test_hook_auth import PASSWORD as PGW_PASSWORD, USER, secure_pgw  # noqa: F401 - the fixture
 from tests.test_report import synthetic_record
 from trainer_hook import TrainingMonitor
@@ -95,18 +96,69 @@ def test_repr_of_settings_and_clients_shows_no_secret(monkeypatch):
     assert PASSWORD not in repr(client) and PASSWORD not in repr(client.endpoint)
 
 
-def test_credentials_over_plain_http_to_another_host_are_warned_about_once(tmp_path, caplog, dualtrack):
-    host = "192.0.2.1"  # TEST-NET-1: never answers; the warning comes at construction
-    for _ in range(2):
-        TrainingMonitor(job="cred", run=run_id("plain"), pushgateway=f"http://{host}:9091", push_interval=60,
-                        push_timeout=0.2, basic_auth=("hook", PASSWORD), record_path=False).close()
+def test_each_sink_gets_only_the_credentials_given_for_it(secure_pgw, pki, tmp_path):
+    """A real Pushgateway behind TLS and basic auth, and a plain loopback remote-write receiver that
+    records every request's headers: the Pushgateway's password never reaches the receiver, which gets
+    its own token, or nothing."""
+    with receiver() as (url, got):
+        for own in ({}, {"remote_write_bearer_token": TOKEN}):
+            run = run_id("sinks")
+            with TrainingMonitor(job="cred", run=run, pushgateway=secure_pgw.url, basic_auth=(USER, PGW_PASSWORD),
+                                 ca_file=str(pki.ca_cert), remote_write_url=url, push_interval=0.05,
+                                 record_path=False, delete_after=None, **own) as monitor:
+                monitor.log({"loss": 0.5}, step=1)
+                processes.wait_until(lambda: len(got) >= 3, 30, what="remote writes")
+            wait_pushed(secure_pgw.url, "training_loss", run, lambda v: v == 0.5,
+                        http={"auth": (USER, PGW_PASSWORD), "verify": str(pki.ca_cert)})
+            sent = [request.headers.get("Authorization") for request in got]
+            assert set(sent) == ({"Bearer " + TOKEN} if own else {None}), sent
+            got.clear()
+
+
+def test_pushgateway_credentials_without_a_pushgateway_are_an_error_for_remote_write(tmp_path):
+    with pytest.raises(ValueError, match="remote_write_basic_auth") as raised:
+        TrainingMonitor(job="cred", run=run_id("rw"), remote_write_url="http://127.0.0.1:9/api/v1/write",
+                        basic_auth=("hook", PASSWORD), record_path=False)
+    one_line_without_secrets(str(raised.value))
+
+
+def test_credentials_over_plain_http_to_another_host_are_refused_unless_opted_in(caplog, monkeypatch):
+    """The hook leaves the sink out with one warning (counted; strict raises); a lab may opt in, then
+    it is warned about once per URL."""
+    host = "192.0.2.1"  # TEST-NET-1: never answers
+    plain = {"job": "cred", "pushgateway": f"http://{host}:9091", "push_interval": 60, "push_timeout": 0.2,
+             "basic_auth": ("hook", PASSWORD), "record_path": False, "delete_after": None}
+    with TrainingMonitor(run=run_id("refused"), remote_write_url=f"http://{host}:9090/api/v1/write",
+                         remote_write_bearer_token=TOKEN, **plain) as monitor:
+        assert monitor._pusher is None and monitor._writer is None
+        assert monitor.settings.refused_sinks == ("Pushgateway", "remote-write receiver")
+        assert monitor._latest.push_failures == 2
+    refusals = [r.getMessage() for r in caplog.records if "plain http://" in r.getMessage()]
+    assert len(refusals) == 2 and all(host in line and "\n" not in line for line in refusals)
+    assert PASSWORD not in caplog.text and TOKEN not in caplog.text
+
+    with pytest.raises(ValueError, match="plain http://") as raised:
+        TrainingMonitor(run=run_id("strict"), strict=True, **plain)
+    one_line_without_secrets(str(raised.value))
+
+    caplog.clear()
+    for opt_in in ({"allow_insecure_credentials": True}, {}):
+        if not opt_in:
+            monkeypatch.setenv("DUALTRACK_ALLOW_INSECURE_CREDENTIALS", "1")
+        with TrainingMonitor(run=run_id("lab"), **plain, **opt_in) as monitor:
+            assert monitor._pusher is not None and not monitor.settings.refused_sinks
     warnings = [r.getMessage() for r in caplog.records if "plain http://" in r.getMessage()]
     assert len(warnings) == 1 and host in warnings[0] and PASSWORD not in caplog.text
 
-    caplog.clear()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DUALTRACK_PUSHGATEWAY_TOKEN", TOKEN)
-        assert dualtrack("janitor", "--once", "--timeout=1s", "--pushgateway=http://192.0.2.2:9091").returncode == 1
+
+def test_the_command_refuses_credentials_over_plain_http_to_another_host(tmp_path, caplog, dualtrack):
+    token = {"DUALTRACK_PUSHGATEWAY_TOKEN": TOKEN}
+    janitor = dualtrack("janitor", "--once", "--timeout=1s", "--pushgateway=http://192.0.2.2:9091", env=token)
+    assert janitor.returncode == 2 and "plain http://" in janitor.stderr
+    one_line_without_secrets(janitor.stderr + janitor.stdout)
+    lab = {**token, "DUALTRACK_ALLOW_INSECURE_CREDENTIALS": "1"}
+    assert dualtrack("janitor", "--once", "--timeout=1s", "--pushgateway=http://192.0.2.2:9091", env=lab
+                     ).returncode == 1  # tried: unreachable
     assert caplog.text.count("plain http://") == 1 and TOKEN not in caplog.text
 
     password_file = tmp_path / "password"
@@ -115,8 +167,8 @@ def test_credentials_over_plain_http_to_another_host_are_warned_about_once(tmp_p
     flags = ["--prometheus-username=grafana", f"--prometheus-password-file={password_file}"]
     remote = dualtrack("report", str(record), "--out", str(tmp_path / "r.html"),
                        "--prometheus=http://192.0.2.1:9090", *flags)
-    assert "plain http://" in remote.stderr
-    assert PASSWORD not in remote.stderr + (tmp_path / "r.html").read_text()
+    assert remote.returncode == 2 and "plain http://" in remote.stderr and not (tmp_path / "r.html").exists()
+    one_line_without_secrets(remote.stderr)
     local = dualtrack("report", str(record), "--out", str(tmp_path / "l.html"),
                       f"--prometheus=http://127.0.0.1:{processes.free_port()}", *flags)
     assert local.returncode == 0 and "plain http://" not in local.stderr

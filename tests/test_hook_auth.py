@@ -63,9 +63,12 @@ def test_refused_pushes_are_counted_and_warned_not_raised(secure_pgw, tmp_path, 
     assert "training continues" in caplog.text
 
 
-def test_insecure_tls_verify_off_still_authenticates(secure_pgw, tmp_path):
-    monitor = _push_once(tmp_path, secure_pgw.url, basic_auth=(USER, PASSWORD), tls_verify=False)
-    assert monitor._pusher.failures == 0
+def test_insecure_tls_verify_off_still_authenticates_and_is_warned_about_once(secure_pgw, tmp_path, caplog):
+    for _ in range(2):
+        monitor = _push_once(tmp_path, secure_pgw.url, basic_auth=(USER, PASSWORD), tls_verify=False)
+        assert monitor._pusher.failures == 0
+    warnings = [r.getMessage() for r in caplog.records if "verification is off" in r.getMessage()]
+    assert len(warnings) == 1 and secure_pgw.url in warnings[0] and PASSWORD not in caplog.text
 
 
 def test_bearer_token_is_sent_as_authorization_header(tmp_path):

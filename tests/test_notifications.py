@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
 from stack import processes
@@ -226,3 +227,50 @@ def test_the_render_script_leaves_no_temporary_file_even_when_it_execs(tmp_path)
                             env={"PATH": "/usr/bin:/bin", "TMPDIR": str(scratch), "DUALTRACK_CHANNELS": "slack"})
     assert result.returncode == 0, result.stderr
     assert out.is_file() and list(scratch.iterdir()) == []
+
+
+#: Markup a hostile run, job or rank name carries: a disguised Slack link and mention, a Markdown link
+#: (Teams), HTML (email), and a line break that would fake a line of the message.
+HOSTILE = {"run": "<https://evil.example|Open dashboard> <!channel>", "job": "[Open dashboard](https://evil.example)",
+           "rank": "<b>0</b>\nDashboard: https://evil.example"}
+
+
+def inert(text: str) -> bool:
+    """No link, mention, tag or faked line a hostile value could have brought."""
+    return not any(markup in text for markup in ("<https://evil", "<!channel>", "](https://evil", "<b>",
+                                                 "\nDashboard: https://evil"))
+
+
+@pytest.mark.e2e
+@pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
+def test_run_job_and_rank_values_cannot_inject_links_mentions_or_markup(tmp_path, start_service, http_sinks,
+                                                                        smtp_sink):
+    """A real Alertmanager with the repo's channels and templates, an alert carrying hostile values (in
+    its labels and in the annotations the rules build from them) posted to its API: the Slack message
+    (whose text Teams' channel shares), the email's text and HTML parts show the values, inert."""
+    secrets = tmp_path / "notify"
+    secrets.mkdir(mode=0o700)
+    for name, value in {"slack-api-url": http_sinks["slack"].url, "pagerduty-routing-key": "k",
+                        "smtp-password": SMTP_PASSWORD}.items():
+        (secrets / name).write_text(value)
+    config = processes.render_alertmanager_config(tmp_path, {
+        "DUALTRACK_CHANNELS": "slack email", "DUALTRACK_ALERTMANAGER_SECRETS": str(secrets),
+        "DUALTRACK_EMAIL_TO": "oncall@example.org", "DUALTRACK_EMAIL_FROM": "dualtrack@example.org",
+        "DUALTRACK_SMTP_SMARTHOST": f"127.0.0.1:{smtp_sink.port}", "DUALTRACK_SMTP_USERNAME": SMTP_USER,
+        "DUALTRACK_SMTP_REQUIRE_TLS": "false"}, group_wait="1s", group_interval="1s")
+    alertmanager = start_service(processes.alertmanager(tmp_path, config))
+    run = HOSTILE["run"]
+    alert = {"labels": {"alertname": "TrainingLossNonFinite", "severity": "critical", **HOSTILE},
+             "annotations": {"summary": f"loss is NaN in run {run}", "description": f"run {run} since step 3",
+                             "dashboard_url": f"http://grafana.example/d/run?var-run={run}"}}
+    assert requests.post(alertmanager.url + "/api/v2/alerts", json=[alert], timeout=10).status_code == 200
+    slack = wait_until(lambda: http_sinks["slack"].notifications(), 60, what="the Slack message")[0]
+    wait_until(lambda: smtp_sink.messages, 60, what="the email")
+    message = smtp_sink.messages[0]
+    attachment = slack["attachments"][0]
+    html = message.get_body(("html",)).get_content()
+    for part in (attachment["title"], attachment["text"], message["Subject"], smtp_sink.bodies()[0], html):
+        assert inert(part), part
+    assert "‹https://evil.example|Open dashboard› ‹!channel›" in attachment["text"]  # still readable
+    assert "⁅Open dashboard⁆(https://evil.example)" in attachment["title"]
+    assert "rank ‹b›0‹/b› Dashboard: https://evil.example" in attachment["text"]

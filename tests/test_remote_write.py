@@ -3,11 +3,13 @@ encoding and headers, retries of 5xx/429, one warning for a refusing 4xx, the bo
 receiver that never holds up training, stale markers after the final state, and credentials."""
 from __future__ import annotations
 
+import email.utils
 import logging
 import math
 import os
 import struct
 import threading
+import time
 
 import pytest
 
@@ -114,6 +116,49 @@ def test_5xx_and_429_are_retried_until_accepted(tmp_path, monkeypatch, status):
     assert mon._writer.failures == 0
 
 
+@pytest.mark.parametrize("retry_after", ["2", "http-date"])
+def test_a_429_or_503_with_retry_after_is_retried_no_sooner(tmp_path, retry_after):
+    """The receiver's Retry-After (seconds, or an HTTP date) is the wait before the next try, not the
+    hook's own (much shorter) first backoff."""
+    times: list[float] = []
+
+    def respond(_):
+        times.append(time.monotonic())
+        if len(times) > 1:
+            return 204
+        when = "2" if retry_after == "2" else email.utils.formatdate(time.time() + 3, usegmt=True)
+        return 429, b"slow down", {"Retry-After": when}
+
+    with receiver(respond) as (url, got):
+        mon = monitor(url, tmp_path, push_interval=60)
+        processes.wait_until(lambda: len(got) >= 2, 30, what="the request retried after Retry-After")
+        mon.close()
+    assert times[1] - times[0] >= 1.5  # an HTTP date has whole seconds: 3 s ahead is at least 2 s
+    assert mon._writer.failures == 0
+
+
+def test_backoff_has_full_jitter(tmp_path, monkeypatch):
+    """Without Retry-After each wait is drawn between 0 and the backoff: ranks that failed together do
+    not retry together."""
+    waits: list[float] = []
+    monkeypatch.setattr(remote_write.random, "uniform", lambda low, high: waits.append(high) or low)
+    with receiver(lambda _: 503) as (url, got):
+        mon = monitor(url, tmp_path, push_interval=60)
+        processes.wait_until(lambda: mon._writer.failures >= 1, 30, what="the request given up")
+        assert len(got) == remote_write.MAX_ATTEMPTS
+        mon.close()
+    assert waits[:4] == [remote_write.FIRST_BACKOFF * 2 ** i for i in range(4)]
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date_and_capped():
+    now = 1_700_000_000.0
+    read = remote_write.retry_after_seconds
+    assert read("7", now) == 7.0 and read(None, now) is None and read("soon", now) is None
+    assert read(email.utils.formatdate(now + 42, usegmt=True), now) == 42.0
+    assert read(email.utils.formatdate(now - 5, usegmt=True), now) == 0.0
+    assert read("999999", now) == remote_write.MAX_RETRY_AFTER
+
+
 def test_retries_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(remote_write, "FIRST_BACKOFF", 0.01)
     with receiver(lambda _: 500) as (url, got):
@@ -158,7 +203,7 @@ def test_credentials_from_the_environment_and_a_token_file(tmp_path, monkeypatch
 def test_basic_auth_never_reaches_the_log(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="trainer_hook")
     with receiver(lambda _: 401) as (url, got):
-        mon = monitor(url, tmp_path, basic_auth=("user", "s3cret-pw"))
+        mon = monitor(url, tmp_path, remote_write_basic_auth=("user", "s3cret-pw"))
         mon.close()
     assert got and got[0].headers["Authorization"].startswith("Basic ")
     assert "s3cret-pw" not in caplog.text and "s3cret-pw" not in repr(mon.settings)
@@ -172,7 +217,7 @@ def test_unusable_tls_files_fail_the_constructor_and_leave_nothing_behind(tmp_pa
     bad_ca.write_text("not a certificate\n")
     before = set(threading.enumerate())
     with pytest.raises(ValueError, match="cannot use the TLS files"):
-        monitor("https://127.0.0.1:1/api/v1/write", tmp_path, ca_file=str(bad_ca))
+        monitor("https://127.0.0.1:1/api/v1/write", tmp_path, remote_write_ca_file=str(bad_ca))
     assert not (tmp_path / "rec.jsonl").exists()
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("trainer_hook-")]
 

@@ -6,7 +6,9 @@
   `_TOKEN_FILE` (a mounted secret),
   `_CA_FILE`), never from the URL; `repr()` of a resolved Endpoint shows no secret.
 - A CA file or client certificate with an http:// URL is an error (it would be silently unused);
-  credentials over plain http:// to a host other than loopback are warned about, once per URL.
+  credentials over plain http:// to a host other than loopback are refused (InsecureCredentials, one
+  line) unless the caller opts in (`allow_insecure_credentials`, $DUALTRACK_ALLOW_INSECURE_CREDENTIALS=1),
+  then warned about once per URL; TLS without certificate verification is warned about once per URL.
 - Requests never follow a redirect (the Authorization header would go wherever the redirect points).
 
 Standard library only (no torch), in the hook's package, the lower layer: the hook (settings, push,
@@ -135,20 +137,49 @@ def is_loopback(url: str) -> bool:
         return False
 
 
-_warned: set[str] = set()
+#: The opt-in for credentials over plain http:// to another host (a lab without TLS): "1", "true", "yes".
+ENV_ALLOW_INSECURE = "DUALTRACK_ALLOW_INSECURE_CREDENTIALS"
+
+
+class InsecureCredentials(ValueError):
+    """Credentials would go unencrypted beyond this host, and no one opted in."""
+
+
+def allow_insecure(value: bool | None = None) -> bool:
+    """The opt-in: `value` when given, else $DUALTRACK_ALLOW_INSECURE_CREDENTIALS (1, true, yes)."""
+    if value is not None:
+        return bool(value)
+    return os.environ.get(ENV_ALLOW_INSECURE, "").strip().lower() in ("1", "true", "yes")
+
+
+_warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_plaintext(endpoint: Endpoint, what: str, warn: Callable[[str], None]) -> None:
-    """Call `warn` once per URL (per process) when credentials would go unencrypted beyond this host."""
-    if not endpoint.authorization or not (endpoint.url or "").startswith("http://") or is_loopback(endpoint.url):
-        return
+def _once(kind: str, url: str) -> bool:
+    """True the first time (per process) `kind` is reported for `url`."""
     with _warned_lock:
-        if endpoint.url in _warned:
-            return
-        _warned.add(endpoint.url)
-    warn(f"credentials for the {what} at {shown(endpoint.url)} go over plain http:// to another host, "
-         "readable by anyone on the path: use https://")
+        if (kind, url) in _warned:
+            return False
+        _warned.add((kind, url))
+        return True
+
+
+def check_transport(endpoint: Endpoint, what: str, warn: Callable[[str], None], allowed: bool = False) -> None:
+    """Refuse credentials over plain http:// to a host other than loopback: InsecureCredentials (one line)
+    unless `allowed`, then `warn` once per URL. `warn` once per URL when TLS certificates go unverified."""
+    url = endpoint.url or ""
+    if endpoint.authorization and url.startswith("http://") and not is_loopback(url):
+        if not allowed:
+            raise InsecureCredentials(
+                f"credentials for the {what} at {shown(url)} would go over plain http:// to another host, "
+                f"readable by anyone on the path: use https:// (a lab may opt in: {ENV_ALLOW_INSECURE}=1)")
+        if _once("plaintext", url):
+            warn(f"credentials for the {what} at {shown(url)} go over plain http:// to another host, "
+                 f"readable by anyone on the path ({ENV_ALLOW_INSECURE}): use https://")
+    if url.startswith("https://") and not endpoint.tls_verify and _once("unverified", url):
+        warn(f"TLS certificate verification is off for the {what} at {shown(url)} (tls_verify=False): "
+             "anyone on the path can pose as it and read the credentials and data")
 
 
 class RedirectRefused(urllib.error.HTTPError):

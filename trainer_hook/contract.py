@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
+from .masking import MASK, mask_text
 from .text import one_line
 
 PREFIX = "training_"
@@ -62,8 +63,7 @@ MAX_CONFIG_LABELS = 256
 #: Words of a config key whose value is a secret: its value is logged as MASK (see mask_secrets).
 SECRET_WORDS = frozenset({"token", "secret", "secrets", "password", "passwords", "passwd", "pwd",
                           "passphrase", "apikey", "key", "credential", "credentials", "auth",
-                          "authorization", "cookie"})
-MASK = "***"
+                          "authorization", "cookie", "api", "dsn"})
 #: W&B/HF spellings of the standard keys.
 ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "grad_norm",
            "grad_norm_total": "grad_norm", "train_loss": "loss"}
@@ -219,13 +219,14 @@ def is_secret(key: object) -> bool:
 
 def mask_secrets(value: Any) -> Any:
     """`value` with the value of every secret key (is_secret), at any depth of mappings and lists,
-    replaced by MASK: the one filter for configs the hook logs (its start line, training_run_info,
-    the framework integrations' hyper-parameters) and replay re-exports."""
+    replaced by MASK, and in every other string the secrets its value shows (masking.mask_text: URL
+    userinfo and queries, token shapes): the one filter for configs the hook logs (its start line,
+    training_run_info, the framework integrations' hyper-parameters) and replay re-exports."""
     if isinstance(value, Mapping):
         return {key: MASK if is_secret(key) else mask_secrets(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [mask_secrets(item) for item in value]
-    return value
+    return mask_text(value) if isinstance(value, str) else value
 
 
 def config_labels(config: Mapping[str, Any] | None) -> dict[str, str]:

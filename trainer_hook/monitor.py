@@ -12,7 +12,7 @@ from collections import deque
 from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
-from prometheus_client import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
@@ -25,6 +25,7 @@ from .gradnorm import grad_norm
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
+from .serve import MetricsServer
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
@@ -75,7 +76,11 @@ class TrainingMonitor:
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
                  delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None,
                  flops_per_token: float | None = None, flops_per_sample: float | None = None,
-                 precision: str = DEFAULT_PRECISION) -> None:
+                 precision: str = DEFAULT_PRECISION, remote_write_basic_auth: tuple[str, str] | None = None,
+                 remote_write_bearer_token: str | None = None, remote_write_ca_file: str | None = None,
+                 remote_write_client_cert: tuple[str, str] | None = None,
+                 allow_insecure_credentials: bool | None = None, listen_basic_auth: tuple[str, str] | None = None,
+                 listen_tls: tuple[str, str] | None = None) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -116,18 +121,19 @@ class TrainingMonitor:
         self._server = None
         self._latest = Snapshot()  # until the first publish, a few lines below
         if s.listen_port is not None:
-            const = {"run": s.run, "rank": str(s.rank)}
+            registry = registry_for(lambda: self._latest, {"run": s.run, "rank": str(s.rank)})
             try:
-                self._server, _ = start_http_server(s.listen_port, addr=s.listen_address,
-                                                    registry=registry_for(lambda: self._latest, const))
-            except OSError as exc:
+                self._server = MetricsServer(s.listen_address, s.listen_port, partial(generate_latest, registry),
+                                             CONTENT_TYPE_LATEST, s.listen_basic_auth, s.listen_tls)
+            except (OSError, ValueError) as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
         self.record.write([self._start_line()])
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         self._offer(self._latest)
-        if pushgateway is None and not s.pushgateway and s.listen_port is None and not s.remote_write:
+        sinks = s.pushgateway or s.listen_port is not None or s.remote_write or s.refused_sinks
+        if pushgateway is None and not sinks:
             log.warning("no Pushgateway configured (pushgateway= or $DUALTRACK_PUSHGATEWAY), no remote write and no "
                         "listen_port: metrics go only to the local record %s", s.record_path)
         self._worker = threading.Thread(target=self._work, name="trainer_hook-worker", daemon=True)
@@ -406,7 +412,8 @@ class TrainingMonitor:
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
-            push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
+            push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender)
+            + len(self.settings.refused_sinks),
             published=time.time(), precision=self.settings.precision,
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
@@ -479,14 +486,13 @@ class TrainingMonitor:
         if self._writer:
             self._writer.finish(final, await_at_exit=reason != "KeyboardInterrupt")
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
         lifecycle.unregister(self)
 
     @property
     def listen_port(self) -> int | None:
         """The port pull mode serves /metrics on (useful with listen_port=0)."""
-        return self._server.server_port if self._server is not None else None
+        return self._server.port if self._server is not None else None
 
     def __enter__(self) -> "TrainingMonitor":
         return self

@@ -5,7 +5,9 @@ the series and labels Prometheus stores when it scrapes the Pushgateway with hon
 grouping labels job/run/rank/instance on every series; `le` written as the Pushgateway writes it).
 Batches wait in a bounded queue (the oldest is dropped, and counted, when it is full); a sender thread
 POSTs them, several at a time, as snappy-compressed protobuf WriteRequests. 5xx, 429 and network
-errors are retried with capped exponential backoff, a bounded number of times; any other 4xx is the
+errors are retried a bounded number of times, after the receiver's `Retry-After` (seconds or an HTTP
+date, on 429 and 503; at most MAX_RETRY_AFTER) or else a capped exponential backoff with full jitter
+(a random wait up to the backoff: many ranks do not retry in step); any other 4xx is the
 receiver refusing the data: dropped, counted in training_push_failures_total, warned about once.
 The training thread never waits on any of it (close() waits at most push_timeout + 1 s, as the
 Pushgateway's final push does).
@@ -21,9 +23,11 @@ at first use.
 """
 from __future__ import annotations
 
+import email.utils
 import http.client
 import logging
 import math
+import random
 import struct
 import threading
 import time
@@ -57,6 +61,8 @@ MAX_BATCHES_PER_REQUEST = 12
 MAX_ATTEMPTS = 5
 FIRST_BACKOFF = 0.5
 MAX_BACKOFF = 30.0
+#: The longest Retry-After honoured (seconds); a longer one waits this long.
+MAX_RETRY_AFTER = 300.0
 #: Label values the Pushgateway re-exposes as numbers (Go's shortest float format).
 _NUMERIC_LABELS = ("le", "quantile")
 
@@ -197,7 +203,7 @@ class RemoteWriter:
 
     def _mark_stale(self) -> None:
         """The end of the run's series: one request of stale markers at the current time."""
-        status, detail = self._post(encode([Batch(round(time.time() * 1000), stale(self._written))]))
+        status, detail, _ = self._post(encode([Batch(round(time.time() * 1000), stale(self._written))]))
         if not 200 <= status < 300:
             log.warning("could not mark the finished run's series stale at %s (%s): they end by "
                         "themselves after Prometheus' 5 min lookback", shown(self._url), detail)
@@ -236,7 +242,7 @@ class RemoteWriter:
         """POST `body` until accepted, refused (4xx) or MAX_ATTEMPTS retryable failures."""
         delay = FIRST_BACKOFF
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            status, detail = self._post(body)
+            status, detail, retry_after = self._post(body)
             if 200 <= status < 300:
                 self._warned_full = False
                 if self._outage:
@@ -251,7 +257,8 @@ class RemoteWriter:
                                 "continues (counted in training_push_failures_total, warned once)",
                                 shown(self._url), detail)
                 return
-            if attempt == MAX_ATTEMPTS or self._abort.wait(min(delay, MAX_BACKOFF)):
+            wait = random.uniform(0, min(delay, MAX_BACKOFF)) if retry_after is None else retry_after
+            if attempt == MAX_ATTEMPTS or self._abort.wait(wait):
                 break
             delay *= 2
         self._count_failure()
@@ -265,22 +272,42 @@ class RemoteWriter:
         with self._cond:  # the worker thread counts queue overflows under the same lock
             self.failures += 1
 
-    def _post(self, body: bytes) -> tuple[int, str]:
-        """(HTTP status, a line for the log); status 0 for a network error."""
+    def _post(self, body: bytes) -> tuple[int, str, float | None]:
+        """(HTTP status, a line for the log, the seconds a 429 or 503 asked to wait); status 0 for a
+        network error."""
         request = urllib.request.Request(self._url, data=body, method="POST", headers=self._headers)
         try:
             with self._open(request, self.settings.push_timeout) as response:
                 response.read()
-                return response.status, f"HTTP {response.status}"
+                return response.status, f"HTTP {response.status}", None
         except urllib.error.HTTPError as exc:
+            retry_after = retry_after_seconds(exc.headers.get("Retry-After") if exc.headers else None, time.time())
             try:
                 answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
             except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
                 answer = []
             shown_answer = one_line(answer[0]) if answer else ""
-            return exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else "")
+            return (exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else ""),
+                    retry_after if exc.code in (429, 503) else None)
         except (OSError, http.client.HTTPException) as exc:
-            return 0, str(exc) or type(exc).__name__
+            return 0, str(exc) or type(exc).__name__, None
+
+
+def retry_after_seconds(value: str | None, now: float) -> float | None:
+    """A Retry-After header as seconds to wait from `now` (delay-seconds or an HTTP date), at most
+    MAX_RETRY_AFTER; None when absent or unreadable."""
+    if not value or not value.strip():
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), MAX_RETRY_AFTER)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return min(max(0.0, when.timestamp() - now), MAX_RETRY_AFTER)
 
 
 def _version() -> str:

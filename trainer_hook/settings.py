@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .connection import Endpoint, resolve as resolve_endpoint, warn_plaintext
+from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport, resolve as resolve_endpoint
 from .contract import PRECISIONS, label_value
 
 log = logging.getLogger("trainer_hook")
@@ -22,9 +22,9 @@ ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKE
 ENV_JOB = "DUALTRACK_JOB"
 ENV_RUN = "DUALTRACK_RUN"
 ENV_GPU_UUID = "DUALTRACK_GPU_UUID"
-ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and the credentials' _USERNAME, _PASSWORD ...
+ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and its own credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
-ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS
+ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS, _USERNAME/_PASSWORD, _CERT_FILE/_KEY_FILE
 DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
 DEFAULT_DELETE_AFTER = 30.0
 DEFAULT_RECORD_DIR = "dualtrack-records"
@@ -53,6 +53,8 @@ class Settings:
     push_timeout: float
     listen_port: int | None
     listen_address: str
+    listen_basic_auth: tuple[str, str] | None = dataclasses.field(repr=False)
+    listen_tls: tuple[str, str] | None  # (certificate file, key file)
     record_path: Path | None
     gpu_uuids: tuple[str, ...]
     basic_auth: tuple[str, str] | None = dataclasses.field(repr=False)  # secrets never in repr()
@@ -64,7 +66,8 @@ class Settings:
     max_hold: float
     delete_after: float | None
     record_max_bytes: int | None
-    remote_write: Endpoint | None  # its repr() shows no secret
+    remote_write: Endpoint | None  # its own credentials (remote_write_*); its repr() shows no secret
+    refused_sinks: tuple[str, ...]  # sinks not sent to: credentials over plain http:// (counted as failures)
     flops_per_token: float | None
     flops_per_sample: float | None
     precision: str
@@ -199,31 +202,64 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
 
 
 def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_token: str | None = None,
-               ca_file: str | None = None, client_cert: Any = None) -> dict[str, Any]:
-    """The Pushgateway's URL and credentials: each argument left None falls back to its environment
-    variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN, _CA_FILE), checked by
-    trainer_hook.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor` calls it
-    with the same variables). Warns once when credentials would go over plain http:// to another host.
-    Raises ValueError with one line."""
-    endpoint = resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
-                                bearer_token, ca_file, client_cert)
-    warn_plaintext(endpoint, "Pushgateway", log.warning)
-    return {"pushgateway": endpoint.url, "basic_auth": endpoint.basic_auth, "bearer_token": endpoint.bearer_token,
-            "ca_file": endpoint.ca_file, "client_cert": endpoint.client_cert}
+               ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint:
+    """The Pushgateway's URL (None: no Pushgateway) and credentials: each argument left None falls back to
+    its environment variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN(_FILE), _CA_FILE),
+    checked by trainer_hook.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor`
+    calls it with the same variables). Raises ValueError with one line."""
+    return resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
+                            bearer_token, ca_file, client_cert, tls_verify)
 
 
 def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | None = None,
                  ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint | None:
-    """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its credentials:
-    the arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE, _CA_FILE,
-    by trainer_hook.connection's one rule. None when no URL is given. Raises ValueError with one line."""
+    """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its own credentials:
+    the remote_write_* arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE,
+    _CA_FILE, by trainer_hook.connection's one rule (never the Pushgateway's). None when no URL is given.
+    Raises ValueError with one line."""
     url = url or os.environ.get(f"{ENV_REMOTE_WRITE}_URL") or None
     if url is None:
         return None
-    endpoint = resolve_endpoint("remote write", ENV_REMOTE_WRITE, url, basic_auth, bearer_token, ca_file,
-                                client_cert, tls_verify)
-    warn_plaintext(endpoint, "remote-write receiver", log.warning)
-    return endpoint
+    return resolve_endpoint("remote write", ENV_REMOTE_WRITE, url, basic_auth, bearer_token, ca_file,
+                            client_cert, tls_verify)
+
+
+def _sinks(a: dict[str, Any]) -> None:
+    """Resolve the Pushgateway and remote write in `a`, each with its own credentials. A sink (pull mode's
+    endpoint included) whose password would cross plain http:// beyond loopback is refused: ValueError
+    when strict, else one warning and the sink left out (named in refused_sinks), unless
+    allow_insecure_credentials (or its variable) opts in."""
+    tls_verify = bool(a["tls_verify"])
+    writer = remote_write(a.pop("remote_write_url"), a.pop("remote_write_basic_auth"),
+                          a.pop("remote_write_bearer_token"), a.pop("remote_write_ca_file"),
+                          a.pop("remote_write_client_cert"), tls_verify)
+    gateway = connection(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"],
+                         tls_verify)
+    given = [name for name in ("basic_auth", "bearer_token", "ca_file", "client_cert") if a[name] is not None]
+    if writer and not gateway.url and given:
+        raise ValueError(f"{'=, '.join(given)}= are the Pushgateway's and no Pushgateway is configured: remote "
+                         f"write takes its own ({'=, '.join('remote_write_' + name for name in given)}=)")
+    allowed, refused = allow_insecure(a.pop("allow_insecure_credentials")), []
+    listener = None
+    if a["listen_port"] is not None:  # the same rule for the password pull mode asks for
+        listener = Endpoint(f"{'https' if a['listen_tls'] else 'http'}://{_host(a['listen_address'])}",
+                            a["listen_basic_auth"])
+    for what, endpoint in (("Pushgateway", gateway), ("remote-write receiver", writer),
+                           ("pull-mode endpoint", listener)):
+        try:
+            if endpoint is not None:
+                check_transport(endpoint, what, log.warning, allowed)
+        except InsecureCredentials as exc:
+            if a["strict"]:
+                raise
+            log.warning("trainer_hook: %s; nothing is sent to it (counted in training_push_failures_total), "
+                        "training continues", exc)
+            refused.append(what)
+    a["remote_write"] = None if "remote-write receiver" in refused else writer
+    a["listen_port"] = None if "pull-mode endpoint" in refused else a["listen_port"]
+    a.update(pushgateway=None if "Pushgateway" in refused else gateway.url, basic_auth=gateway.basic_auth,
+             bearer_token=gateway.bearer_token, ca_file=gateway.ca_file, client_cert=gateway.client_cert,
+             refused_sinks=tuple(refused))
 
 
 def resolve(arguments: Mapping[str, Any]) -> Settings:
@@ -238,13 +274,12 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["rank"], a["local_rank"], a["world_size"] = _identity(a["rank"], a["local_rank"], a["world_size"])
     a["instance"] = _name("instance", a["instance"], "DUALTRACK_INSTANCE", default=socket.gethostname())
     a["listen_port"], a["listen_address"] = _listen(a["listen_port"], a["listen_address"])
+    a["listen_basic_auth"], a["listen_tls"] = _listen_access(a["listen_basic_auth"], a["listen_tls"])
     listen_port = a["listen_port"]
     if listen_port is not None and (isinstance(listen_port, bool) or not isinstance(listen_port, int)
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
-    a["remote_write"] = remote_write(a.pop("remote_write_url"), a["basic_auth"], a["bearer_token"],
-                                     a["ca_file"], a["client_cert"], bool(a["tls_verify"]))
-    a.update(connection(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"]))
+    _sinks(a)
     a["push_interval"] = _positive("push_interval", a["push_interval"])
     a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
     a["record_path"] = _record_path(a["record_path"], job, run, a["rank"])
@@ -270,6 +305,28 @@ def _listen(port: int | None, address: str) -> tuple[int | None, str]:
     if address == DEFAULT_LISTEN_ADDRESS:
         address = os.environ.get(f"{ENV_LISTEN}_ADDRESS", "").strip() or address
     return port, address
+
+
+def _listen_access(basic_auth: Any, tls: Any) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """Pull mode's basic auth (argument, else $DUALTRACK_LISTEN_USERNAME/_PASSWORD) and TLS certificate
+    and key files (argument, else $DUALTRACK_LISTEN_CERT_FILE/_KEY_FILE)."""
+    env = os.environ
+    if basic_auth is None and env.get(f"{ENV_LISTEN}_USERNAME"):
+        basic_auth = (env[f"{ENV_LISTEN}_USERNAME"], env.get(f"{ENV_LISTEN}_PASSWORD", ""))
+    if basic_auth is not None and (isinstance(basic_auth, str) or len(basic_auth) != 2
+                                   or not all(isinstance(part, str) and part for part in basic_auth)):
+        raise ValueError("listen_basic_auth must be a (username, password) pair of non-empty strings")
+    if tls is None and env.get(f"{ENV_LISTEN}_CERT_FILE"):
+        tls = (env[f"{ENV_LISTEN}_CERT_FILE"], env.get(f"{ENV_LISTEN}_KEY_FILE", ""))
+    if tls is not None and (isinstance(tls, str) or len(tls) != 2 or not all(Path(p).is_file() for p in tls)):
+        raise ValueError("listen_tls must be a (certificate file, key file) pair of existing files")
+    return (tuple(basic_auth) if basic_auth else None), (tuple(str(p) for p in tls) if tls else None)
+
+
+def _host(address: str) -> str:
+    """`address` as a URL's host (an IPv6 address in brackets; all addresses for "")."""
+    address = address or "0.0.0.0"
+    return f"[{address}]" if ":" in address else address
 
 
 def _as_float(value: Any) -> float:
