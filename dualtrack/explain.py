@@ -455,7 +455,8 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     ranks = [event.rank] if own else list(reader.exporter_gpus)
     slices = sorted({(reader.parents[r], reader.instances[r]) for r in ranks if r in reader.parents})
     whole = [u for u in uuids if u not in {parent for parent, _ in slices}]
-    whole_sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
+    exporter = f"job={prometheus.quote(prometheus.EXPORTER_JOB)}"
+    whole_sel = f"{exporter},uuid=~{prometheus.quote('|'.join(re.escape(u) for u in whole))}"
     causes: list[Cause] = []
     # A slowdown is seen through a rate window: what started in that window before it was seen counts.
     lag = max(120.0, 4 * reader.res) if event.kind in ("step_time_regression", "straggler", "data_starvation") else 0.0
@@ -468,7 +469,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
         return f"on rank {rank_of.get(uuid, '?')}'s GPU ({uuid})"
 
     if uuids:
-        sel = f"uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
+        sel = f"{exporter},uuid=~{prometheus.quote('|'.join(re.escape(u) for u in uuids))}"
         client = reader.client
         if wanted & {counter.kind for counter in COUNTERS.values()}:
             step = max(1.0, (at - start) / 600)
@@ -512,7 +513,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
             if whole:
                 fills.append(f"nvml_gpu_memory_used_bytes{{{whole_sel}}} / nvml_gpu_memory_total_bytes{{{whole_sel}}}")
             for parent, instance in slices:
-                match = f"uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
+                match = f"{exporter},uuid={prometheus.quote(parent)},gpu_instance={prometheus.quote(instance)}"
                 fills.append(f"nvml_gpu_mig_memory_used_bytes{{{match}}} / nvml_gpu_mig_memory_total_bytes{{{match}}}")
             full = client.query(" or ".join(f"max_over_time(({fill})[{rng}:]) > {limits.MEMORY_FULL}" for fill in fills), at) if fills else []
             for series in full:

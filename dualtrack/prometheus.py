@@ -43,6 +43,11 @@ DEFAULT_TIMEOUT = 10.0
 MAX_ANSWER_BYTES = 32 * 2**20
 
 
+#: The exporter's scrape job in every shipped deployment. GPU series (nvml_*) are read from it alone, in
+#: the rules as in explain: the same names pushed or remote-written under another job say nothing.
+EXPORTER_JOB = "dualtrack-exporter"
+
+
 def quote(value: str) -> str:
     """A PromQL string literal (double-quoted, escaped) for a label value."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
