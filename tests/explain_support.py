@@ -120,14 +120,15 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
 
 
 def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2, minutes: float = 60,
-              job: str = "train", scrape: float = SCRAPE) -> int:
-    """Write the run's samples (time-ordered per series) to `out`; returns the number of samples."""
+              job: str = "train", scrape: float = SCRAPE, gpu_job: str = "dualtrack-exporter") -> int:
+    """Write the run's samples (time-ordered per series) to `out`; returns the number of samples. The GPU
+    series are the exporter's job's, or `gpu_job`'s (as someone pushing or remote-writing them would)."""
     samples = 0
     for rank in range(ranks):
         uuid, hook_uuid = uuid_of(run, rank), hook_uuid_of(scenario, run, rank, ranks)
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
-        gpu = f'job="dualtrack-exporter",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
+        gpu = f'job="{gpu_job}",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
         steps = waited = thermal = idle = power = 0.0
         first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
         at = 0.0
@@ -225,13 +226,15 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
 
 
 def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, ranks: int = 2,
-             minutes: float = 60, scrape: float = SCRAPE) -> int:
-    """Write {run: scenario} into OpenMetrics and build TSDB blocks in `data`; returns samples."""
+             minutes: float = 60, scrape: float = SCRAPE, gpu_jobs: dict[str, str] | None = None) -> int:
+    """Write {run: scenario} into OpenMetrics and build TSDB blocks in `data`; returns samples. `gpu_jobs`
+    ({run: job}) writes a run's GPU series under another job than the exporter's."""
     source = workdir / "explain.om"
     samples = 0
     with open(source, "w", encoding="utf-8") as out:
         for run, scenario in scenarios.items():
-            samples += write_run(out, scenario, run, base, ranks, minutes, scrape=scrape)
+            samples += write_run(out, scenario, run, base, ranks, minutes, scrape=scrape,
+                                 gpu_job=(gpu_jobs or {}).get(run, "dualtrack-exporter"))
         out.write("# EOF\n")
     data.mkdir(parents=True, exist_ok=True)
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(source), str(data)],

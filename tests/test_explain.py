@@ -28,7 +28,9 @@ def prometheus(tmp_path_factory) -> dict:
     """One Prometheus holding every scenario as its own run (named after the scenario)."""
     work = tmp_path_factory.mktemp("explain")
     base = (time.time() // 3600 - 3) * 3600
-    support.backfill({name: name for name in support.SCENARIOS}, base, work / "prometheus-data", work)
+    # forged-xid: the xid scenario, its GPU series pushed or remote-written under the training job
+    support.backfill({**{name: name for name in support.SCENARIOS}, "forged-xid": "xid"}, base,
+                     work / "prometheus-data", work, gpu_jobs={"forged-xid": "train"})
     config = work / "prometheus.yml"
     config.write_text("global: {scrape_interval: 1h}\n")
     service = processes.prometheus(work, config).start()
@@ -56,6 +58,15 @@ def timeline(prometheus: dict, run: str, capsys) -> dict:
 
 def kinds(event: dict) -> list[str]:
     return [cause["kind"] for cause in event["causes"]]
+
+
+def test_gpu_series_from_another_job_than_the_exporters_are_no_evidence(prometheus, capsys):
+    """The xid scenario's XID 79 written under the training job (pushed, or remote-written, by whoever
+    holds the hook's credentials) blames no GPU; the exporter's own does."""
+    [nan] = [e for e in timeline(prometheus, "xid", capsys)["events"] if e["kind"] == "nonfinite"]
+    assert kinds(nan)[0] == "xid"
+    forged = [e for e in timeline(prometheus, "forged-xid", capsys)["events"] if e["kind"] == "nonfinite"]
+    assert forged and all("xid" not in kinds(event) for event in forged)
 
 
 def test_a_healthy_run_has_nothing_to_explain(prometheus, capsys):
