@@ -3,8 +3,12 @@ PromQL queries through dualtrack's one Prometheus client, waiting for series, an
 remote-write engine (VictoriaMetrics, vmalert) that only the tests run."""
 from __future__ import annotations
 
+import re
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
+
+import requests
 
 from dualtrack.prometheus import Prometheus
 from stack.processes import RULES_DIR, Service, _binary, free_port, wait_until
@@ -50,3 +54,19 @@ def wait_for_series(prometheus_url: str, expr: str, timeout: float = 60.0,
         result = query(prometheus_url, expr)
         return result if predicate(result) else None
     return wait_until(probe, timeout, interval=0.25, what=f"PromQL {expr!r}")
+
+
+def wait_for_rule_evaluations(prometheus_url: str, after: float, auth: tuple[str, str] | None = None,
+                              timeout: float = 60.0) -> None:
+    """Wait until Prometheus evaluated every rule group at a Unix time past `after`."""
+    def evaluated() -> bool:
+        groups = requests.get(f"{prometheus_url}/api/v1/rules", auth=auth, timeout=5).json()["data"]["groups"]
+        return all(_unix(group["lastEvaluation"]) > after for group in groups)
+
+    wait_until(evaluated, timeout, interval=0.5, what="every rule group to be evaluated")
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus' RFC 3339 time (nanoseconds, Z) as a Unix time."""
+    whole, fraction = re.fullmatch(r"(.+T\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339).groups()
+    return datetime.fromisoformat(whole).replace(tzinfo=timezone.utc).timestamp() + float(fraction or 0)

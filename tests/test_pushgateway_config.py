@@ -6,14 +6,12 @@ bad group is deleted. The check limits one gateway to about 250 ranks (docs/scal
 hook writes to a remote-write store instead."""
 from __future__ import annotations
 
-import re
 import time
-from datetime import datetime, timezone
 
 import requests
 
 from stack import processes
-from tests.daemons import query, wait_for_series
+from tests.daemons import query, wait_for_rule_evaluations, wait_for_series
 from tests.test_compose import services
 from tests.test_kubernetes import find
 
@@ -59,19 +57,8 @@ def test_a_pushed_gpu_series_never_reaches_prometheus_nor_fires_a_gpu_alert(tmp_
     assert pushed.status_code == 200, pushed.text
     wait_for_series(prometheus.url, 'training_step{job="train",run="r1"}', timeout=60)
     # Every rule group evaluated again 3 s after the scrape that brought the push in (GPUXidError has no `for`).
-    since = time.time() + 3
-
-    def evaluated() -> bool:
-        groups = requests.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
-        return all(_unix(group["lastEvaluation"]) > since for group in groups)
-
-    processes.wait_until(evaluated, 60, interval=0.5, what="every rule group to be evaluated")
+    wait_for_rule_evaluations(prometheus.url, time.time() + 3)
     assert query(prometheus.url, '{__name__=~"nvml_.*"}') == []
     assert query(prometheus.url, 'job_run_rank:training_infra_cause:score{cause="xid"}') == []
     assert query(prometheus.url, 'ALERTS{alertname="GPUXidError"}') == []
 
-
-def _unix(rfc3339: str) -> float:
-    """Prometheus' RFC 3339 time (nanoseconds, Z) as a Unix time."""
-    whole, fraction = re.fullmatch(r"(.+T\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339).groups()
-    return datetime.fromisoformat(whole).replace(tzinfo=timezone.utc).timestamp() + float(fraction or 0)

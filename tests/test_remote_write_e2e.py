@@ -4,13 +4,19 @@ pushed through the Pushgateway and scraped with honor_labels), and Debian's Vict
 series are queryable through its Prometheus API, and vmalert fires the same alert from the same rules)."""
 from __future__ import annotations
 
+import time
+
+import cramjam
 import pytest
 import requests
+import yaml
 
 from stack import processes
 from tests import daemons
 from tests.alerting_support import PROMETHEUS_TEST_ARGS
+from tests.certs import bcrypt_hash
 from tests.hook_support import Trainer, run_id
+from trainer_hook.remote_write import messages
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -103,3 +109,50 @@ def test_victoria_metrics_serves_the_runs_series_and_vmalert_fires_the_rules(tmp
     daemons.wait_for_series(vm.url, f'training_run_state{{run="{run}",state="finished"}} == 1', 30)
     buckets = daemons.query(vm.url, f'training_step_duration_seconds_bucket{{run="{run}",le="+Inf"}}')
     assert [float(b["value"][1]) for b in buckets] == [11.0]  # 12 steps, 11 durations between them
+
+
+def test_a_receiver_behind_basic_auth_takes_only_its_writers_and_their_gpu_series_fire_nothing(tmp_path,
+                                                                                            start_service):
+    """Remote write has no per-series rights: whoever may write may write any series. The shipped answer
+    (docs/security.md): the receiver behind authentication, its password the training jobs' alone, and
+    the GPU rules reading the exporter's job only. A write without the password is refused (401); the
+    hook with its remote-write credentials lands; an XID 79 a writer sends under its own job fires no
+    GPUXidError."""
+    web = tmp_path / "prometheus-web.yml"
+    web.write_text(yaml.safe_dump({"basic_auth_users": {"trainer": bcrypt_hash("rw-pass", cost=4)}}))
+    config = processes.render_prometheus_config(tmp_path, {}, scrape_interval="1s", evaluation_interval="1s")
+    prometheus = start_service(processes.prometheus(
+        tmp_path, config, extra_args=[*PROMETHEUS_TEST_ARGS, daemons.REMOTE_WRITE_RECEIVER], web_config=web,
+        auth=("trainer", "rw-pass")))
+    url = prometheus.url + daemons.REMOTE_WRITE_PATH
+    request = messages()["WriteRequest"]()
+    series = request.timeseries.add()
+    for name, value in sorted({"__name__": "nvml_gpu_xid_errors_total", "job": "train", "instance": "victim:9942",
+                               "gpu": "0", "uuid": "GPU-victim", "xid": "79"}.items()):
+        series.labels.add(name=name, value=value)
+    series.samples.add(value=3, timestamp=int(time.time() * 1000))
+    body = bytes(cramjam.snappy.compress_raw(request.SerializeToString()))
+    headers = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
+               "X-Prometheus-Remote-Write-Version": "0.1.0"}
+    assert requests.post(url, data=body, headers=headers, timeout=10).status_code == 401
+    assert requests.post(url, data=body, headers=headers, auth=("trainer", "rw-pass"), timeout=10).status_code == 204
+    run = run_id("rw-auth")
+    monitor = TrainingMonitor(job="rw-test", run=run, push_interval=0.5, remote_write_url=url,
+                              remote_write_basic_auth=("trainer", "rw-pass"), allow_insecure_credentials=True,
+                              record_path=tmp_path / "rw.jsonl")
+    trainer = Trainer()
+    for _ in range(3):
+        trainer.train_step(monitor)
+    monitor.close()
+    auth = ("trainer", "rw-pass")
+    processes.wait_until(lambda: requests.get(prometheus.url + "/api/v1/query", auth=auth, timeout=5, params={
+        "query": f'training_run_state{{run="{run}",state="finished"}} == 1'}).json()["data"]["result"], 30,
+        what="the hook's remote-written series")
+    assert monitor._writer.failures == 0
+    stored = requests.get(prometheus.url + "/api/v1/query", auth=auth, timeout=5,
+                          params={"query": "nvml_gpu_xid_errors_total"}).json()["data"]["result"]
+    assert [s["metric"]["job"] for s in stored] == ["train"]  # written, but not the exporter's
+
+    daemons.wait_for_rule_evaluations(prometheus.url, time.time() + 2, auth=auth)
+    alerts = requests.get(prometheus.url + "/api/v1/alerts", auth=auth, timeout=5).json()["data"]["alerts"]
+    assert [a for a in alerts if a["labels"]["alertname"] == "GPUXidError"] == []

@@ -168,3 +168,16 @@ def test_prometheus_loads_every_rule_file_and_no_test_file():
     config = yaml.safe_load((REPO / "prometheus.yml").read_text())
     assert [Path(pattern).name for pattern in config["rule_files"]] == ["*.yml"]
     assert not any("test" in path.name for path in RULE_FILES)
+
+
+GPU_SELECTOR = re.compile(r'(?<![\w:])(nvml_\w+)(?![\w:])(\{[^{}]*\})?')
+
+
+def test_every_gpu_series_a_rule_reads_is_the_exporters():
+    """Only the exporter writes GPU series: every rule reads nvml_* from its scrape job alone, so the same
+    names pushed (another job) or remote-written under another job fire and record nothing."""
+    exporter = f'job="{processes.EXPORTER_JOB}"'
+    unselected = [(rule.get("alert") or rule["record"], found.group(0))
+                  for rule in rules("alert") + rules("record") for found in GPU_SELECTOR.finditer(rule["expr"])
+                  if exporter not in (found.group(2) or "")]
+    assert unselected == []

@@ -12,7 +12,7 @@ from dualtrack.explain import Event, _counter_cause
 from exporter import xids
 
 REPO = Path(__file__).resolve().parent.parent
-SELECTOR = re.compile(r'nvml_gpu_xid_errors_total\{xid(=~|!~)"([^"]*)"\}')
+SELECTOR = re.compile(r'nvml_gpu_xid_errors_total\{[^{}]*?\bxid(=~|!~)"([^"]*)"[^{}]*\}')
 
 
 def rules() -> dict[tuple[str, str], dict]:
