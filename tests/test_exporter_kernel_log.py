@@ -191,16 +191,46 @@ def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_
               "none": [*unprivileged, "--inh-caps=-all", "--bounding-set=-all"],
               # systemd: DynamicUser with AmbientCapabilities=CAP_SYSLOG
               "systemd": [*unprivileged, "--inh-caps=+syslog", "--ambient-caps=+syslog", "--bounding-set=-all,+syslog"],
-              # compose and Kubernetes: uid 0 with CAP_SYSLOG alone (cap_drop ALL, cap_add SYSLOG)
-              "compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog"]}
+              # compose: uid 0 with CAP_SYSLOG, CAP_SETUID and CAP_SETGID (cap_drop ALL), serving as 10001
+              "compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog,+setuid,+setgid"]}
     for name, rights in grants.items():
         service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
-                                                "--collector.xid.kernel-log=/dev/kmsg"])
+                                                "--collector.xid.kernel-log=/dev/kmsg",
+                                                *(["--run-as=10001:10001"] if name == "compose" else [])])
         service.argv[:0] = ["setpriv", *rights, "--"]
         exporter = start_service(service)
         assert errors_served(exporter) == ({"kernel_log_eperm": 1.0} if name == "none" else {}), name
+        if name == "none":  # EPERM without CAP_SYSLOG: the syslog check, not the device cgroup
+            assert "CAP_SYSLOG" in exporter.log_tail() and "device cgroup does not" not in exporter.log_tail()
+        if name == "compose":
+            assert "Uid:\t10001\t" in \
+                Path(f"/proc/{exporter.proc.pid}/status").read_text()
         exporter.stop()
         assert exporter.proc.returncode == 0, exporter.log_tail()
+
+
+DEVICES_CGROUP = Path("/sys/fs/cgroup/devices")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (DEVICES_CGROUP / "devices.deny").exists(),
+                    reason="needs root and the cgroup v1 devices controller")
+def test_a_device_cgroup_refusing_dev_kmsg_is_named_even_with_every_capability(tmp_path, start_service):
+    """What a non-privileged Kubernetes container meets: /dev/kmsg (c 1:11) off the device allowlist. Root
+    with CAP_SYSLOG gets EPERM; the warning names the device cgroup, not CAP_SYSLOG."""
+    cgroup = DEVICES_CGROUP / f"dualtrack-test-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "devices.deny").write_text("c 1:11 rwm\n")
+        service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
+                                                "--collector.xid.kernel-log=/dev/kmsg"])
+        service.argv[:0] = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+        exporter = start_service(service)
+        assert errors_served(exporter) == {"kernel_log_eperm": 1.0}
+        warning = exporter.log_tail()
+        assert "EPERM: the device cgroup does not allow /dev/kmsg" in warning and "CAP_SYSLOG to" not in warning
+        exporter.stop()
+    finally:
+        cgroup.rmdir()
 
 
 def test_the_flag_defaults_to_dev_kmsg_and_an_empty_value_turns_it_off():
