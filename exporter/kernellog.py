@@ -231,13 +231,16 @@ class KernelLogReader:
         *lines, self._pending = (self._pending + data).split(b"\n")
         for line in lines:
             found = parse_xid(line)
-            if found is None:
-                continue
-            index = self.gpus.get(found.bus)
-            if index is None:
-                log.debug("kernel log: XID %d on a bus id no exported GPU has: %s", found.code, found.bus)
-            else:
-                self.report(index, found.code, found.gpu_instance)
+            if found is not None:
+                self._xid(line, found)
+
+    def _xid(self, line: bytes, found: XidRecord) -> None:
+        """Report one XID record of a known GPU (exporter.kernellog_copy copies it instead)."""
+        index = self.gpus.get(found.bus)
+        if index is None:
+            log.debug("kernel log: XID %d on a bus id no exported GPU has: %s", found.code, found.bus)
+        else:
+            self.report(index, found.code, found.gpu_instance)
 
     def _replaced(self) -> bool:
         """True (and the file closed, to be reopened from its start) if a regular file was truncated or

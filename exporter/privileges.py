@@ -5,10 +5,12 @@ before the first connection is accepted and before any sampler thread starts. `d
 supplementary groups, sets the group and the user (real, effective and saved), which clears every
 capability (permitted, effective, ambient) of every thread, sets no_new_privs so that no exec can
 gain one back, and then checks all of it in /proc/self/task/*/status: a process that asked to run
-as a user never goes on as root.
+as a user never goes on as root. (Everything it needs is imported before: after the drop, the
+interpreter may no longer read its own library, as with a Python installed under a 0700 /root.)
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -46,7 +48,6 @@ def drop(uid: int, gid: int, proc: str = "/proc/self") -> None:
         except OSError as exc:
             raise PrivilegeError(f"cannot switch to uid {uid}, gid {gid}: {exc.strerror or exc} "
                                  "(it takes root with CAP_SETUID and CAP_SETGID)") from None
-    import ctypes  # here: only a process that drops privileges pays for loading it
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise PrivilegeError(f"cannot set no_new_privs: {os.strerror(ctypes.get_errno())}")

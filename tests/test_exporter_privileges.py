@@ -3,7 +3,10 @@ no capability left, and still reads the XIDs of the log it opened."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,40 @@ def test_run_as_takes_a_non_root_uid_and_gid_and_the_check_sees_root():
             parse_args([f"--run-as={bad}"], environ={})
     if os.geteuid() == 0:  # this test process: root, with capabilities
         assert leftovers(10001, 10001)
+
+
+def copier(tmp_path: Path, source: Path, target: Path, *args: str) -> processes.Service:
+    """The Kubernetes kernel-log reader (`python -m exporter.kernellog_copy`), not yet started."""
+    argv = [sys.executable, "-m", "exporter.kernellog_copy", f"--from={source}", f"--to={target}", *args]
+    return processes.Service("kernellog-copy", argv, 0, tmp_path / "copy.log", ready_path=None,
+                             env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+
+
+@needs_root
+def test_the_kubernetes_reader_copies_only_the_kernels_xid_records_as_an_unprivileged_user(tmp_path, start_service,
+                                                                                            request):
+    """components/kernel-log: a privileged reader (here: root) opens the log, drops to 10001 and copies the
+    kernel's XID records to a shared volume; the unprivileged exporter follows that file."""
+    private = tmp_path / "host"
+    private.mkdir(mode=0o700)
+    shared = Path(tempfile.mkdtemp(prefix="dualtrack-emptydir-"))  # tmp_path's parents are root's alone
+    shared.chmod(0o777)  # as an emptyDir
+    request.addfinalizer(lambda: shutil.rmtree(shared))
+    kernel_log, copied = private / "kmsg", shared / "xid.log"
+    kernel_log.write_text(xid_line(0, 48, kmsg=True))  # before the reader started: never copied
+    kernel_log.chmod(0o600)
+    reader = start_service(copier(tmp_path, kernel_log, copied, "--run-as=10001:10001",
+                                  f"--max-bytes={3 * len(xid_line(1, 79, kmsg=True))}"))
+    wait_until(copied.exists, timeout=20, what="the copy created")
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
+                                                           "--sample-interval=0.2", "--run-as=10001:10001",
+                                                           f"--collector.xid.kernel-log={copied}"]))
+    for fields in status(reader.proc.pid).values():
+        assert fields["Uid"] == "10001 10001 10001 10001" and fields["CapEff"] == fields["CapPrm"] == "0" * 16
+    append(kernel_log, "6,9,9,-;tmpfs: Unknown parameter 'NVRM: Xid (PCI:0000:2a:00): 79'\n",
+           "12,10,10,-;NVRM: Xid (PCI:0000:2a:00): 79, from userspace\n", "6,11,11,-;eth0: link up\n",
+           *(xid_line(1, 79, kmsg=True) for _ in range(4)))  # past --max-bytes: a new file after the third
+    wait_until(lambda: scrape_xids(exporter) == {("1", "79"): 4.0}, timeout=20, what="four XID 79 through the copy")
+    assert copied.read_text() == xid_line(1, 79, kmsg=True)  # the fourth, in the new file; nothing else
+    reader.stop()
+    assert reader.proc.returncode == 0, reader.log_tail()
