@@ -360,3 +360,19 @@ def test_the_warning_names_what_refused_the_kernel_log(tmp_path, monkeypatch, ca
     restricted.write_text("1\n")
     assert "CAP_SYSLOG" in kernellog.open_failure_hint(errno.EPERM, str(no_syslog), str(restricted))
     assert "device cgroup does not" not in kernellog.open_failure_hint(errno.EPERM, str(no_syslog), str(restricted))
+
+
+def test_a_mig_xid_nvml_delivers_first_keeps_its_gpu_instance_and_counts_once(tmp_path):
+    """NVML's event names the GPU instance too (gpuInstanceId; 0xFFFFFFFF for a whole GPU)."""
+    kernel_log = tmp_path / "kmsg"
+    kernel_log.touch()
+    rig = started(Rig(gpus=1, faults=[Fault(gpu=0, xid=13, gpu_instance=2, times=1)], collectors=["xid"],
+                      xid_kernel_log=str(kernel_log)))
+    try:
+        wait_until(lambda: served_xids(rig) == {("0", "13", "2"): 1.0}, timeout=10, what="NVML's MIG XID")
+        append(kernel_log, "3,4001,9000000,-;NVRM: Xid (PCI:0000:18:00 GPU-I:02 GPU-CI:00): 13, pid=1, name=x\n",
+               xid_line(0, 43, kmsg=True))
+        wait_until(lambda: xid_count(rig, 0, 43) == 1, timeout=10, what="the kernel log read")
+        assert served_xids(rig) == {("0", "13", "2"): 1.0, ("0", "43", ""): 1.0}
+    finally:
+        assert rig.sampler.stop()

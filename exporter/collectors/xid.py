@@ -38,6 +38,7 @@ LOG_EVERY = 60.0  # seconds between two log lines for the same GPU and XID
 MATCH_WINDOW = 5.0
 MATCH_BACKLOG = 256  # unmatched reports kept per GPU and code (an XID storm from one source alone)
 OTHER = "other"  # the `xid` label of every code the catalogue does not name
+NOT_ATTRIBUTED = 0xFFFFFFFF  # an event's gpuInstanceId when it is not a MIG GPU instance's (nvml.h)
 
 
 def xid_label(code: int) -> str:
@@ -219,7 +220,9 @@ class XidWatcher:
             with self._lock:
                 index = self._by_handle.get(handle_key(data.device))
             if data.eventType & xid_type and index is not None:
-                self.xid_counts.add(index, int(data.eventData), "nvml")
+                instance = getattr(data, "gpuInstanceId", NOT_ATTRIBUTED)
+                self.xid_counts.add(index, int(data.eventData), "nvml",
+                                    "" if instance == NOT_ATTRIBUTED else str(instance))
 
 
 class XidCollector(Collector):
