@@ -187,7 +187,8 @@ def errors_served(service: processes.Service) -> dict[str, float]:
 def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_service):
     """The real /dev/kmsg under kernel.dmesg_restrict=1, with the rights each deployment grants."""
     unprivileged = ["--reuid=10001", "--regid=10001", "--clear-groups"]
-    grants = {  # the Dockerfile's user with no capability: refused, one warning, the scrape unaffected
+    grants = {  # the Dockerfile's user with no capability (and its DUALTRACK_EXPORTER_RUN_AS, then a check
+              # alone): refused, one warning, the scrape unaffected
               "none": [*unprivileged, "--inh-caps=-all", "--bounding-set=-all"],
               # systemd: DynamicUser with AmbientCapabilities=CAP_SYSLOG
               "systemd": [*unprivileged, "--inh-caps=+syslog", "--ambient-caps=+syslog", "--bounding-set=-all,+syslog"],
@@ -196,7 +197,7 @@ def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_
     for name, rights in grants.items():
         service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
                                                 "--collector.xid.kernel-log=/dev/kmsg",
-                                                *(["--run-as=10001:10001"] if name == "compose" else [])])
+                                                *(["--run-as=10001:10001"] if name != "systemd" else [])])
         service.argv[:0] = ["setpriv", *rights, "--"]
         exporter = start_service(service)
         assert errors_served(exporter) == ({"kernel_log_eperm": 1.0} if name == "none" else {}), name
