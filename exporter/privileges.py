@@ -15,7 +15,18 @@ import os
 from pathlib import Path
 
 PR_SET_NO_NEW_PRIVS = 38
-CHECKED = ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapAmb")
+CAPABILITY_VERSION_3 = 0x20080522  # linux/capability.h: two 32-bit words per set
+#: what no thread may keep; CapInh is cleared too (older runtimes give privileged containers a full
+#: inheritable set) but not required: with no_new_privs no exec can turn it into a capability
+CHECKED = ("Uid", "Gid", "CapPrm", "CapEff", "CapAmb")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 class PrivilegeError(Exception):
@@ -49,6 +60,7 @@ def drop(uid: int, gid: int, proc: str = "/proc/self") -> None:
             raise PrivilegeError(f"cannot switch to uid {uid}, gid {gid}: {exc.strerror or exc} "
                                  "(it takes root with CAP_SETUID and CAP_SETGID)") from None
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # all three sets empty
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise PrivilegeError(f"cannot set no_new_privs: {os.strerror(ctypes.get_errno())}")
     left = leftovers(uid, gid, proc)
