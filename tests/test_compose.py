@@ -110,7 +110,8 @@ def test_the_janitor_and_the_exporter_run_as_different_users():
     janitor_uid, janitor_gid = services()["janitor"]["user"].split(":")
     # started as uid 0 for /dev/kmsg, the exporter serves as DUALTRACK_EXPORTER_RUN_AS, the image's user
     run_as = services()["exporter"]["environment"]["DUALTRACK_EXPORTER_RUN_AS"]
-    assert run_as == re.search(r"DUALTRACK_EXPORTER_RUN_AS=(\S+)", dockerfile).group(1) == f"{exporter_uid}:{exporter_uid}"
+    image_run_as = re.search(r"DUALTRACK_EXPORTER_RUN_AS=(\S+)", dockerfile).group(1)
+    assert run_as == image_run_as == f"{exporter_uid}:{exporter_uid}"
     assert janitor_uid != exporter_uid and janitor_gid != exporter_uid and janitor_uid != "0"
     made = dict(re.findall(r"useradd .*--uid (\d+) .* ([\w-]+)\s*(?:\\|$)", dockerfile, re.MULTILINE))
     assert janitor_uid in made and exporter_uid in made, made
