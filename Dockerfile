@@ -4,7 +4,9 @@
 #   docker run --rm --gpus all --pid host -p 127.0.0.1:9942:9942 dualtrack
 #
 # XIDs from the kernel log need /dev/kmsg and CAP_SYSLOG, which Docker gives to uid 0 only: add
-# `--device /dev/kmsg:/dev/kmsg:r --cap-drop ALL --cap-add SYSLOG --user 0:0` (docs/metrics.md).
+# `--device /dev/kmsg:/dev/kmsg:r --cap-drop ALL --cap-add SYSLOG --cap-add SETUID --cap-add SETGID
+# --user 0:0` (docs/metrics.md). Started as root, the exporter opens /dev/kmsg and its port, then serves
+# as DUALTRACK_EXPORTER_RUN_AS (10001:10001) with no capability left, or refuses to serve.
 # libnvidia-ml.so.1 is not in the image: the NVIDIA container runtime mounts the host driver's copy
 # (NVIDIA_DRIVER_CAPABILITIES=utility is the minimum NVML needs; no compute, no root, no
 # CAP_SYS_ADMIN). `--pid host` lets per-process metrics resolve names and pods; without it they keep
@@ -25,7 +27,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility \
-    DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942
+    DUALTRACK_EXPORTER_WEB_LISTEN_ADDRESS=:9942 \
+    DUALTRACK_EXPORTER_RUN_AS=10001:10001
 
 WORKDIR /opt/dualtrack
 COPY pyproject.toml README.md ./

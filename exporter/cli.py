@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Callable, NoReturn, Sequence
 
-from exporter import __version__, kernellog
+from exporter import __version__, kernellog, privileges
 from exporter.collectors import ALL, podresources
 from exporter.exposition import Exposition
 from exporter.nvml import Nvml, NvmlUnavailable
@@ -61,6 +61,13 @@ def _positive(kind: type, minimum: float = 0.0):
 _ratio = _number(float, "number", lambda value: 0.0 <= value <= 1.0, "between 0 and 1")
 
 
+def _run_as(text: str) -> tuple[int, int] | None:
+    try:
+        return privileges.parse_run_as(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _scenarios(text: str) -> tuple[str, ...]:
     """--simulate: one scenario for every GPU, or a comma-separated list (GPU i runs the i-th, cycling)."""
     names = tuple(name.strip() for name in text.split(","))
@@ -81,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between two NVML samples of a GPU (default %(default)s)")
     parser.add_argument("--idle-threshold", type=_ratio, default=0.05, metavar="RATIO",
                         help="utilization below which a GPU counts as idle (default %(default)s)")
+    parser.add_argument("--run-as", dest="run_as", type=_run_as, default=None, metavar="UID[:GID]",
+                        help="started as root: open the kernel log and the listening socket, then serve as this "
+                        "user and group, with no supplementary group and no capability (docs/security.md); "
+                        "empty: stay as started (default)")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=("debug", "info", "warn", "error"), help="log level (default %(default)s)")
     collectors = parser.add_argument_group("collectors", "turn each collector on or off")
@@ -220,14 +231,25 @@ def serve(args: argparse.Namespace, nvml: Nvml, web_config, stop: threading.Even
     except Exception as exc:  # noqa: BLE001 - e.g. the GPU list cannot be read at all
         print(f"{PROG}: error: cannot enumerate GPUs: {exc}", file=sys.stderr)
         return 1
+    if sampler.kernel_log:
+        sampler.kernel_log.open()  # with the privilege the exporter started with: held open after --run-as
+
+    def begin() -> None:
+        """Once the listening socket is bound and before the first accept: drop root, start sampling."""
+        if args.run_as:
+            privileges.drop(*args.run_as)
+            log.info("serving as uid %d, gid %d, with no capability", *args.run_as)
+        sampler.start()
+
     exposition = Exposition(sampler)
-    sampler.start()
     server = WebServer(render=exposition.render, reused=exposition.reused, listen_address=args.web_listen_address,
                        telemetry_path=args.web_telemetry_path, web_config=web_config, ready=sampler.ready)
     try:
-        server.start()
-    except OSError as exc:
-        print(f"{PROG}: error: cannot listen on {args.web_listen_address}: {exc.strerror or exc}", file=sys.stderr)
+        server.start(before_serving=begin)
+    except (OSError, privileges.PrivilegeError) as exc:
+        reason = exc if isinstance(exc, privileges.PrivilegeError) else \
+            f"cannot listen on {args.web_listen_address}: {exc.strerror or exc}"
+        print(f"{PROG}: error: {reason}", file=sys.stderr)
         sampler.stop()
         return 1
     log.info("sampling %d GPU(s) every %gs with collectors: %s", len(sampler.devices), args.sample_interval,

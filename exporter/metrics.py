@@ -71,7 +71,9 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     _c("nvml_gpu_remapped_rows_total", "Memory rows remapped.", "severity"),
     _g("nvml_gpu_remapped_rows_pending", "1 if a row remapping is pending (reset needed), else 0."),
     _g("nvml_gpu_remapped_rows_failure", "1 if a row remapping failed, else 0."),
-    _c("nvml_gpu_xid_errors_total", "XID errors reported by the driver, every occurrence counted.", "xid"),
+    _c("nvml_gpu_xid_errors_total", "XID errors reported by the driver, every occurrence counted: xid is the "
+       "code for the catalogued codes (docs/metrics.md), \"other\" for the rest; gpu_instance the MIG GPU "
+       "instance of a kernel-log XID, empty for the whole GPU.", "xid", "gpu_instance"),
     _g("nvml_gpu_process_memory_used_bytes", "Device memory used by a compute process, in bytes.", *PROCESS_LABELS),
     _g("nvml_gpu_process_sm_utilization_ratio",
        "SM utilization of a compute process (nvidia-smi pmon sm), the mean of the driver's samples since the "

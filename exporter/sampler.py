@@ -271,7 +271,7 @@ class Sampler:
         if self.xid and self.xid_kernel_log:
             self.kernel_log = KernelLogReader(
                 self.xid_kernel_log, [(device.index, device.pci_bus_id) for device in self.devices],
-                report=lambda index, code: self.xid_counts.add(index, code, "kernel"),
+                report=lambda index, code, gpu_instance: self.xid_counts.add(index, code, "kernel", gpu_instance),
                 on_error=lambda error: self.stats.error("xid", error))
         # NVML answers host PIDs: None when the processes collector is off or /proc does not say
         self.host_pid_namespace = in_host_pid_namespace(self.proc_root) if "processes" in self.collectors else None

@@ -834,9 +834,11 @@ class SimulatedNVML:
             while self._xid_queue and self._xid_queue[0][0] not in registered:
                 self._xid_queue.pop(0)  # happened on a GPU not registered on this set: never delivered
             if self._xid_queue:
-                gpu, xid = self._xid_queue.pop(0)
+                gpu, xid, *instance = self._xid_queue.pop(0)  # a MIG XID names its GPU instance
                 return pynvml.c_nvmlEventData_t(device=self._handles[gpu],
-                                                eventType=H.nvmlEventTypeXidCriticalError, eventData=xid)
+                                                eventType=H.nvmlEventTypeXidCriticalError, eventData=xid,
+                                                gpuInstanceId=instance[0] if instance else 0xFFFFFFFF,
+                                                computeInstanceId=0xFFFFFFFF)
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError_Timeout()
             # A driver blocks here. Where no XID can come (no "xid" scenario, no test's faults), only

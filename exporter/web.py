@@ -203,9 +203,15 @@ class WebServer:
                              auth_cache=auth_cache)
         self._server: _Server | None = None
 
-    def start(self) -> None:
-        """Bind the listen address and serve in a background daemon thread."""
+    def start(self, before_serving: Callable[[], None] = lambda: None) -> None:
+        """Bind the listen address, call `before_serving` (the CLI drops root there; what it raises closes
+        the socket and propagates), then serve in a background daemon thread."""
         server = bind(self._host, self._port, lambda address, family: _Server(address, family, **self._options))
+        try:
+            before_serving()
+        except BaseException:
+            server.server_close()
+            raise
         self._server = server
         # poll_interval: how late shutdown() is seen; each idle wake-up costs CPU (0.5 s woke twice as often)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 1.0},

@@ -43,6 +43,7 @@ class Fault:
     error: str | None = None
     hang: float = 0.0
     xid: int | None = None
+    gpu_instance: int | None = None  # the MIG GPU instance an `xid` event names
     answer: bytes | None = None
     answer_field: str | None = None
     at: float = 0.0
@@ -135,11 +136,12 @@ class FaultyNVML(SimulatedNVML):
                 return getattr(pynvml, f"NVMLError_{fault.error}")().value
         return None
 
-    def _new_xids(self, t: float) -> list[tuple[int, int]]:
+    def _new_xids(self, t: float) -> list[tuple[int, ...]]:
         # a rule without `times` fires on every wait
         events = []
         for fault in self.faults:
             if fault.xid is not None and fault.active(t):
                 fault.fired += 1
-                events.append((fault.gpu or 0, fault.xid))
+                instance = () if fault.gpu_instance is None else (fault.gpu_instance,)
+                events.append((fault.gpu or 0, fault.xid, *instance))
         return events

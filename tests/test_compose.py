@@ -108,11 +108,13 @@ def test_the_janitor_and_the_exporter_run_as_different_users():
     dockerfile = (REPO / "Dockerfile").read_text()
     exporter_uid = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE).group(1)
     janitor_uid, janitor_gid = services()["janitor"]["user"].split(":")
-    exporter_uid = services()["exporter"].get("user", exporter_uid).split(":")[0]  # uid 0: CAP_SYSLOG for /dev/kmsg
-    assert services()["exporter"]["cap_drop"] == ["ALL"] and services()["exporter"].get("cap_add", []) == ["SYSLOG"]
+    # started as uid 0 for /dev/kmsg, the exporter serves as DUALTRACK_EXPORTER_RUN_AS, the image's user
+    run_as = services()["exporter"]["environment"]["DUALTRACK_EXPORTER_RUN_AS"]
+    image_run_as = re.search(r"DUALTRACK_EXPORTER_RUN_AS=(\S+)", dockerfile).group(1)
+    assert run_as == image_run_as == f"{exporter_uid}:{exporter_uid}"
     assert janitor_uid != exporter_uid and janitor_gid != exporter_uid and janitor_uid != "0"
     made = dict(re.findall(r"useradd .*--uid (\d+) .* ([\w-]+)\s*(?:\\|$)", dockerfile, re.MULTILINE))
-    assert janitor_uid in made and exporter_uid in {"0", *made}, made
+    assert janitor_uid in made and exporter_uid in made, made
     assert services()["janitor"]["build"] == services()["exporter"]["build"]
 
 
@@ -283,9 +285,10 @@ def test_exporter_gets_gpus_host_pids_and_no_privileges():
     assert exporter["read_only"] is True and exporter["cap_drop"] == ["ALL"]
     assert "no-new-privileges:true" in exporter["security_opt"]
     assert "privileged" not in exporter
-    # the kernel log's XIDs: /dev/kmsg read-only and CAP_SYSLOG, which Docker gives to uid 0 only
-    assert exporter["devices"] == ["/dev/kmsg:/dev/kmsg:r"] and exporter["cap_add"] == ["SYSLOG"]
-    assert exporter["user"] == "0:0"
+    # the kernel log's XIDs: /dev/kmsg read-only and CAP_SYSLOG, which Docker gives to uid 0 only; with
+    # CAP_SETUID and CAP_SETGID to serve as DUALTRACK_EXPORTER_RUN_AS with none of them once it is open
+    assert exporter["devices"] == ["/dev/kmsg:/dev/kmsg:r"] and exporter["cap_add"] == ["SYSLOG", "SETUID", "SETGID"]
+    assert exporter["user"] == "0:0" and exporter["environment"]["DUALTRACK_EXPORTER_RUN_AS"] == "10001:10001"
 
 
 def test_keys_debian_docker_compose_rejects_are_absent():

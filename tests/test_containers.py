@@ -269,15 +269,19 @@ def test_the_janitor_and_the_exporter_run_as_different_users_without_passwords_i
         environment = "\n".join(container["Config"]["Env"])
         assert stack.password("hook") not in environment and stack.password("healthcheck") not in environment
         assert "PASSWORD=" not in environment, (service, environment)
-    # the exporter is uid 0 with CAP_SYSLOG alone (the kernel log's XIDs; docker-compose.yml says why): a
-    # capability-less root cannot read the environment of the janitor (another uid) nor of any process
-    # holding a capability it lacks
+    # the exporter's container starts as uid 0 (CAP_SYSLOG for the kernel log's XIDs; docker-compose.yml says
+    # why), and the exporter, once /dev/kmsg is open, serves as 10001 with no capability in any thread
     assert uids == {"exporter": "0", "janitor": "10002"}
+    exporter = stack.container("exporter")["State"]["Pid"]
+    for status in Path(f"/proc/{exporter}/task").glob("*/status"):
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        assert fields["Uid"].split() == ["10001"] * 4 and fields["Groups"].split() == [], status
+        assert all(int(fields[cap], 16) == 0 for cap in ("CapPrm", "CapEff", "CapAmb")), status
 
 
 def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a_co_tenant(stack):
     """The training container has its own PID namespace: its hook reports pid 1 there, NVML the host
-    PID. The exporter (pid: host, uid 0 with CAP_SYSLOG alone) reads the process's namespace and PID in
+    PID. The exporter (pid: host, serving as uid 10001 with no capability) reads the process's namespace and PID in
     it, and the rules join it to its run: no co_tenant. A host process put on that GPU (root's
     `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
     named co_tenant by the rules and by explain's query."""

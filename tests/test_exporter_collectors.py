@@ -294,8 +294,8 @@ def test_every_xid_is_counted_including_repeats():
         uuid = rig.sampler.devices[1].uuid
         def counted():
             rig.step()
-            return (rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79") == 3
-                    and rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="48") == 1)
+            return (rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79", gpu_instance="") == 3
+                    and rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="48", gpu_instance="") == 1)
         wait_until(counted, timeout=10, what="XID counts")
         assert gpus_with(rig, "nvml_gpu_xid_errors_total") == {"1"}
     finally:

@@ -68,7 +68,8 @@ def test_an_event_set_a_gpu_failed_to_register_on_with_unknown_is_freed_and_the_
     rig.sampler.xid.start()
     try:
         uuid = rig.sampler.devices[0].uuid
-        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid, xid="48"),
+        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid,
+                                                           xid="48", gpu_instance=""),
                    timeout=10, what="GPU 0's XID counted")
         assert len(rig.lib._event_sets) == 1 and rig.lib.calls["nvmlEventSetFree"] == rig.lib.calls["nvmlEventSetCreate"] - 1
     finally:

@@ -48,7 +48,8 @@ def test_a_gpu_back_from_being_lost_is_registered_for_xid_events_again():
         wait_until(lambda: watched(rig, 1), timeout=5, what="re-registration")
         rig.step(2.0)  # t = 6: XID 79
         uuid = rig.sampler.devices[1].uuid
-        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="79"),
+        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="1", uuid=uuid,
+                                                           xid="79", gpu_instance=""),
                    timeout=5, what="XID 79 counted")
     finally:
         rig.sampler.stop()
@@ -59,7 +60,7 @@ def test_an_xid_storm_logs_one_line_per_gpu_and_xid_a_minute(caplog):
     rig = Rig(gpus=1, faults=[Fault(gpu=0, xid=79, times=40)], collectors=["xid"])
     rig.sampler.xid.start()
     try:
-        wait_until(lambda: rig.sampler.xid_counts.counts(0).get("79") == 40, timeout=10, what="40 XIDs")
+        wait_until(lambda: rig.sampler.xid_counts.counts(0).get(("79", "")) == 40, timeout=10, what="40 XIDs")
     finally:
         rig.sampler.stop()
     lines = [r.getMessage() for r in caplog.records if "XID 79" in r.getMessage()]
@@ -77,7 +78,8 @@ def test_a_gpu_lost_for_good_does_not_mask_the_other_gpus_xids():
         assert rig.sampler.gpus[1].lost
         rig.step()  # t = 3: two XID 48 on GPU 0
         uuid = rig.sampler.devices[0].uuid
-        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid, xid="48") == 2,
+        wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid,
+                                                           xid="48", gpu_instance="") == 2,
                    timeout=10, what="GPU 0's XIDs counted")
     finally:
         rig.sampler.stop()

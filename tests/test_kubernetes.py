@@ -17,9 +17,11 @@ KUBE = REPO / "deploy" / "kubernetes"
 sys.path.insert(0, str(KUBE))
 import generate  # noqa: E402
 
-BUILT_IN = {"Namespace", "DaemonSet", "Service", "PersistentVolumeClaim", "Deployment", "CronJob", "ConfigMap"}
+BUILT_IN = {"Namespace", "DaemonSet", "Service", "PersistentVolumeClaim", "Deployment", "CronJob", "ConfigMap",
+            "NetworkPolicy"}
 #: Components for the kustomization of the training workloads, not of dualtrack's base.
-TRAINING_COMPONENTS = ("remote-write",)
+TRAINING_COMPONENTS = ("remote-write", "training-network-policy")
+ENFORCE = "pod-security.kubernetes.io/enforce"
 COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml")
                     if p.parent.name not in TRAINING_COMPONENTS)
 
@@ -29,15 +31,9 @@ def kustomization(path: Path = KUBE) -> dict:
 
 
 def objects() -> list[dict]:
-    """Every object of the base, in kustomization order, with the kustomization's namespace applied."""
-    out = []
-    for resource in kustomization()["resources"]:
-        for document in yaml.safe_load_all((KUBE / resource).read_text()):
-            if document:
-                if document["kind"] != "Namespace":
-                    document["metadata"].setdefault("namespace", kustomization()["namespace"])
-                out.append(document)
-    return out
+    """Every object of the base, in kustomization order (each names its namespace: the kustomization does not)."""
+    return [document for resource in kustomization()["resources"]
+            for document in yaml.safe_load_all((KUBE / resource).read_text()) if document]
 
 
 def find(kind: str, name: str, documents: list[dict] | None = None) -> dict:
@@ -51,9 +47,7 @@ def with_components(*names: str) -> list[dict]:
     for name in names:
         component = kustomization(KUBE / "components" / name)
         for resource in component.get("resources", []):
-            for document in yaml.safe_load_all((KUBE / "components" / name / resource).read_text()):
-                document["metadata"].setdefault("namespace", kustomization()["namespace"])
-                documents.append(document)
+            documents += yaml.safe_load_all((KUBE / "components" / name / resource).read_text())
         for patch in component.get("patches", []):
             target = find(patch["target"]["kind"], patch["target"]["name"], documents)
             for operation in yaml.safe_load(patch["patch"]):
@@ -160,24 +154,168 @@ def test_exporter_daemonset_runs_on_gpu_nodes_unprivileged_with_measured_resourc
 
 
 def test_components_add_the_runtime_class_host_pid_pod_attribution_and_the_kernel_log():
-    enforce = "pod-security.kubernetes.io/enforce"
-    assert find("Namespace", "dualtrack")["metadata"]["labels"][enforce] == "baseline"
-    for component in ("host-pid", "pod-attribution", "kernel-log"):  # hostPID and hostPath are not "baseline"
-        assert find("Namespace", "dualtrack", with_components(component))["metadata"]["labels"][enforce] == \
-            "privileged"
+    assert find("Namespace", "dualtrack-node")["metadata"]["labels"][ENFORCE] == "baseline"
+    for component in ("host-pid", "pod-attribution", "kernel-log"):  # hostPID, hostPath, privileged: not "baseline"
+        documents = with_components(component)
+        assert find("Namespace", "dualtrack-node", documents)["metadata"]["labels"][ENFORCE] == "privileged"
+        assert find("Namespace", "dualtrack", documents)["metadata"]["labels"][ENFORCE] == "restricted"
     spec = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia" and spec["hostPID"] is True
-    container, = spec["containers"]
-    assert "--collector.podresources" in container["args"]
-    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
-    volumes = {volume["name"]: volume["hostPath"] for volume in spec["volumes"]}
-    assert set(mounts) == set(volumes) == {"pod-resources", "kmsg"} and all(m["readOnly"] for m in mounts.values())
-    assert mounts["pod-resources"]["mountPath"] == volumes["pod-resources"]["path"] == "/var/lib/kubelet/pod-resources"
-    # /dev/kmsg needs CAP_SYSLOG, which Kubernetes gives to uid 0 only: that one capability, nothing else
-    assert mounts["kmsg"]["mountPath"] == volumes["kmsg"]["path"] == "/dev/kmsg"
-    assert volumes["kmsg"]["type"] == "CharDevice" and spec["securityContext"]["runAsUser"] == 0
-    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]}}
+    exporter, _reader = spec["containers"]
+    assert "--collector.podresources" in exporter["args"]
+    mounts = {mount["name"]: mount for mount in exporter["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert set(mounts) == set(volumes) == {"pod-resources", "kernel-log"}
+    assert all(m["readOnly"] for m in mounts.values())
+    assert mounts["pod-resources"]["mountPath"] == volumes["pod-resources"]["hostPath"]["path"] == \
+        "/var/lib/kubelet/pod-resources"
+    # the kubelet's socket is root's: the exporter stays uid 0 there (no capability), not asked to drop it
+    assert spec["securityContext"]["runAsUser"] == 0
+    assert {"name": "DUALTRACK_EXPORTER_RUN_AS", "value": ""} in exporter["env"]
+    assert exporter["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                           "capabilities": {"drop": ["ALL"]}}
+
+
+def test_the_kernel_log_is_read_by_a_privileged_reader_without_ports_for_an_unprivileged_exporter():
+    """A non-privileged container cannot open /dev/kmsg (the device cgroup: EPERM whatever its
+    capabilities), so the reader is privileged, and the exporter follows what it copies."""
+    from exporter.cli import parse_args
+    from exporter.kernellog_copy import build_parser
+    spec = find("DaemonSet", "dualtrack-exporter", with_components("kernel-log"))["spec"]["template"]["spec"]
+    exporter, reader = spec["containers"]
+    assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsNonRoot"] is True
+    assert exporter["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                           "capabilities": {"drop": ["ALL"]}}
+    assert reader["securityContext"]["privileged"] is True and "ports" not in reader
+    assert reader["image"] == exporter["image"] and reader["command"][:3] == ["python", "-m", "exporter.kernellog_copy"]
+    copy = build_parser().parse_args(reader["command"][3:])
+    followed = parse_args(exporter["args"], environ={e["name"]: e["value"] for e in exporter["env"]})
+    assert copy.source == "/dev/kmsg" and copy.run_as == "10001:10001"
+    shared = {m["name"]: m for m in reader["volumeMounts"]}["kernel-log"]
+    read = {m["name"]: m for m in exporter["volumeMounts"]}["kernel-log"]
+    assert read["readOnly"] is True and not shared.get("readOnly")
+    assert Path(copy.target).parent == Path(shared["mountPath"]) == Path(read["mountPath"])
+    assert followed.collector_xid_kernel_log == copy.target
+    volume = {v["name"]: v for v in spec["volumes"]}["kernel-log"]
+    assert volume == {"name": "kernel-log", "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}}
+
+
+def pod_templates(documents: list[dict]) -> list[tuple[dict, dict]]:
+    """(workload, pod spec) of every Deployment, DaemonSet and CronJob."""
+    out = []
+    for document in documents:
+        template = {"Deployment": lambda d: d["spec"]["template"], "DaemonSet": lambda d: d["spec"]["template"],
+                    "CronJob": lambda d: d["spec"]["jobTemplate"]["spec"]["template"]}.get(document["kind"])
+        if template:
+            out.append((document, template(document)["spec"]))
+    return out
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What of a pod spec the "restricted" Pod Security Standard (Kubernetes 1.29) refuses."""
+    found = []
+    pod_context = pod.get("securityContext", {})
+    for key in ("hostPID", "hostIPC", "hostNetwork"):
+        if pod.get(key):
+            found.append(key)
+    found += [f"volume {v['name']}" for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        context, name = container.get("securityContext", {}), container["name"]
+        merged = {**pod_context, **context}
+        if context.get("privileged"):
+            found.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation")
+        if merged.get("runAsNonRoot") is not True or merged.get("runAsUser") == 0:
+            found.append(f"{name}: may run as root")
+        if merged.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile")
+        capabilities = context.get("capabilities", {})
+        if capabilities.get("drop") != ["ALL"] or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            found.append(f"{name}: hostPort")
+    return found
+
+
+@pytest.mark.parametrize("components", [(), tuple(COMPONENTS)], ids=["base", "all-components"])
+def test_every_pod_of_the_restricted_namespace_satisfies_the_restricted_profile(components):
+    documents = with_components(*components)
+    restricted = {d["metadata"]["name"] for d in documents if d["kind"] == "Namespace"
+                  and d["metadata"]["labels"][ENFORCE] == "restricted"}
+    assert restricted == {"dualtrack"}
+    pods = [(w, pod) for w, pod in pod_templates(documents) if w["metadata"]["namespace"] in restricted]
+    assert {w["metadata"]["name"] for w, _ in pods} == {"pushgateway", "dualtrack-janitor"}
+    for workload, pod in pods:
+        assert restricted_violations(pod) == [], workload["metadata"]["name"]
+    # the exporter, with its host-facing components, lives in a namespace of its own
+    exporter = find("DaemonSet", "dualtrack-exporter", documents)
+    assert exporter["metadata"]["namespace"] == "dualtrack-node"
+    if components:  # hostPID, a hostPath, a privileged reader: allowed there, and only there
+        assert restricted_violations(exporter["spec"]["template"]["spec"])
+    every_namespace = {d["metadata"]["name"] for d in documents if d["kind"] == "Namespace"}
+    assert all(d["metadata"]["namespace"] in every_namespace for d in documents if d["kind"] != "Namespace")
+
+
+def selected(selector: dict, labels: dict) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items() and not selector.get("matchExpressions")
+
+
+def test_the_network_policies_select_their_pods_and_open_only_their_ports():
+    documents = with_components("pod-monitor")
+    policies = {p["metadata"]["name"]: p for p in documents if p["kind"] == "NetworkPolicy"}
+    workloads = pod_templates(documents)
+    expected = {"dualtrack-exporter": "dualtrack-exporter", "pushgateway": "pushgateway",
+                "dualtrack-janitor": "dualtrack-janitor"}
+    assert set(policies) == set(expected)
+    for name, policy in policies.items():
+        spec, namespace = policy["spec"], policy["metadata"]["namespace"]
+        assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+        matched = [w for w, _ in workloads if w["metadata"]["namespace"] == namespace and selected(
+            spec["podSelector"], (w["spec"].get("template") or w["spec"]["jobTemplate"]["spec"]["template"])[
+                "metadata"]["labels"])]
+        assert [w["metadata"]["name"] for w in matched] == [expected[name]], name
+        pod = pod_templates(matched)[0][1]
+        container_ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+        assert {port["port"] for rule in spec["ingress"] for port in rule["ports"]} == container_ports, name
+    # nothing the exporter or the Pushgateway may open; the janitor the Pushgateway's port and DNS alone
+    assert policies["dualtrack-exporter"]["spec"]["egress"] == policies["pushgateway"]["spec"]["egress"] == []
+    janitor = policies["dualtrack-janitor"]["spec"]
+    assert janitor["ingress"] == [] and {p["port"] for rule in janitor["egress"] for p in rule["ports"]} == {9091, 53}
+    pushgateway_port = find("Service", "pushgateway")["spec"]["ports"][0]["port"]
+    assert pushgateway_port in {p["port"] for rule in janitor["egress"] for p in rule["ports"]}
+    # who may push: Prometheus, the janitor and labelled training pods of any namespace
+    sources = policies["pushgateway"]["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": {"dualtrack.io/training": "true"}}} in sources
+    monitor = find("PodMonitor", "dualtrack-training", documents)["spec"]
+    training = yaml.safe_load((KUBE / "components" / "training-network-policy" / "networkpolicy.yaml").read_text())
+    assert training["spec"]["podSelector"] == monitor["selector"] and training["spec"]["policyTypes"] == ["Ingress"]
+    ranks, scrape = training["spec"]["ingress"]
+    assert ranks == {"from": [{"podSelector": monitor["selector"]}]}  # rendezvous and collectives, any port
+    assert [p["port"] for p in scrape["ports"]] == [e["port"] for e in monitor["podMetricsEndpoints"]]
+
+
+def test_kustomize_puts_each_object_in_its_namespace(tmp_path):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (kustomize) is not installed")
+    relative = Path(*[".."] * len(tmp_path.parts[1:])) / KUBE.relative_to("/")
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [str(relative)],
+        "components": [str(relative / "components" / name) for name in COMPONENTS]}))
+    built = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    where = {(d["kind"], d["metadata"]["name"]): d["metadata"].get("namespace")
+             for d in yaml.safe_load_all(built.stdout)}
+    assert where[("DaemonSet", "dualtrack-exporter")] == where[("NetworkPolicy", "dualtrack-exporter")] == \
+        "dualtrack-node"
+    assert {ns for (kind, _), ns in where.items() if kind != "Namespace"} == {"dualtrack", "dualtrack-node"}
+    assert [kind for (kind, _), namespace in where.items() if namespace == "dualtrack-node"] == \
+        ["Service", "DaemonSet", "ServiceMonitor", "NetworkPolicy"]
 
 
 def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_environment():
@@ -241,7 +379,6 @@ def test_the_scaling_guide_configs_pass_promtool(tmp_path):
 
 
 def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_matches_the_mount():
-    from exporter import kernellog
     from exporter.cli import parse_args
     container = find("DaemonSet", "dualtrack-exporter", with_components(*COMPONENTS))["spec"]["template"]["spec"][
         "containers"][0]
@@ -250,7 +387,7 @@ def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_ma
     assert args.collector_podresources and args.web_listen_address == ":9942"
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
     assert Path(args.collector_podresources_socket).parent == Path(mounts["pod-resources"])
-    assert args.collector_xid_kernel_log is None and kernellog.DEFAULT_PATH == mounts["kmsg"]  # the default path
+    assert Path(args.collector_xid_kernel_log).parent == Path(mounts["kernel-log"])  # the reader's copy
 
 
 def test_the_remote_write_component_points_labelled_training_workloads_at_the_url(tmp_path):

@@ -8,7 +8,11 @@ each XID once (see there); the per-GPU collector copies the counts into the snap
 
 The thread is joined and the event set freed before NVML is shut down (event sets are not
 thread-safe), a GPU that comes back after being lost is registered again (its handle and its
-registration are new), and the log line is rate-limited per GPU and XID for XID storms. A GPU that
+registration are new), and the log line is rate-limited per GPU and XID for XID storms.
+
+Series: `xid` is the code for the codes of the catalogue (exporter.xids) and "other" for any other, so
+that no source, however many codes it reports, grows the exporter's memory or series beyond the
+catalogue's; `gpu_instance` is the MIG GPU instance a kernel-log XID names ("" for a whole GPU). A GPU that
 falls off the bus makes every wait on the set answer GPU_IS_LOST: the watcher then moves to a new set
 with the GPUs that still register, so one lost GPU never masks the others' XIDs.
 """
@@ -22,7 +26,7 @@ from typing import Any, Callable
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import LOST_ERROR_NAMES, Absent, CallFailed, Device, GpuLost, Nvml, handle_key
-from exporter.xids import meaning
+from exporter.xids import BY_CODE, meaning
 
 log = logging.getLogger(__name__)
 # An event wakes the wait at once; the timeout only bounds how late a stop or a returned GPU's
@@ -33,6 +37,13 @@ LOG_EVERY = 60.0  # seconds between two log lines for the same GPU and XID
 #: the other are one event: both come from the same driver report, read a poll interval or two apart
 MATCH_WINDOW = 5.0
 MATCH_BACKLOG = 256  # unmatched reports kept per GPU and code (an XID storm from one source alone)
+OTHER = "other"  # the `xid` label of every code the catalogue does not name
+NOT_ATTRIBUTED = 0xFFFFFFFF  # an event's gpuInstanceId when it is not a MIG GPU instance's (nvml.h)
+
+
+def xid_label(code: int) -> str:
+    """The `xid` label of `code`: the code if catalogued, else "other" (a bounded set of series)."""
+    return str(code) if code in BY_CODE else OTHER
 
 
 class XidCounts:
@@ -42,45 +53,49 @@ class XidCounts:
     and code from the other source within MATCH_WINDOW seconds: then it is that XID, already counted;
     otherwise it is counted and waits to be matched. So an XID counts once whichever source comes
     first, and n XIDs in a storm count n, whether one source sees them or both.
+    Every table is keyed by GPU and `xid` label, never by raw code: bounded by the catalogue.
     Thread-safe: each source reports from its own thread.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._counts: dict[int, Counter] = {}
-        self._unmatched: dict[tuple[int, int], deque] = {}  # (gpu, code) -> (source, seen at), oldest first
-        self._logged: dict[tuple[int, int], tuple[float, int]] = {}  # (gpu, xid) -> (last line, unlogged since)
+        self._counts: dict[int, Counter] = {}  # gpu -> (xid label, gpu_instance) -> count
+        # (gpu, xid label) -> (source, seen at, code), oldest first
+        self._unmatched: dict[tuple[int, str], deque] = {}
+        self._logged: dict[tuple[int, str], tuple[float, int]] = {}  # (gpu, xid label) -> (last line, unlogged)
 
-    def add(self, index: int, code: int, source: str) -> bool:
-        """Report XID `code` on GPU `index` from `source`; True if it was counted (a new XID)."""
-        now = self.clock()
+    def add(self, index: int, code: int, source: str, gpu_instance: str = "") -> bool:
+        """Report XID `code` on GPU `index` (MIG GPU instance `gpu_instance`, "" for the GPU) from `source`;
+        True if it was counted (a new XID)."""
+        now, label = self.clock(), xid_label(code)
         with self._lock:
-            unmatched = self._unmatched.setdefault((index, code), deque(maxlen=MATCH_BACKLOG))
+            unmatched = self._unmatched.setdefault((index, label), deque(maxlen=MATCH_BACKLOG))
             while unmatched and now - unmatched[0][1] > MATCH_WINDOW:
                 unmatched.popleft()
-            for position, (other, _) in enumerate(unmatched):
-                if other != source:
+            for position, (other, _, other_code) in enumerate(unmatched):
+                if other != source and other_code == code:
                     del unmatched[position]
                     return False
-            unmatched.append((source, now))
-            self._counts.setdefault(index, Counter())[str(code)] += 1
-            line = self._due_line(index, code, now)
+            unmatched.append((source, now, code))
+            self._counts.setdefault(index, Counter())[(label, gpu_instance)] += 1
+            line = self._due_line(index, label, now)
         if line is not None:
-            log.warning("GPU %d: XID %d: %s%s", index, code, meaning(code), line)
+            log.warning("GPU %d%s: XID %d: %s%s", index, f" (GPU instance {gpu_instance})" if gpu_instance else "",
+                        code, meaning(code), line)
         return True
 
-    def _due_line(self, index: int, code: int, now: float) -> str | None:
+    def _due_line(self, index: int, label: str, now: float) -> str | None:
         """At most one line per GPU and XID every LOG_EVERY seconds: its suffix, or None (caller holds the lock)."""
-        last, unlogged = self._logged.get((index, code), (None, 0))
+        last, unlogged = self._logged.get((index, label), (None, 0))
         if last is not None and now - last < LOG_EVERY:
-            self._logged[(index, code)] = (last, unlogged + 1)
+            self._logged[(index, label)] = (last, unlogged + 1)
             return None
-        self._logged[(index, code)] = (now, 0)
+        self._logged[(index, label)] = (now, 0)
         return f" (and {unlogged} more since the last line)" if unlogged else ""
 
-    def counts(self, index: int) -> dict[str, int]:
-        """XID counts of one GPU by code."""
+    def counts(self, index: int) -> dict[tuple[str, str], int]:
+        """XID counts of one GPU by (xid label, gpu_instance)."""
         with self._lock:
             return dict(self._counts.get(index, {}))
 
@@ -205,7 +220,9 @@ class XidWatcher:
             with self._lock:
                 index = self._by_handle.get(handle_key(data.device))
             if data.eventType & xid_type and index is not None:
-                self.xid_counts.add(index, int(data.eventData), "nvml")
+                instance = getattr(data, "gpuInstanceId", NOT_ATTRIBUTED)
+                self.xid_counts.add(index, int(data.eventData), "nvml",
+                                    "" if instance == NOT_ATTRIBUTED else str(instance))
 
 
 class XidCollector(Collector):
@@ -218,5 +235,5 @@ class XidCollector(Collector):
 
     def collect(self, ctx: SampleContext) -> None:
         counts = self.xid_counts.counts(self.device.index) if self.xid_counts else {}
-        for xid, count in counts.items():
-            ctx.emit("nvml_gpu_xid_errors_total", count, xid)
+        for (xid, gpu_instance), count in counts.items():
+            ctx.emit("nvml_gpu_xid_errors_total", count, xid, gpu_instance)
