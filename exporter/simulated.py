@@ -14,9 +14,13 @@ slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the
 scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
 leaking GPUs side by side.
 
-Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes` file ("GPU PID"
-per line, `--simulate.processes`) names the host PIDs each GPU runs: a demo's or a test's real
-training processes, so that the per-process series join their runs as on a real host.
+Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes` file
+(`--simulate.processes`) names the processes each GPU runs: a demo's or a test's real training
+processes, so that the per-process series join their runs as on a real host. A line "GPU PID" names
+a process by the same PID in every PID namespace; "GPU NAMESPACE:PID NAMESPACE:PID ..." by its PID in
+each namespace that sees it (the namespace's inode), and the simulator translates it as the driver
+does (open-gpu-kernel-modules: os_find_ns_pid): a caller in one of those namespaces gets the PID there,
+one in any other namespace does not see the process.
 
 An older driver is `driver_lacks` (entry points libnvidia-ml does not have: the binding answers
 FUNCTION_NOT_FOUND, or nvidia-ml-py >= 12.560's NVMLLibraryMismatchError for the functions it calls a
@@ -195,6 +199,14 @@ def _handle(buffer: ctypes.Array, kind: Any) -> Any:
     return ctypes.cast(buffer, kind)
 
 
+def _own_pid_namespace() -> str:
+    """The inode of this process's PID namespace (decimal), "" where /proc does not say."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
 def _answer(struct_type: type, entries: list[dict[str, int]], length: int) -> list:
     """An array of `length` structs, `entries` first and the rest empty, as the binding answers it (a
     slice of the ctypes array the driver filled). Members are set through ctypes' own setattr:
@@ -239,8 +251,9 @@ class SimulatedNVML:
         self.phase_seconds = phase_seconds
         self.leak_minutes = leak_minutes
         self.pid = os.getpid() if pid is None else pid
-        # a file of "GPU PID" lines: the (host) processes each GPU runs, instead of `pid` on every GPU
+        # a file of "GPU PID" or "GPU NAMESPACE:PID ..." lines: the processes each GPU runs, instead of `pid`
         self.processes = processes
+        self.pid_namespace = _own_pid_namespace()  # the caller's: the one the driver translates PIDs into
         self.calls: Counter = Counter()
         self.cpu_seconds = 0.0  # spent simulating (not by the exporter): benchmarks subtract it
         self.calls_by_gpu: Counter = Counter()
@@ -653,18 +666,28 @@ class SimulatedNVML:
         return int((0.5e9 if counter == H.NVML_PCIE_UTIL_TX_BYTES else 1.5e9 + 4e9 * busy) / 1024)
 
     def pids_on(self, gpu: int) -> list[int]:
-        """The host PIDs GPU `gpu` runs: those the `processes` file lists for it (read at each call, so
-        a demo can name its runs once they started; lines that are not "GPU PID" are skipped), else
-        `pid`."""
+        """The PIDs GPU `gpu` runs, in the caller's PID namespace: those the `processes` file lists for
+        it (read at each call, so a demo can name its runs once they started; lines that are neither
+        "GPU PID" nor "GPU NAMESPACE:PID ..." are skipped; a process the caller's namespace does not
+        see is left out), else `pid`."""
         if self.processes is None:
             return [self.pid]
         try:
             lines = open(self.processes, encoding="utf-8", errors="replace").read().splitlines()
         except OSError:
             return []
-        pairs = (line.split() for line in lines)
-        return [int(fields[1]) for fields in pairs
-                if len(fields) == 2 and fields[0] == str(gpu) and fields[1].isdigit()]
+        found = []
+        for gpu_field, *names in (line.split() for line in lines if line.strip()):
+            if gpu_field != str(gpu) or not names:
+                continue
+            if len(names) == 1 and names[0].isdigit():
+                found.append(int(names[0]))
+                continue
+            by_namespace = dict(name.partition(":")[::2] for name in names)
+            pid = by_namespace.get(self.pid_namespace, "")
+            if pid.isdigit():
+                found.append(int(pid))
+        return found
 
     def process_sm(self, gpu: int, pids: list[int], t: float) -> dict[int, float]:
         """Each process's SM utilization (0..1) at time t: the co-tenant takes CO_TENANT_SM of the
