@@ -239,7 +239,7 @@ class SimulatedNVML:
                  call_cost: float = 0.0, clock: Callable[[], float] = time.time,
                  phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
                  processes: str | os.PathLike | None = None, binding_lacks: tuple[str, ...] = (),
-                 driver_lacks: tuple[str, ...] = ()) -> None:
+                 driver_lacks: tuple[str, ...] = (), privileged: bool = False) -> None:
         self.scenarios = (scenario,) if isinstance(scenario, str) else tuple(scenario)
         unknown = [name for name in self.scenarios if name not in SCENARIOS]
         if unknown or not self.scenarios:
@@ -254,6 +254,8 @@ class SimulatedNVML:
         # a file of "GPU PID" or "GPU NAMESPACE:PID ..." lines: the processes each GPU runs, instead of `pid`
         self.processes = processes
         self.pid_namespace = _own_pid_namespace()  # the caller's: the one the driver translates PIDs into
+        # the caller holds CAP_SYS_ADMIN: a MIG GPU's parent handle answers its memory and processes
+        self.privileged = privileged
         self.calls: Counter = Counter()
         self.cpu_seconds = 0.0  # spent simulating (not by the exporter): benchmarks subtract it
         self.calls_by_gpu: Counter = Counter()
@@ -500,6 +502,13 @@ class SimulatedNVML:
         return mig[1]
 
     @_api()
+    def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
+        mig = self._mig_of(handle)
+        if mig is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        return mig[2]
+
+    @_api()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         mig = self._mig_of(handle)
         if mig is not None:
@@ -562,6 +571,7 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu = self._gpu_of(handle)
+        self._check_privilege(gpu, handle)
         total, used, reserved = self.traits[gpu].memory_total, self.memory_used(gpu, self._t()), 512 * MIB
         if self._mig_of(handle) is not None:  # an equal share of the GPU per GPU instance
             total, used, reserved = total // MIG_INSTANCES, used // MIG_INSTANCES, reserved // MIG_INSTANCES
@@ -569,6 +579,13 @@ class SimulatedNVML:
             return pynvml.c_nvmlMemory_t(total=total, used=used + reserved, free=total - used - reserved)
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
                                         free=total - used - reserved)
+
+    def _check_privilege(self, gpu: int, handle: Any) -> None:
+        """NO_PERMISSION for the parent handle of a GPU in MIG mode, unless the caller is privileged
+        (nvml.h: memory and process lists there need "appropriate privileges"; the driver checks
+        CAP_SYS_ADMIN). A MIG device's own handle answers."""
+        if self.traits[gpu].mig and self._mig_of(handle) is None and not self.privileged:
+            raise pynvml.NVMLError_NoPermission()
 
     def _temperature(self, handle: Any, sensor: int) -> int:
         if sensor != H.NVML_TEMPERATURE_GPU:
@@ -725,8 +742,7 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
-        if self.traits[gpu].mig:  # like an unprivileged container: MIG hides other instances' processes
-            raise pynvml.NVMLError_NoPermission()
+        self._check_privilege(gpu, handle)
         t = self._t()
         co_tenant = CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0
         pids = self.pids_on(gpu)
