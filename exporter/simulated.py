@@ -140,6 +140,9 @@ class DeviceTraits:
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
     sample_period: float = 1 / 6  # seconds between utilization samples, on average (1/6 s to 1 s by product)
     process_utilization: bool = True  # nvmlDeviceGetProcessUtilization (NOT_SUPPORTED on some boards)
+    # MPS: the PID of the MPS server (0: no MPS). The compute process list then holds the server alone
+    # (as drivers have answered for its clients), nvmlDeviceGetMPSComputeRunningProcesses the clients
+    mps_server: int = 0
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
@@ -743,6 +746,21 @@ class SimulatedNVML:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
         self._check_privilege(gpu, handle)
+        if self.traits[gpu].mps_server:
+            return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_t(
+                pid=self.traits[gpu].mps_server, usedGpuMemory=256 * MIB, gpuInstanceId=0xFFFFFFFF,
+                computeInstanceId=0xFFFFFFFF))]
+        return self._processes(gpu)
+
+    @_api()
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Any) -> list:
+        """The MPS clients: the listed processes of a GPU with an MPS server, none elsewhere."""
+        gpu = self._gpu_of(handle)
+        self._check_privilege(gpu, handle)
+        return self._processes(gpu) if self.traits[gpu].mps_server else []
+
+    def _processes(self, gpu: int) -> list:
+        """The processes GPU `gpu` runs (and the co-tenant), with their memory, as the driver lists them."""
         t = self._t()
         co_tenant = CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0
         pids = self.pids_on(gpu)

@@ -274,3 +274,30 @@ def test_a_failed_utilization_read_is_counted_and_the_memory_series_stay():
     assert rig.series(SM) == [] and len(rig.series("nvml_gpu_process_memory_used_bytes")) == 1
     assert rig.value("nvml_exporter_errors_total", collector="processes", error="timeout") == 1
     assert rig.value("nvml_exporter_collector_success", collector="processes") == 0
+
+
+def test_mps_clients_are_listed_with_the_mps_server_that_runs_their_work(tmp_path, waiting):
+    """Under MPS the compute process list may hold the MPS server alone (comm nvidia-cuda-mps);
+    nvmlDeviceGetMPSComputeRunningProcesses lists its clients: both are exported, each named, and
+    the server is no co-tenant (rules/explain.yml, tests/rules/co_tenant_test.yml)."""
+    server = waiting([sys.executable, "-c", NAMED, b"nvidia-cuda-mps-server"[:15].hex()])
+    client = waiting([sys.executable, "-c", NAMED, b"trainer".hex()])
+    rig = Rig(gpus=1, collectors=["processes"], devices={0: DeviceTraits(mps_server=server.pid)})
+    rig.lib.processes = listing(tmp_path, client.pid)
+    rig.step()
+    served = {s["pid"]: s["process"] for s in rig.series("nvml_gpu_process_memory_used_bytes")}
+    assert served == {str(server.pid): "nvidia-cuda-mps", str(client.pid): "trainer"}
+    assert rig.value("nvml_gpu_process_memory_used_bytes", **[s for s in rig.series(
+        "nvml_gpu_process_memory_used_bytes") if s["pid"] == str(client.pid)][0]) > 2**30
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_a_binding_without_the_mps_list_is_asked_once_and_lists_the_rest():
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              binding_lacks=("nvmlDeviceGetMPSComputeRunningProcesses",))
+    for _ in range(12):
+        rig.step()
+    assert [s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")] == ["1000"]
+    assert rig.lib.calls["nvmlDeviceGetMPSComputeRunningProcesses"] == 0
+    assert rig.sampler.devices[0].lacks("nvmlDeviceGetMPSComputeRunningProcesses")
+    assert rig.series("nvml_exporter_errors_total") == []

@@ -16,6 +16,10 @@ needs ptrace rights and is extra evidence where readable. Text from /proc is not
 (any user can name a process with any bytes): undecodable bytes are replaced. Process names and PIDs
 can be sensitive: `--no-collector.processes` turns all of this off.
 
+Under MPS, the list may hold the MPS server (`nvidia-cuda-mps-server`, comm `nvidia-cuda-mps`) in its
+clients' stead; nvmlDeviceGetMPSComputeRunningProcesses lists the clients, and both lists are merged
+(a PID in both once). The server is no run's process and no co-tenant (rules/explain.yml).
+
 Each listed process's SM utilization comes from nvmlDeviceGetProcessUtilization (nvidia-smi pmon's
 "sm" column): the driver's per-process samples newer than the last seen timestamp (CPU time in
 microseconds), read like the utilization collector reads nvmlDeviceGetSamples (the first read takes
@@ -153,23 +157,15 @@ class ProcessesCollector(Collector):
         self.utilization_absent = False  # the GPU or driver has no per-process utilization
 
     def collect(self, ctx: SampleContext) -> None:
-        try:
-            processes = self.device.call("nvmlDeviceGetComputeRunningProcesses")
-        except Absent:
+        processes = self._list(ctx, "nvmlDeviceGetComputeRunningProcesses")
+        if processes is None:
             return
-        except CallFailed as exc:
-            if exc.error == "no_permission" and self.device.mig_mode == "enabled":
-                # MIG hides the processes of GPU instances the exporter is not entitled to (run it
-                # privileged, or with NVIDIA_MIG_MONITOR_DEVICES=all): not a collector failure
-                if not self.mig_hidden:
-                    log.info("GPU %d: processes not visible under MIG (no permission)", self.device.index)
-                    self.mig_hidden = True
-                return
-            ctx.errors.append(exc.error)
-            return
+        # MPS: the clients, where the driver lists them apart (the list above may hold only the server)
+        listed = {int(process.pid): process for process in processes}
+        for process in self._list(ctx, "nvmlDeviceGetMPSComputeRunningProcesses") or ():
+            listed.setdefault(int(process.pid), process)
         seen: dict[int, ProcessIdentity] = {}
-        for process in processes:
-            pid = int(process.pid)
+        for pid, process in listed.items():
             seen[pid] = self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
             ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, *_labels(pid, seen[pid]))
         self.known = seen  # forget exited processes (a reused PID is looked up afresh)
@@ -177,6 +173,24 @@ class ProcessesCollector(Collector):
         if utilization is not None:
             for pid, identity in seen.items():
                 ctx.emit("nvml_gpu_process_sm_utilization_ratio", utilization.get(pid, 0.0), *_labels(pid, identity))
+
+    def _list(self, ctx: SampleContext, function: str) -> list | None:
+        """A process list; None when the GPU or driver has none (remembered), MIG hides it or it failed
+        (counted)."""
+        try:
+            return self.device.call(function)
+        except Absent:
+            return None
+        except CallFailed as exc:
+            if exc.error == "no_permission" and self.device.mig_mode == "enabled":
+                # MIG hides a GPU's processes from an exporter without privilege (CAP_SYS_ADMIN; or
+                # NVIDIA_MIG_MONITOR_DEVICES=all): not a collector failure
+                if not self.mig_hidden:
+                    log.info("GPU %d: processes not visible under MIG (no permission)", self.device.index)
+                    self.mig_hidden = True
+                return None
+            ctx.errors.append(exc.error)
+            return None
 
     def _sm_utilization(self, ctx: SampleContext) -> dict[int, float] | None:
         """Each process's mean SM utilization (0..1) over the driver's samples since the last read;
