@@ -499,17 +499,18 @@ class SimulatedNVML:
 
     @_api()
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
-        mig = self._mig_of(handle)
-        if mig is None:
-            raise pynvml.NVMLError_InvalidArgument()
-        return mig[1]
+        return self._mig_ids(handle)[0]
 
     @_api()
     def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
+        return self._mig_ids(handle)[1]
+
+    def _mig_ids(self, handle: Any) -> tuple[int, int]:
+        """(GPU instance id, compute instance id) of a MIG device; INVALID_ARGUMENT for a whole GPU."""
         mig = self._mig_of(handle)
         if mig is None:
             raise pynvml.NVMLError_InvalidArgument()
-        return mig[2]
+        return mig[1], mig[2]
 
     @_api()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:

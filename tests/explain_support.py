@@ -73,7 +73,8 @@ def default_identities(rank: int) -> dict[str, Identity]:
     the host co-tenant (4242), named by PID namespace, as an exporter and hook without start times do."""
     inner = f'pid_namespace="{container_namespace(rank)}",namespace_pid="{CONTAINER_PID}"'
     return {"rank": Identity(f'pid="{CONTAINER_PID}",pid_namespace="{container_namespace(rank)}"',
-                             f'pid="{1000 + rank}",process="python3",container_id="",pod_uid="",slurm_job_id="",{inner}'),
+                             f'pid="{1000 + rank}",process="python3",container_id="",pod_uid="",slurm_job_id="",'
+                             f'{inner}'),
             "co-tenant": Identity("", host_process("4242", "stress-ng"))}
 
 
@@ -215,7 +216,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (CO_TENANT_BYTES.get(scenario, 12 * 2**30) if now.co_tenant else 0) \
+            neighbour = CO_TENANT_BYTES.get(scenario, 12 * 2**30) if now.co_tenant else 0
+            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + neighbour \
                 + (IDLE_NEIGHBOUR[2] if now.idle_neighbour else 0)
             if mig:
                 lines.append(f'nvml_gpu_mig_memory_used_bytes{{{gpu},gpu_instance="1"}} '

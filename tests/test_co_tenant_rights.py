@@ -34,21 +34,24 @@ from tests.test_explain import infra_cause_rule
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),
-                                 reason="starts processes as other users in PID namespaces: needs root, setpriv, unshare")]
+                                 reason="starts processes as other users in PID namespaces: needs root, setpriv, "
+                                        "unshare")]
+
+
+def user(uid: int) -> list[str]:
+    """setpriv's arguments for uid (and gid) `uid` with no capability."""
+    return [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+
 
 #: Docker's default capabilities: a root container's process holds them, the compose exporter does not.
 DOCKER_CAPABILITIES = ("chown,dac_override,fowner,fsetid,kill,setgid,setuid,setpcap,net_bind_service,net_raw,"
                        "sys_chroot,mknod,audit_write,setfcap")
 #: The exporter's rights in each shipped deployment (docker-compose.yml; deploy/kubernetes).
 DEPLOYMENTS = {"compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog"],
-               "kubernetes": ["--reuid=10001", "--regid=10001", "--clear-groups", "--inh-caps=-all",
-                              "--bounding-set=-all"]}
+               "kubernetes": user(10001)}
 #: Who runs each process in its container, and the GPU it uses.
 CONTAINERS = {"rank0": (0, ["--inh-caps=-all", f"--bounding-set=-all,+{DOCKER_CAPABILITIES.replace(',', ',+')}"]),
-              "rank1": (1, ["--reuid=3000", "--regid=3000", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]),
-              "rank2": (2, ["--reuid=3000", "--regid=3000", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]),
-              "co-tenant": (2, ["--reuid=4000", "--regid=4000", "--clear-groups", "--inh-caps=-all",
-                                "--bounding-set=-all"])}
+              "rank1": (1, user(3000)), "rank2": (2, user(3000)), "co-tenant": (2, user(4000))}
 #: Names itself argv[2] (prctl PR_SET_NAME), prints what the hook reports of it, waits for stdin to close.
 REPORT = """import ctypes, json, os, sys
 sys.path.insert(0, sys.argv[1])

@@ -135,8 +135,8 @@ def test_without_ptrace_rights_a_process_is_known_by_its_innermost_pid_and_start
     [inner] = wait_until(lambda: children(shell.pid), 10, what="the process unshare forked")
     host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
     started = {pid: Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19] for pid in (host.pid, inner)}
-    assert as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-3:] for pid in (host.pid, inner)]) \
-        == [(own_namespace(), str(host.pid), started[host.pid]), ("", "1", started[inner])]
+    read = as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-3:] for pid in (host.pid, inner)])
+    assert read == [(own_namespace(), str(host.pid), started[host.pid]), ("", "1", started[inner])]
 
 
 #: In a PID namespace of its own: starts `sleep`, says so, waits for a line (the GPU listing,

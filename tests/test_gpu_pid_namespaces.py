@@ -55,7 +55,8 @@ pynvml.nvmlInit()
 print(json.dumps([p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))]))
 """
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-KUBERNETES = ["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--"]
+KUBERNETES = ["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+              "--"]
 
 
 @pytest.fixture
@@ -158,4 +159,5 @@ def test_a_mig_gpus_parent_memory_needs_privilege_and_the_exporter_sums_its_inst
         instances = [v for l, v in samples["nvml_gpu_mig_memory_total_bytes"] if l["gpu"] == str(gpu)]
         [total] = [v for l, v in samples["nvml_gpu_memory_total_bytes"] if l["gpu"] == str(gpu)]
         assert total == sum(instances)
-    assert not [l for l, _ in samples.get("nvml_exporter_errors_total", []) if l["collector"] in ("memory", "processes")]
+    errors = samples.get("nvml_exporter_errors_total", [])
+    assert not [labels for labels, _ in errors if labels["collector"] in ("memory", "processes")]

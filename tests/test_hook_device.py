@@ -87,7 +87,8 @@ def test_a_legacy_mig_name_in_cuda_visible_devices_is_spelled_as_nvml_names_the_
     lib.nvmlInit()
     parent = lib.nvmlDeviceGetHandleByIndex(1)
     devices = [lib.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot) for slot in range(4)]
-    [second] = [d for d in devices if (lib.nvmlDeviceGetGpuInstanceId(d), lib.nvmlDeviceGetComputeInstanceId(d)) == (2, 1)]
+    [second] = [d for d in devices
+                if (lib.nvmlDeviceGetGpuInstanceId(d), lib.nvmlDeviceGetComputeInstanceId(d)) == (2, 1)]
     legacy, expected = f"MIG-{lib.nvmlDeviceGetUUID(parent)}/2/1", lib.nvmlDeviceGetUUID(second)
     lib.nvmlShutdown()
     monkeypatch.setitem(sys.modules, "pynvml", lib)
