@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,9 @@ from stack import processes
 from stack.processes import REPO, wait_until
 from tests import daemons
 from tests import explain_support as support
+from tests.hook_support import run_id
 from tests.process_support import children
+from tests.test_pid_namespace_e2e import TRAIN, evaluated_since
 from tests.test_explain import infra_cause_rule
 
 pytestmark = [pytest.mark.e2e,
@@ -177,3 +180,51 @@ def test_a_co_tenant_in_another_uids_container_is_named_with_the_deployments_rig
                   for s in daemons.query(prometheus.url, infra_cause_rule(), at=event["time"] + 60)
                   if s["metric"]["run"] == deployment}
         assert scored == {"2": "co_tenant"}
+
+
+def test_live_rules_name_a_co_tenant_in_another_uids_container_and_never_the_runs_own(tmp_path, readable,
+                                                                                     containers, start_service):
+    """Live: the run's rank (a real torch hook, uid 3000, a PID namespace of its own) pushes to a real
+    Pushgateway; the exporter runs with Kubernetes' rights; a real Prometheus evaluates the repo's rules.
+    The rank's own GPU process is never a co-tenant; uid 4000's neighbour put on its GPU is."""
+    check = subprocess.run(["setpriv", *user(3000), "--", sys.executable, "-c", "import torch, trainer_hook"],
+                           cwd=readable, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True)
+    if check.returncode:
+        pytest.skip("uid 3000 cannot run the hook from this checkout (not readable by other users)")
+    listing = readable / "gpu-processes"
+    listing.write_text("")
+    listing.chmod(0o644)
+    pgw = start_service(processes.pushgateway(tmp_path))
+    service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1", "--sample-interval=0.2",
+                                            f"--simulate.processes={listing}"])
+    service.argv[:0] = ["setpriv", *DEPLOYMENTS["kubernetes"], "--"]
+    exporter = start_service(service)
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
+        scrape_interval="1s", evaluation_interval="1s")
+    prom = start_service(processes.prometheus(tmp_path, config))
+    [gpu] = daemons.wait_for_series(prom.url, "nvml_gpu_info", 30)
+    uuid, run = gpu["metric"]["uuid"], run_id("uid")
+    training = start_service(processes.Service(
+        "training", ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "setpriv", *user(3000), "--",
+                     sys.executable, "-c", TRAIN, pgw.url, run, uuid], 0, tmp_path / "training.log",
+        ready_path=None, env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(readable)}))
+    [trainer] = wait_until(lambda: children(training.proc.pid), 10, what="the process unshare forked")
+    try:
+        listing.write_text(f"0 {trainer}\n")
+        daemons.wait_for_series(prom.url, f'training_process_info{{run="{run}",pid="1"}}', 60)
+        daemons.wait_for_series(prom.url, f'nvml_gpu_process_memory_used_bytes{{pid="{trainer}",namespace_pid="1"}}',
+                                30)
+        both_seen = time.time()
+        wait_until(lambda: evaluated_since(requests.get(prom.url + "/api/v1/rules", timeout=5),
+                                           "dualtrack-explain.rules", both_seen), 30,
+                   what="an evaluation of the explain rules with both series")
+        assert daemons.query(prom.url, f'job_run_rank:training_infra_cause:score{{run="{run}"}}') == []
+
+        neighbour, _ = containers["co-tenant"]
+        listing.write_text(f"0 {trainer}\n0 {neighbour}\n")
+        [cause] = daemons.wait_for_series(
+            prom.url, f'job_run_rank:training_infra_cause:score{{run="{run}",cause="co_tenant"}}', 30)
+        assert float(cause["value"][1]) == 0.75  # computing: the simulator shares the work among its processes
+    finally:
+        os.kill(trainer, signal.SIGKILL)  # unshare --fork ignores SIGTERM; it exits with its child
