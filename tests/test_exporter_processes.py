@@ -196,6 +196,18 @@ def test_the_simulator_lists_the_processes_its_file_names(tmp_path):
     assert lib.nvmlDeviceGetComputeRunningProcesses(gpu1) == []
 
 
+def test_the_simulator_translates_pids_into_the_callers_namespace(tmp_path):
+    """"GPU NAMESPACE:PID ..." lines: a caller in one of the named namespaces gets the PID there; a
+    process named in none of the caller's is left out; a bare "GPU PID" line is that PID anywhere."""
+    ours = own_namespace()
+    (tmp_path / "listing").write_text(f"0 {ours}:101 4026532999:1\n0 4026532999:2\n"
+                                      f"0 4026532998:7 {ours}:103\n0 104\n")
+    lib = SimulatedNVML("healthy", 1, processes=tmp_path / "listing")
+    lib.nvmlInit()
+    listed = lib.nvmlDeviceGetComputeRunningProcesses(lib.nvmlDeviceGetHandleByIndex(0))
+    assert [p.pid for p in listed] == [101, 103, 104]
+
+
 SM = "nvml_gpu_process_sm_utilization_ratio"
 
 
