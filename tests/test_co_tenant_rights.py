@@ -32,7 +32,7 @@ from tests import daemons
 from tests import explain_support as support
 from tests.hook_support import run_id
 from tests.process_support import children
-from tests.test_pid_namespace_e2e import TRAIN, evaluated_since
+from tests.test_pid_namespace_e2e import TRAIN, evaluated_since, live_stack
 from tests.test_explain import infra_cause_rule
 
 pytestmark = [pytest.mark.e2e,
@@ -194,17 +194,8 @@ def test_live_rules_name_a_co_tenant_in_another_uids_container_and_never_the_run
     listing = readable / "gpu-processes"
     listing.write_text("")
     listing.chmod(0o644)
-    pgw = start_service(processes.pushgateway(tmp_path))
-    service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1", "--sample-interval=0.2",
-                                            f"--simulate.processes={listing}"])
-    service.argv[:0] = ["setpriv", *DEPLOYMENTS["kubernetes"], "--"]
-    exporter = start_service(service)
-    config = processes.render_prometheus_config(
-        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
-        scrape_interval="1s", evaluation_interval="1s")
-    prom = start_service(processes.prometheus(tmp_path, config))
-    [gpu] = daemons.wait_for_series(prom.url, "nvml_gpu_info", 30)
-    uuid, run = gpu["metric"]["uuid"], run_id("uid")
+    pgw, prom, uuid = live_stack(tmp_path, start_service, listing, tuple(DEPLOYMENTS["kubernetes"]))
+    run = run_id("uid")
     training = start_service(processes.Service(
         "training", ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "setpriv", *user(3000), "--",
                      sys.executable, "-c", TRAIN, pgw.url, run, uuid], 0, tmp_path / "training.log",
