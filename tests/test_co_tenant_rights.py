@@ -216,6 +216,7 @@ def test_live_rules_name_a_co_tenant_in_another_uids_container_and_never_the_run
         listing.write_text(f"0 {trainer}\n0 {neighbour}\n")
         [cause] = daemons.wait_for_series(
             prom.url, f'job_run_rank:training_infra_cause:score{{run="{run}",cause="co_tenant"}}', 30)
-        assert float(cause["value"][1]) == 0.75  # computing: the simulator shares the work among its processes
+        # 0.7 while it only holds memory, 0.75 from its first utilization sample (the simulator shares the work)
+        assert float(cause["value"][1]) in (0.7, 0.75)
     finally:
         os.kill(trainer, signal.SIGKILL)  # unshare --fork ignores SIGTERM; it exits with its child
