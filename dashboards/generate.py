@@ -726,14 +726,18 @@ def side_by_side(busy: str) -> list:
               [(legend(RANK, "retries"), increase("training_cuda_alloc_retries_total")),
                (legend(RANK, "OOMs"), increase("training_cuda_ooms_total"))], bars=True),
         infra("GPU memory of the run's processes", "GPU memory NVML attributes to each process of the run (its PID "
-              "namespace and PID in it joined with the hook's training_process_info pid_namespace and pid; a run with "
-              "no pid_namespace on the host pid): the run's own share of the memory above.", "bytes",
+              "in its own namespace and start time joined with the hook's training_process_info pid and start_time, "
+              "which needs no privilege; else its PID namespace and PID in it with pid_namespace and pid; a run with "
+              "neither on the pid): the run's own share of the memory above.", "bytes",
               [("{{run}} r{{rank}} · pid {{pid}} · {{instance}} GPU {{gpu}}",
-                "nvml_gpu_process_memory_used_bytes * on (pid_namespace, namespace_pid) group_left (run, rank) "
+                "nvml_gpu_process_memory_used_bytes * on (namespace_pid, start_time) group_left (run, rank) "
+                "max by (namespace_pid, start_time, run, rank) (label_join(training_process_info"
+                f'{{{RUN}, start_time!=""}}, "namespace_pid", "", "pid")) or nvml_gpu_process_memory_used_bytes '
+                "* on (pid_namespace, namespace_pid) group_left (run, rank) "
                 "max by (pid_namespace, namespace_pid, run, rank) (label_join(training_process_info"
                 f'{{{RUN}, pid_namespace!=""}}, "namespace_pid", "", "pid")) or nvml_gpu_process_memory_used_bytes '
                 "* on (pid) group_left (run, rank) max by (pid, run, rank) "
-                f'(training_process_info{{{RUN}, pid_namespace=""}})')]),
+                f'(training_process_info{{{RUN}, pid_namespace="", start_time=""}})')]),
         model("Learning rate", "Learning rate per rank, as logged.", "none",
               [(RANK, f"training_learning_rate{{{RUN}}}")]),
         infra("Throttle reasons", "Share of time each GPU was throttled, per reason (idle clock-down excluded).",

@@ -432,16 +432,23 @@ def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+#: The process name (comm, 15 bytes) of an MPS server or control daemon.
+MPS_SERVER = "nvidia-cuda-mps.*"
+
+
 def co_tenants(selector: str, rng: str, metric: str = PROCESS_MEMORY) -> str:
     """GPU processes of no run in `rng` (rules/explain.yml's co_tenant join), with the most of
     `metric` (a per-process series: memory, or SM utilization) each had: a process is a run's when
-    its PID namespace and its PID in it are a run's pid_namespace and pid (the hook's
-    training_process_info), or, for a run that reports no pid_namespace, when its host PID is the
-    run's pid. A process whose namespace the exporter could not read is never a co-tenant."""
-    return (f'max_over_time({metric}{{pid_namespace!="",namespace_pid!="",{selector}}}[{rng}]) '
-            f'unless on (pid_namespace, namespace_pid) '
-            f'label_join(last_over_time(training_process_info[{rng}]), "namespace_pid", "", "pid") '
-            f'unless on (pid) last_over_time(training_process_info{{pid_namespace=""}}[{rng}])')
+    its PID in its own namespace and its start time are a run's pid and start_time (the hook's
+    training_process_info), or its PID namespace and its PID in it a run's pid_namespace and pid, or,
+    for a run that reports neither, when its PID is the run's pid. A process the exporter could not
+    read is never a co-tenant, nor an MPS server (it runs its clients' work)."""
+    timed, in_namespace, bare = (f'last_over_time(training_process_info{{{matchers}}}[{rng}])' for matchers in
+                                 ('start_time!=""', 'pid_namespace!=""', 'pid_namespace="",start_time=""'))
+    return (f'max_over_time({metric}{{namespace_pid!="",process!~"{MPS_SERVER}",{selector}}}[{rng}]) '
+            f'unless on (namespace_pid, start_time) label_join({timed}, "namespace_pid", "", "pid") '
+            f'unless on (pid_namespace, namespace_pid) label_join({in_namespace}, "namespace_pid", "", "pid") '
+            f'unless on (pid) {bare}')
 
 
 def find_causes(reader: Reader, event: Event) -> list[Cause]:

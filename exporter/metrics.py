@@ -12,7 +12,8 @@ GAUGE = "gauge"
 COUNTER = "counter"
 GPU_LABELS = ("gpu", "uuid")
 #: a GPU process: its host PID, name and workload, and its PID namespace with its PID there
-PROCESS_LABELS = ("pid", "process", "container_id", "pod_uid", "slurm_job_id", "pid_namespace", "namespace_pid")
+PROCESS_LABELS = ("pid", "process", "container_id", "pod_uid", "slurm_job_id", "pid_namespace", "namespace_pid",
+                  "start_time")
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,8 @@ SNAPSHOT_AGE = MetricSpec("nvml_exporter_snapshot_age_seconds", GAUGE,
 GPU_SAMPLE_AGE = MetricSpec("nvml_exporter_gpu_sample_age_seconds", GAUGE,
                             "Age of this GPU's latest sample, in seconds.", GPU_LABELS)
 HOST_PID_NAMESPACE = MetricSpec("nvml_exporter_host_pid_namespace", GAUGE,
-                                "1 if the exporter runs in the host PID namespace, so GPU processes get names "
-                                "and attribution; 0 if not: their PID only.")
+                                "1 if the exporter runs in the host PID namespace, so it sees every GPU process; "
+                                "0 if not: only those of its own PID namespace.")
 NVML_CALLS = MetricSpec("nvml_exporter_nvml_calls_total", COUNTER,
                         "NVML calls made by the sampler (field batches count once).")
 

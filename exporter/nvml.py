@@ -255,9 +255,14 @@ class Device:
         device.name = as_text(device.optional("nvmlDeviceGetName") or "")
         pci = device.optional("nvmlDeviceGetPciInfo_v3")
         device.pci_bus_id = text_field(pci, "busId") if pci is not None else ""
-        mig = device.optional("nvmlDeviceGetMigMode")
-        device.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
+        device.read_mig_mode()
         return device
+
+    def read_mig_mode(self) -> None:
+        """Read the current MIG mode ("" where the GPU has none): it changes with `nvidia-smi -mig` and a
+        GPU reset while the exporter runs."""
+        mig = self.optional("nvmlDeviceGetMigMode")
+        self.mig_mode = "" if mig is None else ("enabled" if mig[0] else "disabled")
 
     def reopen(self) -> None:
         """Re-acquire the handle of a lost GPU by its UUID; raises if it is still unreachable.

@@ -273,14 +273,15 @@ class Sampler:
                 self.xid_kernel_log, [(device.index, device.pci_bus_id) for device in self.devices],
                 report=lambda index, code, gpu_instance: self.xid_counts.add(index, code, "kernel", gpu_instance),
                 on_error=lambda error: self.stats.error("xid", error))
-        # NVML answers host PIDs: None when the processes collector is off or /proc does not say
+        # NVML answers the PIDs of our PID namespace and leaves out the processes it cannot see: None
+        # when the processes collector is off or /proc does not say
         self.host_pid_namespace = in_host_pid_namespace(self.proc_root) if "processes" in self.collectors else None
         if self.host_pid_namespace is False:
-            log.warning("not in the host PID namespace: GPU processes are exported with their PID only, no name "
-                        "or container/pod/Slurm attribution (run with the host PID namespace: docker --pid=host, "
+            log.warning("not in the host PID namespace: NVML lists only the GPU processes of this PID namespace, "
+                        "no other container's (run with the host PID namespace: docker --pid=host, "
                         "Kubernetes hostPID: true)")
         options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_counts": self.xid_counts,
-                   "proc_root": self.proc_root, "host_pids": self.host_pid_namespace is not False}
+                   "proc_root": self.proc_root}
         on_return = self.xid.register if self.xid else (lambda device: None)
         self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
                                 [BY_NAME[name](device, **options) for name in self.collectors],

@@ -14,9 +14,13 @@ slowdown, SM clock down), xid (one XID 79) and co-tenant (another process on the
 scenarios gives GPU i the i-th (cycling), so one daemon serves a sweep's healthy, input-bound and
 leaking GPUs side by side.
 
-Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes` file ("GPU PID"
-per line, `--simulate.processes`) names the host PIDs each GPU runs: a demo's or a test's real
-training processes, so that the per-process series join their runs as on a real host.
+Each GPU runs one process, the simulator's own PID (`pid`), unless a `processes` file
+(`--simulate.processes`) names the processes each GPU runs: a demo's or a test's real training
+processes, so that the per-process series join their runs as on a real host. A line "GPU PID" names
+a process by the same PID in every PID namespace; "GPU NAMESPACE:PID NAMESPACE:PID ..." by its PID in
+each namespace that sees it (the namespace's inode), and the simulator translates it as the driver
+does (open-gpu-kernel-modules: os_find_ns_pid): a caller in one of those namespaces gets the PID there,
+one in any other namespace does not see the process.
 
 An older driver is `driver_lacks` (entry points libnvidia-ml does not have: the binding answers
 FUNCTION_NOT_FOUND, or nvidia-ml-py >= 12.560's NVMLLibraryMismatchError for the functions it calls a
@@ -146,6 +150,9 @@ class DeviceTraits:
     compute_instances: int = 1  # per GPU instance in MIG mode: each is a MIG device of its own
     sample_period: float = 1 / 6  # seconds between utilization samples, on average (1/6 s to 1 s by product)
     process_utilization: bool = True  # nvmlDeviceGetProcessUtilization (NOT_SUPPORTED on some boards)
+    # MPS: the PID of the MPS server (0: no MPS). The compute process list then holds the server alone
+    # (as drivers have answered for its clients), nvmlDeviceGetMPSComputeRunningProcesses the clients
+    mps_server: int = 0
     # NVML_VALUE_TYPE_* a field is answered in, where not unsigned long long (the driver picks it per
     # field): an unsigned value wraps at its width
     field_types: dict[int, int] = dataclass_field(default_factory=dict)
@@ -205,6 +212,14 @@ def _handle(buffer: ctypes.Array, kind: Any) -> Any:
     return ctypes.cast(buffer, kind)
 
 
+def _own_pid_namespace() -> str:
+    """The inode of this process's PID namespace (decimal), "" where /proc does not say."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
 def _answer(struct_type: type, entries: list[dict[str, int]], length: int) -> list:
     """An array of `length` structs, `entries` first and the rest empty, as the binding answers it (a
     slice of the ctypes array the driver filled). Members are set through ctypes' own setattr:
@@ -237,7 +252,7 @@ class SimulatedNVML:
                  call_cost: float = 0.0, clock: Callable[[], float] = time.time,
                  phase_seconds: float = 300.0, leak_minutes: float = 30.0, pid: int | None = None,
                  processes: str | os.PathLike | None = None, binding_lacks: tuple[str, ...] = (),
-                 driver_lacks: tuple[str, ...] = ()) -> None:
+                 driver_lacks: tuple[str, ...] = (), privileged: bool = False) -> None:
         self.scenarios = (scenario,) if isinstance(scenario, str) else tuple(scenario)
         unknown = [name for name in self.scenarios if name not in SCENARIOS]
         if unknown or not self.scenarios:
@@ -249,8 +264,11 @@ class SimulatedNVML:
         self.phase_seconds = phase_seconds
         self.leak_minutes = leak_minutes
         self.pid = os.getpid() if pid is None else pid
-        # a file of "GPU PID" lines: the (host) processes each GPU runs, instead of `pid` on every GPU
+        # a file of "GPU PID" or "GPU NAMESPACE:PID ..." lines: the processes each GPU runs, instead of `pid`
         self.processes = processes
+        self.pid_namespace = _own_pid_namespace()  # the caller's: the one the driver translates PIDs into
+        # the caller holds CAP_SYS_ADMIN: a MIG GPU's parent handle answers its memory and processes
+        self.privileged = privileged
         self.calls: Counter = Counter()
         self.cpu_seconds = 0.0  # spent simulating (not by the exporter): benchmarks subtract it
         self.calls_by_gpu: Counter = Counter()
@@ -491,10 +509,18 @@ class SimulatedNVML:
 
     @_api()
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        return self._mig_ids(handle)[0]
+
+    @_api()
+    def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
+        return self._mig_ids(handle)[1]
+
+    def _mig_ids(self, handle: Any) -> tuple[int, int]:
+        """(GPU instance id, compute instance id) of a MIG device; INVALID_ARGUMENT for a whole GPU."""
         mig = self._mig_of(handle)
         if mig is None:
             raise pynvml.NVMLError_InvalidArgument()
-        return mig[1]
+        return mig[1], mig[2]
 
     @_api()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
@@ -559,6 +585,7 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         gpu = self._gpu_of(handle)
+        self._check_privilege(gpu, handle)
         total, used, reserved = self.traits[gpu].memory_total, self.memory_used(gpu, self._t()), 512 * MIB
         if self._mig_of(handle) is not None:  # an equal share of the GPU per GPU instance
             total, used, reserved = total // MIG_INSTANCES, used // MIG_INSTANCES, reserved // MIG_INSTANCES
@@ -566,6 +593,13 @@ class SimulatedNVML:
             return pynvml.c_nvmlMemory_t(total=total, used=used + reserved, free=total - used - reserved)
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, used=used,
                                         free=total - used - reserved)
+
+    def _check_privilege(self, gpu: int, handle: Any) -> None:
+        """NO_PERMISSION for the parent handle of a GPU in MIG mode, unless the caller is privileged
+        (nvml.h: memory and process lists there need "appropriate privileges"; the driver checks
+        CAP_SYS_ADMIN). A MIG device's own handle answers."""
+        if self.traits[gpu].mig and self._mig_of(handle) is None and not self.privileged:
+            raise pynvml.NVMLError_NoPermission()
 
     def _temperature(self, handle: Any, sensor: int) -> int:
         if sensor != H.NVML_TEMPERATURE_GPU:
@@ -664,18 +698,28 @@ class SimulatedNVML:
                    / 1024)
 
     def pids_on(self, gpu: int) -> list[int]:
-        """The host PIDs GPU `gpu` runs: those the `processes` file lists for it (read at each call, so
-        a demo can name its runs once they started; lines that are not "GPU PID" are skipped), else
-        `pid`."""
+        """The PIDs GPU `gpu` runs, in the caller's PID namespace: those the `processes` file lists for
+        it (read at each call, so a demo can name its runs once they started; lines that are neither
+        "GPU PID" nor "GPU NAMESPACE:PID ..." are skipped; a process the caller's namespace does not
+        see is left out), else `pid`."""
         if self.processes is None:
             return [self.pid]
         try:
             lines = open(self.processes, encoding="utf-8", errors="replace").read().splitlines()
         except OSError:
             return []
-        pairs = (line.split() for line in lines)
-        return [int(fields[1]) for fields in pairs
-                if len(fields) == 2 and fields[0] == str(gpu) and fields[1].isdigit()]
+        found = []
+        for gpu_field, *names in (line.split() for line in lines if line.strip()):
+            if gpu_field != str(gpu) or not names:
+                continue
+            if len(names) == 1 and names[0].isdigit():
+                found.append(int(names[0]))
+                continue
+            by_namespace = dict(name.partition(":")[::2] for name in names)
+            pid = by_namespace.get(self.pid_namespace, "")
+            if pid.isdigit():
+                found.append(int(pid))
+        return found
 
     def process_sm(self, gpu: int, pids: list[int], t: float) -> dict[int, float]:
         """Each process's SM utilization (0..1) at time t: the co-tenant takes CO_TENANT_SM of the
@@ -714,8 +758,22 @@ class SimulatedNVML:
     @_api()
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list:
         gpu = self._gpu_of(handle)
-        if self.traits[gpu].mig:  # like an unprivileged container: MIG hides other instances' processes
-            raise pynvml.NVMLError_NoPermission()
+        self._check_privilege(gpu, handle)
+        if self.traits[gpu].mps_server:
+            return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_t(
+                pid=self.traits[gpu].mps_server, usedGpuMemory=256 * MIB, gpuInstanceId=0xFFFFFFFF,
+                computeInstanceId=0xFFFFFFFF))]
+        return self._processes(gpu)
+
+    @_api()
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Any) -> list:
+        """The MPS clients: the listed processes of a GPU with an MPS server, none elsewhere."""
+        gpu = self._gpu_of(handle)
+        self._check_privilege(gpu, handle)
+        return self._processes(gpu) if self.traits[gpu].mps_server else []
+
+    def _processes(self, gpu: int) -> list:
+        """The processes GPU `gpu` runs (and the co-tenant), with their memory, as the driver lists them."""
         t = self._t()
         co_tenant = CO_TENANT_BYTES if self._faulty(gpu, t) == "co-tenant" else 0
         pids = self.pids_on(gpu)

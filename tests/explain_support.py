@@ -10,7 +10,7 @@ import subprocess
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 SCRAPE = 15.0
 FAULT_AT = 1800.0
@@ -47,6 +47,35 @@ SYNC_SLOWDOWNS = (1.22, 1.27)
 #: each POWER_SHARE of the time, from 10 min before FAULT_AT; every rank's step time goes to 0.8 s at FAULT_AT.
 POWER_SHARE = 0.045
 HOST_NAMESPACE = 4026531836
+#: In "co-tenant-uid" every rank's step time is UID_SLOWDOWN times as long from FAULT_AT, a neighbour in
+#: another uid's container holding CO_TENANT_BYTES["co-tenant-uid"] on the last rank's GPU.
+UID_SLOWDOWN = 1.25
+CO_TENANT_BYTES = {"co-tenant-uid": 14 * 2**30}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A process as the hook reports it (training_process_info's labels but hostname) and as the
+    exporter names it (its per-process series' labels but the GPU's)."""
+
+    hook: str
+    exporter: str
+
+
+def host_process(pid: str, name: str) -> str:
+    """The exporter's labels of a host process, its PID namespace read."""
+    return (f'pid="{pid}",process="{name}",container_id="",pod_uid="",slurm_job_id="",'
+            f'pid_namespace="{HOST_NAMESPACE}",namespace_pid="{pid}"')
+
+
+def default_identities(rank: int) -> dict[str, Identity]:
+    """The rank's process (pid CONTAINER_PID in container_namespace(rank), host pid 1000 + rank) and
+    the host co-tenant (4242), named by PID namespace, as an exporter and hook without start times do."""
+    inner = f'pid_namespace="{container_namespace(rank)}",namespace_pid="{CONTAINER_PID}"'
+    return {"rank": Identity(f'pid="{CONTAINER_PID}",pid_namespace="{container_namespace(rank)}"',
+                             f'pid="{1000 + rank}",process="python3",container_id="",pod_uid="",slurm_job_id="",'
+                             f'{inner}'),
+            "co-tenant": Identity("", host_process("4242", "stress-ng"))}
 
 
 def container_namespace(rank: int) -> int:
@@ -96,6 +125,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.lost, state.failed_at = after, FAULT_AT + LOST_FAIL
     elif scenario == "co-tenant" and after and faulty:
         state.step_seconds, state.co_tenant = 1.0, True
+    elif scenario == "co-tenant-uid" and after:
+        state.step_seconds, state.co_tenant = NORMAL_STEP * UID_SLOWDOWN, faulty
     elif scenario == "co-tenant-sync" and after:
         state.step_seconds = NORMAL_STEP * SYNC_SLOWDOWNS[int(at // SCRAPE) % 2]
         state.co_tenant = faulty
@@ -120,11 +151,14 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
 
 
 def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2, minutes: float = 60,
-              job: str = "train", scrape: float = SCRAPE, gpu_job: str = "dualtrack-exporter") -> int:
+              job: str = "train", scrape: float = SCRAPE, gpu_job: str = "dualtrack-exporter",
+              identities: Callable[[int], dict[str, Identity]] = default_identities) -> int:
     """Write the run's samples (time-ordered per series) to `out`; returns the number of samples. The GPU
-    series are the exporter's job's, or `gpu_job`'s (as someone pushing or remote-writing them would)."""
+    series are the exporter's job's, or `gpu_job`'s (as someone pushing or remote-writing them would).
+    `identities(rank)` names the rank's process and the co-tenant on its GPU."""
     samples = 0
     for rank in range(ranks):
+        named = identities(rank)
         uuid, hook_uuid = uuid_of(run, rank), hook_uuid_of(scenario, run, rank, ranks)
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
@@ -162,8 +196,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')
-            lines.append(f'training_process_info{{{train},pid="{CONTAINER_PID}",hostname="{host}",'
-                         f'pid_namespace="{container_namespace(rank)}"}} 1{ts}')
+            lines.append(f'training_process_info{{{train},hostname="{host}",{named["rank"].hook}}} 1{ts}')
             # What rules/recording.yml records: the rank's exporter GPU (a MIG instance's parent).
             mig = f',gpu_instance="1",mig_uuid="{hook_uuid}"' if hook_uuid != uuid else ""
             lines.append(f'job_run_rank_gpu:training_gpu_info:nvml{{{train},gpu="{rank % 8}",uuid="{uuid}"{mig}}} 1{ts}')
@@ -184,7 +217,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f'nvml_gpu_throttle_seconds_total{{{gpu},reason="{reason}"}} {value}{ts}')
             clock = SM_CLOCK * (0.6 if now.thermal else 1.0)
             lines.append(f'nvml_gpu_clock_hertz{{{gpu},clock="sm"}} {clock}{ts}')
-            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + (12 * 2**30 if now.co_tenant else 0) \
+            neighbour = CO_TENANT_BYTES.get(scenario, 12 * 2**30) if now.co_tenant else 0
+            used = 79 * 2**30 if now.memory_full and not mig else 61 * 2**30 + neighbour \
                 + (IDLE_NEIGHBOUR[2] if now.idle_neighbour else 0)
             if mig:
                 lines.append(f'nvml_gpu_mig_memory_used_bytes{{{gpu},gpu_instance="1"}} '
@@ -196,16 +230,15 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
             # NVML names the host pid; the exporter adds its PID namespace and its pid in it
             computing = TRAINING_SM * (1 - now.wait_share) - (CO_TENANT_SM if now.co_tenant else 0.0)
-            processes = [(str(1000 + rank), "python3", 61 * 2**30, container_namespace(rank), CONTAINER_PID, computing)]
+            processes = [(named["rank"].exporter, 61 * 2**30, computing)]
             if mig:  # a server in the parent's other GPU instance: isolated from the rank's, no co-tenant
-                processes.append(("4343", "tritonserver", 10 * 2**30, HOST_NAMESPACE, 4343, 0.3))
+                processes.append((host_process("4343", "tritonserver"), 10 * 2**30, 0.3))
             if now.co_tenant:
-                processes.append(("4242", "stress-ng", 12 * 2**30, HOST_NAMESPACE, 4242, CO_TENANT_SM))
+                processes.append((named["co-tenant"].exporter, CO_TENANT_BYTES.get(scenario, 12 * 2**30), CO_TENANT_SM))
             if now.idle_neighbour:
-                processes.append((*IDLE_NEIGHBOUR, HOST_NAMESPACE, int(IDLE_NEIGHBOUR[0]), 0.0))
-            for pid, name, used, namespace, inner, sm in processes:
-                process = (f'{gpu},pid="{pid}",process="{name}",container_id="",pod_uid="",slurm_job_id="",'
-                           f'pid_namespace="{namespace}",namespace_pid="{inner}"')
+                processes.append((host_process(*IDLE_NEIGHBOUR[:2]), IDLE_NEIGHBOUR[2], 0.0))
+            for labels, used, sm in processes:
+                process = f"{gpu},{labels}"
                 lines.append(f"nvml_gpu_process_memory_used_bytes{{{process}}} {used}{ts}")
                 lines.append(f"nvml_gpu_process_sm_utilization_ratio{{{process}}} {sm}{ts}")
             if scenario in ("xid", "mig") and rank == ranks - 1 and at >= FAULT_AT:
@@ -226,15 +259,18 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
 
 
 def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, ranks: int = 2,
-             minutes: float = 60, scrape: float = SCRAPE, gpu_jobs: dict[str, str] | None = None) -> int:
+             minutes: float = 60, scrape: float = SCRAPE, gpu_jobs: dict[str, str] | None = None,
+             identities: dict[str, Callable[[int], dict[str, Identity]]] | None = None) -> int:
     """Write {run: scenario} into OpenMetrics and build TSDB blocks in `data`; returns samples. `gpu_jobs`
-    ({run: job}) writes a run's GPU series under another job than the exporter's."""
+    ({run: job}) writes a run's GPU series under another job than the exporter's; `identities` names a
+    run's processes (default_identities for the runs it does not list)."""
     source = workdir / "explain.om"
     samples = 0
     with open(source, "w", encoding="utf-8") as out:
         for run, scenario in scenarios.items():
             samples += write_run(out, scenario, run, base, ranks, minutes, scrape=scrape,
-                                 gpu_job=(gpu_jobs or {}).get(run, "dualtrack-exporter"))
+                                 gpu_job=(gpu_jobs or {}).get(run, "dualtrack-exporter"),
+                                 identities=(identities or {}).get(run, default_identities))
         out.write("# EOF\n")
     data.mkdir(parents=True, exist_ok=True)
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(source), str(data)],

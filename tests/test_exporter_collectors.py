@@ -515,7 +515,7 @@ def test_gpm_windows_shorter_than_the_driver_computes_are_not_sampled():
 
 
 def fake_proc(root, pid_namespace: str) -> None:
-    """A /proc where PID 4242 is an unrelated local process and /proc/self/ns/pid names `pid_namespace`."""
+    """A /proc where PID 4242 is a process in a container and /proc/self/ns/pid names `pid_namespace`."""
     (root / "self" / "ns").mkdir(parents=True)
     (root / "self" / "ns" / "pid").symlink_to(pid_namespace)
     (root / "4242").mkdir()
@@ -523,14 +523,16 @@ def fake_proc(root, pid_namespace: str) -> None:
     (root / "4242" / "cgroup").write_text("0::/system.slice/docker-" + "b" * 64 + ".scope\n")
 
 
-def test_outside_the_host_pid_namespace_gpu_processes_keep_their_pid_and_no_local_name(tmp_path, caplog):
+def test_outside_the_host_pid_namespace_the_pids_nvml_answers_are_ours_and_named(tmp_path, caplog):
+    """NVML translates its PIDs into the caller's PID namespace: outside the host's, the processes it
+    lists are in our /proc (the others are left out), so they get their names and attribution."""
     fake_proc(tmp_path, "pid:[4026532201]")  # a container's own PID namespace
     rig = Rig(gpus=2, proc_root=str(tmp_path), pid=4242, collectors=["processes"])
     for _ in range(6):
         rig.step()
     series = rig.series("nvml_gpu_process_memory_used_bytes")
     assert [s["pid"] for s in series] == ["4242", "4242"]
-    assert all(s["process"] == s["container_id"] == s["pod_uid"] == s["slurm_job_id"] == "" for s in series)
+    assert all(s["process"] == "nginx" and s["container_id"] == "b" * 64 for s in series)
     assert rig.value("nvml_exporter_host_pid_namespace") == 0
     assert len([r for r in caplog.records if "host PID namespace" in r.getMessage()]) == 1
 

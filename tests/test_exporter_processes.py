@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from exporter.collectors.processes import identify
+from exporter.collectors.processes import identify, nspid
 from exporter.simulated import CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
 from stack.processes import REPO, wait_until
 from tests.exporter_support import Rig
@@ -126,26 +126,59 @@ def test_a_process_in_its_own_pid_namespace_carries_that_namespace_and_its_pid_i
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads as another user: needs root to switch")
-def test_without_ptrace_rights_a_host_process_is_known_by_its_nspid_and_a_container_one_is_unknown(waiting):
-    """An exporter running as another user, without CAP_SYS_PTRACE (compose: uid 10001, no
-    capabilities), may not read a process's ns/pid link. A process with a single NSpid field is in
-    the exporter's own (host) namespace all the same; one in a container of its own stays unknown."""
+def test_without_ptrace_rights_a_process_is_known_by_its_innermost_pid_and_start_time(waiting):
+    """An exporter running as another user, without CAP_SYS_PTRACE (Kubernetes: uid 10001, no
+    capabilities), may not read a process's ns/pid link. It reads every process's innermost PID
+    (NSpid) and start time all the same, the pair the hook reports; a process with a single NSpid
+    field is in the exporter's own (host) namespace, one in a container of its own in one unknown."""
     shell = waiting([*UNSHARE, sys.executable, "-c", "import sys; print('in', flush=True); sys.stdin.read()"])
     [inner] = wait_until(lambda: children(shell.pid), 10, what="the process unshare forked")
     host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
-    assert as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-2:] for pid in (host.pid, inner)]) \
-        == [(own_namespace(), str(host.pid)), ("", "")]
+    started = {pid: Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19] for pid in (host.pid, inner)}
+    read = as_nobody(lambda: [astuple(identify(pid, Path("/proc"), own_namespace()))[-3:] for pid in (host.pid, inner)])
+    assert read == [(own_namespace(), str(host.pid), started[host.pid]), ("", "1", started[inner])]
 
 
-def test_outside_the_host_pid_namespace_the_namespace_is_unknown(tmp_path):
-    """An exporter that cannot see host PIDs reads nothing of /proc/<pid>: namespace and pid in it
-    are "" (unknown), which the co_tenant join never counts."""
-    (tmp_path / "self" / "ns").mkdir(parents=True)
-    (tmp_path / "self" / "ns" / "pid").symlink_to("pid:[4026532201]")
-    rig = Rig(gpus=1, proc_root=str(tmp_path), pid=os.getpid(), collectors=["processes"])
-    rig.step()
-    [series] = rig.series("nvml_gpu_process_memory_used_bytes")
-    assert (series["pid"], series["pid_namespace"], series["namespace_pid"]) == (str(os.getpid()), "", "")
+#: In a PID namespace of its own: starts `sleep`, says so, waits for a line (the GPU listing,
+#: argv[1], is written), then prints the processes series its exporter (a Rig) serves, as JSON.
+CONTAINED_EXPORTER = """
+import json, subprocess, sys
+from tests.exporter_support import Rig
+sleeper = subprocess.Popen(["sleep", "600"])
+print(sleeper.pid, flush=True)
+sys.stdin.readline()
+rig = Rig(gpus=1, collectors=["processes"])
+rig.lib.processes = sys.argv[1]
+rig.step()
+print(json.dumps(rig.series("nvml_gpu_process_memory_used_bytes")), flush=True)
+sleeper.kill()
+"""
+
+
+def translated(gpu: int, pid: int) -> str:
+    """A simulator `processes` line naming host process `pid` by its PID in each namespace we know
+    it in: ours (the host's here) and its own."""
+    inner = nspid(Path(f"/proc/{pid}/status").read_text())[-1]
+    return f"{gpu} {own_namespace()}:{pid} {own_namespace(pid)}:{inner}\n"
+
+
+def test_outside_the_host_pid_namespace_the_processes_nvml_lists_are_read_in_our_proc(tmp_path, waiting):
+    """The driver translates its PIDs into the caller's PID namespace and leaves out what that
+    namespace cannot see (the simulator too): an exporter in a PID namespace of its own lists only
+    the processes of that namespace, by their PIDs there, named and attributed from its own /proc;
+    a host process on the same GPU is not listed."""
+    contained = waiting([*UNSHARE, sys.executable, "-c", CONTAINED_EXPORTER, str(tmp_path / "gpu-processes")])
+    [exporter] = wait_until(lambda: children(contained.pid), 10, what="the process unshare forked")
+    [sleeper] = wait_until(lambda: children(exporter), 10, what="its sleep")
+    host = waiting([sys.executable, "-c", NAMED, b"host".hex()])
+    (tmp_path / "gpu-processes").write_text(translated(0, sleeper) + translated(0, host.pid))
+    contained.stdin.write(b"\n")
+    contained.stdin.flush()
+    served = json.loads(contained.stdout.readline())
+    started = Path(f"/proc/{sleeper}/stat").read_text().rpartition(")")[2].split()[19]
+    inner_sleeper = nspid(Path(f"/proc/{sleeper}/status").read_text())[-1]
+    assert [(s["pid"], s["process"], s["pid_namespace"], s["namespace_pid"], s["start_time"]) for s in served] == \
+        [(inner_sleeper, "sleep", own_namespace(sleeper), inner_sleeper, started)]
 
 
 def test_the_simulator_lists_the_processes_its_file_names(tmp_path):
@@ -161,6 +194,18 @@ def test_the_simulator_lists_the_processes_its_file_names(tmp_path):
     assert [p.pid for p in listed] == [101, 102]
     assert listed[0].usedGpuMemory == listed[1].usedGpuMemory > 20 * 2**30
     assert lib.nvmlDeviceGetComputeRunningProcesses(gpu1) == []
+
+
+def test_the_simulator_translates_pids_into_the_callers_namespace(tmp_path):
+    """"GPU NAMESPACE:PID ..." lines: a caller in one of the named namespaces gets the PID there; a
+    process named in none of the caller's is left out; a bare "GPU PID" line is that PID anywhere."""
+    ours = own_namespace()
+    (tmp_path / "listing").write_text(f"0 {ours}:101 4026532999:1\n0 4026532999:2\n"
+                                      f"0 4026532998:7 {ours}:103\n0 104\n")
+    lib = SimulatedNVML("healthy", 1, processes=tmp_path / "listing")
+    lib.nvmlInit()
+    listed = lib.nvmlDeviceGetComputeRunningProcesses(lib.nvmlDeviceGetHandleByIndex(0))
+    assert [p.pid for p in listed] == [101, 103, 104]
 
 
 SM = "nvml_gpu_process_sm_utilization_ratio"
@@ -241,3 +286,30 @@ def test_a_failed_utilization_read_is_counted_and_the_memory_series_stay():
     assert rig.series(SM) == [] and len(rig.series("nvml_gpu_process_memory_used_bytes")) == 1
     assert rig.value("nvml_exporter_errors_total", collector="processes", error="timeout") == 1
     assert rig.value("nvml_exporter_collector_success", collector="processes") == 0
+
+
+def test_mps_clients_are_listed_with_the_mps_server_that_runs_their_work(tmp_path, waiting):
+    """Under MPS the compute process list may hold the MPS server alone (comm nvidia-cuda-mps);
+    nvmlDeviceGetMPSComputeRunningProcesses lists its clients: both are exported, each named, and
+    the server is no co-tenant (rules/explain.yml, tests/rules/co_tenant_test.yml)."""
+    server = waiting([sys.executable, "-c", NAMED, b"nvidia-cuda-mps-server"[:15].hex()])
+    client = waiting([sys.executable, "-c", NAMED, b"trainer".hex()])
+    rig = Rig(gpus=1, collectors=["processes"], devices={0: DeviceTraits(mps_server=server.pid)})
+    rig.lib.processes = listing(tmp_path, client.pid)
+    rig.step()
+    served = {s["pid"]: s["process"] for s in rig.series("nvml_gpu_process_memory_used_bytes")}
+    assert served == {str(server.pid): "nvidia-cuda-mps", str(client.pid): "trainer"}
+    assert rig.value("nvml_gpu_process_memory_used_bytes", **[s for s in rig.series(
+        "nvml_gpu_process_memory_used_bytes") if s["pid"] == str(client.pid)][0]) > 2**30
+    assert rig.series("nvml_exporter_errors_total") == []
+
+
+def test_a_binding_without_the_mps_list_is_asked_once_and_lists_the_rest():
+    rig = Rig("healthy", 1, pid=1000, collectors=["processes"],
+              binding_lacks=("nvmlDeviceGetMPSComputeRunningProcesses",))
+    for _ in range(12):
+        rig.step()
+    assert [s["pid"] for s in rig.series("nvml_gpu_process_memory_used_bytes")] == ["1000"]
+    assert rig.lib.calls["nvmlDeviceGetMPSComputeRunningProcesses"] == 0
+    assert rig.sampler.devices[0].lacks("nvmlDeviceGetMPSComputeRunningProcesses")
+    assert rig.series("nvml_exporter_errors_total") == []

@@ -1,9 +1,12 @@
 """trainer_hook and the device: no CUDA initialisation, no sync on the training thread, GPU identity."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from exporter.simulated import DeviceTraits, SimulatedNVML
 from tests.hook_support import SyncCounter, record_lines
 from trainer_hook import TrainingMonitor, _torch
 
@@ -75,6 +78,27 @@ def test_a_steps_tensors_are_copied_once_per_dtype_and_keep_their_logged_values(
 ], ids=["whole-device", "mig-by-name", "mig-visible-devices", "already-prefixed"])
 def test_gpu_info_spells_uuids_as_nvidia_smi_does(name, uuid, visible, expected):
     assert _torch.device_uuid(name, uuid, visible) == expected
+
+
+def test_a_legacy_mig_name_in_cuda_visible_devices_is_spelled_as_nvml_names_the_mig_device(monkeypatch):
+    """`MIG-GPU-<uuid>/<gi>/<ci>` (drivers before R470; CUDA still takes it) is the MIG device NVML
+    calls `MIG-<uuid>`, the exporter's mig_uuid: the hook asks NVML (here the simulator, as pynvml)."""
+    lib = SimulatedNVML("healthy", 2, devices={1: DeviceTraits(mig=True, compute_instances=2)})
+    lib.nvmlInit()
+    parent = lib.nvmlDeviceGetHandleByIndex(1)
+    devices = [lib.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot) for slot in range(4)]
+    [second] = [d for d in devices
+                if (lib.nvmlDeviceGetGpuInstanceId(d), lib.nvmlDeviceGetComputeInstanceId(d)) == (2, 1)]
+    legacy, expected = f"MIG-{lib.nvmlDeviceGetUUID(parent)}/2/1", lib.nvmlDeviceGetUUID(second)
+    lib.nvmlShutdown()
+    monkeypatch.setitem(sys.modules, "pynvml", lib)
+    assert expected.startswith("MIG-") and not expected.startswith("MIG-GPU-")
+    assert _torch.device_uuid("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "ignored", legacy) == expected
+    # a name NVML does not know, or no NVML at all, stays as given
+    assert _torch.device_uuid("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "x", legacy.replace("/2/1", "/5/0")) \
+        == legacy.replace("/2/1", "/5/0")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert _torch.device_uuid("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "x", legacy) == legacy
 
 
 @pytest.mark.gpu

@@ -6,10 +6,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
 
+from exporter.collectors.processes import identify
 from stack import processes
 from stack.processes import REPO, wait_until
 from tests.hook_support import pushed_value, record_lines, run_id
@@ -135,8 +137,10 @@ def test_identity_is_exported_and_the_local_rank_names_the_gpu(tmp_path, bare_en
     assert f"training_world_size{{{labels}}} 8.0" in text
     assert f"training_local_rank{{{labels}}} 3.0" in text
     namespace = os.stat("/proc/self/ns/pid").st_ino  # what the exporter reads of this pid
+    started = identify(os.getpid(), Path("/proc")).start_time  # and what any user reads of it
+    assert started.isdigit()
     assert (f'training_process_info{{hostname="{os.uname().nodename}",pid="{os.getpid()}",'
-            f'pid_namespace="{namespace}",{labels}}} 1.0') in text
+            f'pid_namespace="{namespace}",{labels},start_time="{started}"}} 1.0') in text
     assert f'training_gpu_info{{gpu="3",{labels},uuid="GPU-11111111-2222-3333-4444-555555555555"}} 1.0' in text
     _, events = record_lines(tmp_path / "identity-501-rank7.jsonl")
     start = events[0]

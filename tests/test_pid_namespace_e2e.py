@@ -44,17 +44,28 @@ def evaluated_since(rules: requests.Response, group: str, since: float) -> bool:
     return at > since + 1
 
 
-def test_a_run_in_its_own_pid_namespace_owns_its_gpu_process_and_a_neighbour_is_a_co_tenant(tmp_path, start_service):
-    listing = tmp_path / "gpu-processes"
+def live_stack(tmp_path, start_service, listing, rights: tuple[str, ...] = ()) -> tuple[Service, Service, str]:
+    """A Pushgateway; an exporter (run by `setpriv *rights` when given) whose one simulated GPU runs the
+    processes `listing` names; a Prometheus with the repo's rules scraping both every second. Returns
+    (pushgateway, prometheus, the GPU's uuid) once Prometheus has the GPU."""
     pgw = start_service(processes.pushgateway(tmp_path))
-    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1",
-                                                           "--sample-interval=0.2", f"--simulate.processes={listing}"]))
+    service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1", "--sample-interval=0.2",
+                                            f"--simulate.processes={listing}"])
+    if rights:
+        service.argv[:0] = ["setpriv", *rights, "--"]
+    exporter = start_service(service)
     config = processes.render_prometheus_config(
         tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
         scrape_interval="1s", evaluation_interval="1s")
     prom = start_service(processes.prometheus(tmp_path, config))
     [gpu] = daemons.wait_for_series(prom.url, "nvml_gpu_info", 30)
-    uuid, run = gpu["metric"]["uuid"], run_id("pidns")
+    return pgw, prom, gpu["metric"]["uuid"]
+
+
+def test_a_run_in_its_own_pid_namespace_owns_its_gpu_process_and_a_neighbour_is_a_co_tenant(tmp_path, start_service):
+    listing = tmp_path / "gpu-processes"
+    pgw, prom, uuid = live_stack(tmp_path, start_service, listing)
+    run = run_id("pidns")
     training = start_service(Service("training", [*UNSHARE, sys.executable, "-c", TRAIN, pgw.url, run, uuid], 0,
                                      tmp_path / "training.log", ready_path=None,
                                      env={**os.environ, "PYTHONPATH": str(REPO)}))

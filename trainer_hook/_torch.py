@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from .miguuid import normalised_mig_uuid
+
 try:
     import torch
 except ImportError:  # pragma: no cover - exercised only without the `torch` extra
@@ -31,10 +33,11 @@ def cuda_uuid(index: int) -> str:
 def device_uuid(name: str, uuid: str, visible: str = "") -> str:
     """`GPU-<uuid>` for a GPU, `MIG-<uuid>` for a MIG instance (CUDA names those "<GPU> MIG 1g.10gb").
 
-    `visible`: the device's CUDA_VISIBLE_DEVICES entry; a `MIG-…` entry names the instance exactly.
+    `visible`: the device's CUDA_VISIBLE_DEVICES entry; a `MIG-…` entry names the instance exactly (a
+    legacy `MIG-GPU-<uuid>/<gi>/<ci>` one as NVML names it).
     """
     if visible.startswith("MIG-"):
-        return visible
+        return normalised_mig_uuid(visible)
     if uuid.startswith(("GPU-", "MIG-")):
         return uuid
     return ("MIG-" if "MIG" in name.split() else "GPU-") + uuid

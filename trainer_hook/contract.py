@@ -132,8 +132,9 @@ SERIES: tuple[Series, ...] = (
     Series("gpu_info", "gauge", "GPUs this rank trains on.", ("gpu", "uuid")),
     Series("local_rank", "gauge", "Rank of this process on its node (picks the GPU)."),
     Series("world_size", "gauge", "Processes in the run."),
-    Series("process_info", "gauge", "The process that publishes these series (join nvml_gpu_process_* on "
-           "pid_namespace, and pid to their namespace_pid).", ("pid", "hostname", "pid_namespace")),
+    Series("process_info", "gauge", "The process that publishes these series: pid in its own PID namespace, "
+           "start_time in clock ticks since boot (join nvml_gpu_process_* on namespace_pid = pid and "
+           "start_time).", ("pid", "hostname", "pid_namespace", "start_time")),
     Series("dropped_values", "counter", "Logged values that were not kept.", ("reason",)),
     Series("push_failures", "counter", "Failed pushes to the Pushgateway, and remote-write requests or "
            "batches of samples that were dropped."),
@@ -282,6 +283,7 @@ class ProcessIdentity(NamedTuple):
     pid: int = 0
     hostname: str = ""
     pid_namespace: str = ""  # inode of the PID namespace `pid` is in (decimal): with `pid`, what NVML's host PID is
+    start_time: str = ""  # clock ticks since boot it started at (/proc/self/stat field 22): with `pid`, names it
 
 
 @dataclass

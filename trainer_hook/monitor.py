@@ -22,6 +22,7 @@ from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PR
 from .exposition import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
+from .identity import own_pid_namespace, own_start_time
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
@@ -40,17 +41,6 @@ HARD_PENDING = 65536
 _STEP_KEY = "step"
 #: Characters of an exception's text kept in the record's end line.
 MAX_MESSAGE = 2000
-
-
-def own_pid_namespace() -> str:
-    """The inode (decimal) of this process's PID namespace, "" where /proc does not say. With
-    os.getpid() it names this process as the exporter's per-process series do, in a container too."""
-    try:
-        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
-    except OSError:
-        return ""
-    inode = link.removeprefix("pid:[").removesuffix("]")
-    return inode if inode.isdigit() else ""
 
 
 class TrainingMonitor:
@@ -106,7 +96,7 @@ class TrainingMonitor:
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
-                                        own_pid_namespace())
+                                        own_pid_namespace(), own_start_time())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()

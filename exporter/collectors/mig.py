@@ -13,9 +13,37 @@ window are the GPU instance's and are read once per run, from its first MIG devi
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 from exporter.collectors.base import Collector, SampleContext
 from exporter.collectors.gpm import GpmWindow, gpm_supported
-from exporter.nvml import Absent, CallFailed, as_text
+from exporter.nvml import Absent, CallFailed, Device, as_text
+
+
+def mig_devices(ctx: SampleContext, device: Device) -> Iterator[tuple[Any, int]]:
+    """(handle, GPU instance id) of each MIG device of a GPU in MIG mode; failed reads are counted."""
+    count = ctx.call("nvmlDeviceGetMaxMigDeviceCount")
+    for index in range(count or 0):
+        try:
+            handle = device.call("nvmlDeviceGetMigDeviceHandleByIndex", index)
+        except Absent:  # the driver does not support this slot: nothing there
+            continue
+        except CallFailed as exc:
+            if exc.error != "not_found":  # NOT_FOUND: no MIG device in this slot
+                ctx.errors.append(exc.error)
+            continue
+        instance = ctx.guarded(lambda: device.call_on(handle, "nvmlDeviceGetGpuInstanceId"))
+        if instance is not None:
+            yield handle, instance
+
+
+def instance_memory(ctx: SampleContext, device: Device) -> list[tuple[int, Any]]:
+    """(GPU instance id, nvmlDeviceGetMemoryInfo) of each GPU instance, read from its first MIG device."""
+    found: dict[int, Any] = {}
+    for handle, instance in mig_devices(ctx, device):
+        if instance not in found:
+            found[instance] = ctx.guarded(lambda: device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
+    return [(instance, memory) for instance, memory in found.items() if memory is not None]
 
 
 class MigCollector(Collector):
@@ -31,20 +59,8 @@ class MigCollector(Collector):
     def collect(self, ctx: SampleContext) -> None:
         if self.device.mig_mode != "enabled":
             return
-        count = ctx.call("nvmlDeviceGetMaxMigDeviceCount")
         seen = set()
-        for index in range(count or 0):
-            try:
-                handle = self.device.call("nvmlDeviceGetMigDeviceHandleByIndex", index)
-            except Absent:  # the driver does not support this slot: nothing there
-                continue
-            except CallFailed as exc:
-                if exc.error != "not_found":  # NOT_FOUND: no MIG device in this slot
-                    ctx.errors.append(exc.error)
-                continue
-            instance = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetGpuInstanceId"))
-            if instance is None:
-                continue
+        for handle, instance in mig_devices(ctx, self.device):
             gi = str(instance)
             mig_uuid = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUUID"))
             ctx.emit("nvml_gpu_mig_info", 1, gi, as_text(mig_uuid or ""))

@@ -2,14 +2,23 @@
 
 nvidia-smi: --query-compute-apps=pid,process_name,used_memory. NVML:
 nvmlDeviceGetComputeRunningProcesses. Names come from /proc/<pid>/comm, attribution from
-/proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). NVML's PIDs are host
-PIDs: outside the host PID namespace the same number in our /proc is an unrelated process, so
-there the series keep only the PID (and /proc/<pid> is never read). A process in a container
-reports its PID in its own PID namespace: the series carry that namespace (the inode of
-/proc/<pid>/ns/pid) and the PID in it (the last NSpid field of /proc/<pid>/status), the pair the
-hook's training_process_info matches. Text from /proc is not trusted to be UTF-8 (any user can
-name a process with any bytes): undecodable bytes are replaced. Process names and PIDs can be
-sensitive: `--no-collector.processes` turns all of this off.
+/proc/<pid>/cgroup (and SLURM_JOB_ID in /proc/<pid>/environ when readable). The driver translates
+its PIDs into the caller's PID namespace and leaves out the processes that namespace cannot see
+(open-gpu-kernel-modules: os_find_ns_pid), so /proc/<pid> is always the process NVML means: with the
+host PID namespace every process, without it only those of the exporter's own.
+
+A process in a container reports its PID in its own PID namespace. The series carry that PID (the
+last NSpid field of /proc/<pid>/status, `namespace_pid`) and its start time (field 22 of
+/proc/<pid>/stat, clock ticks since boot, `start_time`): both files are readable by every user, and
+the pair is what the hook's training_process_info reports as `pid` and `start_time`, a join that needs
+no privilege. The inode of the process's PID namespace (`pid_namespace`, from /proc/<pid>/ns/pid)
+needs ptrace rights and is extra evidence where readable. Text from /proc is not trusted to be UTF-8
+(any user can name a process with any bytes): undecodable bytes are replaced. Process names and PIDs
+can be sensitive: `--no-collector.processes` turns all of this off.
+
+Under MPS, the list may hold the MPS server (`nvidia-cuda-mps-server`, comm `nvidia-cuda-mps`) in its
+clients' stead; nvmlDeviceGetMPSComputeRunningProcesses lists the clients, and both lists are merged
+(a PID in both once). The server is no run's process and no co-tenant (rules/explain.yml).
 
 Each listed process's SM utilization comes from nvmlDeviceGetProcessUtilization (nvidia-smi pmon's
 "sm" column). It is a snapshot, not a mean over the exporter's period: nvml.h answers "one utilization
@@ -61,7 +70,8 @@ class ProcessIdentity:
     pod_uid: str = ""
     slurm_job_id: str = ""
     pid_namespace: str = ""  # the inode of its PID namespace, decimal
-    namespace_pid: str = ""  # its PID in that namespace
+    namespace_pid: str = ""  # its PID in its own (innermost) PID namespace
+    start_time: str = ""  # when it started: clock ticks since boot (/proc/<pid>/stat field 22)
 
 
 def _text(path: Path) -> str:
@@ -90,16 +100,26 @@ def nspid(status: str) -> list[str]:
     return []
 
 
-def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdentity:
-    """Name, PID namespace and workload attribution of a host PID; "" for what cannot be read.
+def start_time(stat: str) -> str:
+    """Field 22 of a /proc/<pid>/stat (starttime: clock ticks since boot, the same in every PID
+    namespace); "" if it cannot be read. The name (field 2) may hold spaces and parentheses."""
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 and fields[19].isdigit() else ""
 
-    Reading another user's ns/pid link takes ptrace rights (the same uid, or CAP_SYS_PTRACE); where
-    it is refused, a process with one NSpid field is in our /proc's namespace, `own_namespace`."""
+
+def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdentity:
+    """Name, innermost PID, start time, PID namespace and workload attribution of a PID NVML
+    answered; "" for what cannot be read.
+
+    NSpid and the start time are readable by every user. Reading another user's ns/pid link takes
+    ptrace rights (the same uid and no capability we lack, or CAP_SYS_PTRACE); where it is refused, a
+    process with one NSpid field is in our /proc's namespace, `own_namespace`."""
     base = proc_root / str(pid)
     name = _text(base / "comm").strip()
     pids = nspid(_text(base / "status"))
+    started = start_time(_text(base / "stat"))
     namespace = pid_namespace(base / "ns" / "pid") or (own_namespace if len(pids) == 1 else "")
-    inner = pids[-1] if namespace and pids else ""
+    inner = pids[-1] if pids and (started or namespace) else ""
     container = pod = job = ""
     cgroup_paths = [line.split(":", 2)[-1] for line in _text(base / "cgroup").splitlines()]
     for path in cgroup_paths:
@@ -110,7 +130,7 @@ def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdent
             container = container or (match.group(1) if match else "")
     if not job:
         job = _environ(base).get("SLURM_JOB_ID", "")
-    return ProcessIdentity(name, container, pod, job, namespace, inner)
+    return ProcessIdentity(name, container, pod, job, namespace, inner, started)
 
 
 def _pod(path: str) -> str:
@@ -132,41 +152,49 @@ class ProcessesCollector(Collector):
     period = 5
     help = "per-process device memory with container/pod/Slurm attribution"
 
-    def __init__(self, device, *, proc_root: str | Path = "/proc", host_pids: bool = True, **kwargs) -> None:
+    def __init__(self, device, *, proc_root: str | Path = "/proc", **kwargs) -> None:
         super().__init__(device, **kwargs)
         self.proc_root = Path(proc_root)
-        self.host_pids = host_pids  # False: our /proc is another PID namespace's, never read it
-        self.own_namespace = pid_namespace(self.proc_root / "self" / "ns" / "pid") if host_pids else ""
+        self.own_namespace = pid_namespace(self.proc_root / "self" / "ns" / "pid")
         self.known: dict[int, ProcessIdentity] = {}
         self.mig_hidden = False
         self.last_timestamp = 0  # NVML microseconds of the newest per-process sample seen (0: all kept)
 
     def collect(self, ctx: SampleContext) -> None:
-        try:
-            processes = self.device.call("nvmlDeviceGetComputeRunningProcesses")
-        except Absent:
+        processes = self._list(ctx, "nvmlDeviceGetComputeRunningProcesses")
+        if processes is None:
             return
-        except CallFailed as exc:
-            if exc.error == "no_permission" and self.device.mig_mode == "enabled":
-                # MIG hides the processes of GPU instances the exporter is not entitled to (run it
-                # privileged, or with NVIDIA_MIG_MONITOR_DEVICES=all): not a collector failure
-                if not self.mig_hidden:
-                    log.info("GPU %d: processes not visible under MIG (no permission)", self.device.index)
-                    self.mig_hidden = True
-                return
-            ctx.errors.append(exc.error)
-            return
+        # MPS: the clients, where the driver lists them apart (the list above may hold only the server)
+        listed = {int(process.pid): process for process in processes}
+        for process in self._list(ctx, "nvmlDeviceGetMPSComputeRunningProcesses") or ():
+            listed.setdefault(int(process.pid), process)
         seen: dict[int, ProcessIdentity] = {}
-        for process in processes:
-            pid = int(process.pid)
-            seen[pid] = (self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
-                         if self.host_pids else ProcessIdentity())
+        for pid, process in listed.items():
+            seen[pid] = self.known.get(pid) or identify(pid, self.proc_root, self.own_namespace)
             ctx.emit("nvml_gpu_process_memory_used_bytes", process.usedGpuMemory, *_labels(pid, seen[pid]))
         self.known = seen  # forget exited processes (a reused PID is looked up afresh)
         utilization = self._sm_utilization(ctx) if seen else None
         if utilization is not None:
             for pid, identity in seen.items():
                 ctx.emit("nvml_gpu_process_sm_utilization_ratio", utilization.get(pid, 0.0), *_labels(pid, identity))
+
+    def _list(self, ctx: SampleContext, function: str) -> list | None:
+        """A process list; None when the GPU or driver has none (remembered), MIG hides it or it failed
+        (counted)."""
+        try:
+            return self.device.call(function)
+        except Absent:
+            return None
+        except CallFailed as exc:
+            if exc.error == "no_permission" and self.device.mig_mode == "enabled":
+                # MIG hides a GPU's processes from an exporter without privilege (CAP_SYS_ADMIN; or
+                # NVIDIA_MIG_MONITOR_DEVICES=all): not a collector failure
+                if not self.mig_hidden:
+                    log.info("GPU %d: processes not visible under MIG (no permission)", self.device.index)
+                    self.mig_hidden = True
+                return None
+            ctx.errors.append(exc.error)
+            return None
 
     def _sm_utilization(self, ctx: SampleContext) -> dict[int, float] | None:
         """Each process's mean SM utilization (0..1) over the driver's samples since the last read;
@@ -199,6 +227,6 @@ class ProcessesCollector(Collector):
 
 def _labels(pid: int, identity: ProcessIdentity) -> tuple[str, ...]:
     """The per-process series' labels: pid, process, container_id, pod_uid, slurm_job_id, pid_namespace,
-    namespace_pid."""
+    namespace_pid, start_time."""
     return (str(pid), identity.name, identity.container_id, identity.pod_uid, identity.slurm_job_id,
-            identity.pid_namespace, identity.namespace_pid)
+            identity.pid_namespace, identity.namespace_pid, identity.start_time)
