@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -18,10 +19,11 @@ from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
 from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
-                       config_labels, merge_maxima, metric_suffix)
+                       config_labels, merge_maxima, metric_suffix, pause_reason)
 from .exposition import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
+from .pause import Pauses
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
@@ -98,6 +100,7 @@ class TrainingMonitor:
         self._data_wait = 0.0  # total, published (only grows)
         self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
+        self._pauses = Pauses()
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
@@ -258,6 +261,27 @@ class TrainingMonitor:
             self._waited += waited
             yield item
 
+    @contextmanager
+    def paused(self, reason: Any) -> Iterator[None]:
+        """A pause that is not a hang: the rank saves a checkpoint, evaluates, or waits while a peer
+        does. While inside it, TrainingRankHung and TrainingStalled stay silent for the whole run (up
+        to the bound docs/alerts.md states, then TrainingPauseTooLong names the pause); the time counts
+        in training_paused_seconds_total{reason} and the record. A pause inside a pause belongs to the
+        outer one. Never raises (its body's exceptions pass through)."""
+        began = not self._closed and self._pauses.begin(pause_reason(reason))
+        try:
+            yield
+        finally:
+            line = self._pauses.end() if began else None
+            if line is not None:
+                self._pending.append(line)  # written in order with the steps, by the background thread
+                self._wake.set()
+
+    @property
+    def _pause_reason(self) -> str | None:
+        """The reason of the pause under way (paused()), None when the rank is not paused."""
+        return self._pauses.reason
+
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
@@ -393,18 +417,22 @@ class TrainingMonitor:
             if count:
                 self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
 
-    def _lines(self, entries: list[Entry]) -> list[dict[str, Any]]:
-        """Record lines for `entries`; the last carries the CUDA allocator's state, if any."""
-        lines = self._aggregator.drain(entries)
+    def _lines(self, items: list[Entry | dict[str, Any]]) -> list[dict[str, Any]]:
+        """Record lines for `items` (step entries, and paused()'s lines as they are), in order; the
+        last step's line carries the CUDA allocator's state, if any."""
+        entries = [item for item in items if type(item) is not dict]
+        steps = self._aggregator.drain(entries) if entries else []
         cuda = self._cuda_stats()
-        if cuda is not None:
-            lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
-        return lines
+        if cuda is not None and steps:
+            steps[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+        folded = iter(steps)
+        return [item if type(item) is dict else next(folded) for item in items]
 
     def _publish(self, state: str, failure_reason: str = "") -> Snapshot:
+        paused, pause = self._pauses.state()
         return self._aggregator.publish(
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
-            data_wait_seconds=self._data_wait,
+            data_wait_seconds=self._data_wait, paused_seconds=paused, pause=pause if state == "running" else None,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
             published=time.time(), precision=self.settings.precision,
@@ -463,6 +491,9 @@ class TrainingMonitor:
         for hook in self._hooks:
             hook.remove()
         state = "failed" if failed else "finished"
+        pause = self._pauses.end()  # closed inside paused(): the pause ends with the run
+        if pause is not None:
+            self._pending.append(pause)
         self._drain()
         self._latest = final = self._publish(state, failure_reason=(reason or "") if failed else "")
         end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}
