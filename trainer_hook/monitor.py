@@ -26,6 +26,7 @@ from .gradnorm import grad_norm
 from .pause import Pauses
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
+from .replica import ReplicaCheck, ddp_group, replica_every
 from .remote_write import RemoteWriter
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
@@ -101,6 +102,7 @@ class TrainingMonitor:
         self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
         self._pauses = Pauses()
+        self._replica: ReplicaCheck | None = None  # watch() of a DDP model: compares the replicas' norms
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
@@ -312,6 +314,9 @@ class TrainingMonitor:
                             "framework's global norm as grad_norm instead)")
         for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
+        if not sharded and self._replica is None and ddp_group(model) is not None and replica_every():
+            self._replica = ReplicaCheck(replica_every(), self._warn_once)  # creates a group: every rank
+            self._hooks.append(self._replica)
         if not sharded:  # a shard's parameters are not the model's: no estimate from them
             self._flops.estimated_per_token = estimate_per_token(
                 model.parameters() if model is not None else
@@ -425,6 +430,11 @@ class TrainingMonitor:
         cuda = self._cuda_stats()
         if cuda is not None and steps:
             steps[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+        if self._replica is not None:
+            for line in steps:
+                norm = line["values"].get("grad_norm")
+                if norm is not None:
+                    self._replica.offer(line["step"], float(norm))
         folded = iter(steps)
         return [item if type(item) is dict else next(folded) for item in items]
 
@@ -433,6 +443,7 @@ class TrainingMonitor:
         return self._aggregator.publish(
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait, paused_seconds=paused, pause=pause if state == "running" else None,
+            replica=self._replica.counts() if self._replica is not None else None,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
             published=time.time(), precision=self.settings.precision,
