@@ -6,6 +6,8 @@ DIR/stop exists (the decision is all-reduced, so every rank leaves at the same s
 - healthy: nothing else.
 - corrupt: after the all-reduce, rank 2 adds 1e-3 to one element of its gradient before every
   optimizer step (a bad memory cell): its replica drifts, its norm differs from its peers'.
+- subset: rank 1 does not watch() its model (so it never compares): the others' comparisons wait for
+  it off the training thread, and every rank trains on.
 - pause: once DIR/pause exists, every rank enters monitor.paused("checkpoint"): rank 0 "writes a
   checkpoint" until DIR/written exists, the others wait for it in a barrier; then they go on.
 """
@@ -36,7 +38,8 @@ def main(mode: str, folder: Path) -> None:
     torch.manual_seed(1 + rank)  # each rank its own data
     paused = False
     with TrainingMonitor(job=f"ddp-{mode}", push_interval=0.5, record_path=folder) as monitor:
-        monitor.watch(model, optimizer)
+        if not (mode == "subset" and rank == 1):
+            monitor.watch(model, optimizer)
         step = 0
         while True:
             x, y = torch.randn(8, 16), torch.randn(8, 1)

@@ -16,7 +16,7 @@ import yaml
 
 from stack import processes
 from tests import daemons
-from tests.hook_support import run_id
+from tests.hook_support import pushed_value, run_id
 from tests.test_distributed import finish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -124,3 +124,19 @@ def test_a_corrupted_replica_is_named_alone_and_a_healthy_run_raises_nothing(sta
     finally:
         (tmp_path / "stop").touch()
     finish(proc, tmp_path, timeout=60)
+
+
+def test_a_rank_that_never_compares_blocks_no_training(tmp_path, start_service):
+    """Rank 1 does not watch() its DDP model: ranks 0 and 2 wait for its norm on their own thread
+    only, and every rank goes on stepping."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    run = run_id("subset")
+    proc = torchrun("subset", tmp_path, run, pgw.url)
+    try:
+        processes.wait_until(lambda: all((pushed_value(pgw.url, "training_steps_total", run, rank=str(rank)) or 0) >= 100
+                                         for rank in range(3)), 120, what="100 steps on every rank")
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path, timeout=60)
+    assert [pushed_value(pgw.url, "training_replica_compared_steps_total", run, rank=str(rank))
+            for rank in range(3)] == [0, None, 0]

@@ -315,7 +315,7 @@ class TrainingMonitor:
         for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
         if not sharded and self._replica is None and ddp_group(model) is not None and replica_every():
-            self._replica = ReplicaCheck(replica_every(), self._warn_once)  # creates a group: every rank
+            self._replica = ReplicaCheck(replica_every(), self._warn_once, self.settings.run)
             self._hooks.append(self._replica)
         if not sharded:  # a shard's parameters are not the model's: no estimate from them
             self._flops.estimated_per_token = estimate_per_token(

@@ -1,9 +1,10 @@
 """Replica divergence under DDP: after the all-reduce every data-parallel rank holds the same reduced
 gradient, bit for bit, so the same grad norm. Every `every` steps each rank hands its post-reduction
 grad norm (the one watch() captures before the optimizer step, or a logged grad_norm) to a thread of
-its own, which all-gathers (step, norm) over a separate gloo group and counts the steps at which this
-rank's norm is not the one most ranks hold. Nothing of this runs on the training thread, and a peer
-that never joins blocks only that thread (the background thread keeps publishing)."""
+its own, which exchanges (step, norm) with its peers through the job's key-value store (the one
+torch.distributed was initialised with: no process group is created, so a rank that never compares
+blocks nobody) and counts the steps at which this rank's norm is not the one most ranks hold. Nothing
+of this runs on the training thread; a peer that does not answer in time ends the comparisons."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,7 @@ import os
 import queue
 import struct
 import threading
-from collections import Counter
+from collections import Counter, deque
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -23,7 +24,10 @@ log = logging.getLogger("trainer_hook")
 ENV_EVERY = "DUALTRACK_REPLICA_EVERY"
 DEFAULT_EVERY = 10
 #: How long one comparison waits for the slowest peer before this rank stops comparing.
-TIMEOUT = timedelta(minutes=30)
+TIMEOUT = timedelta(minutes=10)
+#: A rank deletes its key of this many comparisons ago: its peers have read it (or timed out) by then.
+KEPT = 4
+_VALUE = struct.Struct("<qd")  # step, norm
 
 
 def replica_every() -> int:
@@ -39,7 +43,7 @@ def replica_every() -> int:
 
 def ddp_group(model: Any) -> Any:
     """The process group `model` (a DistributedDataParallel module) reduces its gradients over, when
-    it spans every process (a gloo group over those ranks can then be created by all of them); else None."""
+    it spans every process (every rank is a replica of every other); else None."""
     distributed = getattr(torch, "distributed", None)
     if model is None or distributed is None or not distributed.is_available() or not distributed.is_initialized():
         return None
@@ -67,13 +71,14 @@ def outvoted(norms: list[float], me: int) -> bool:
 class ReplicaCheck:
     """This rank's comparisons: `offer()` from the background thread, counts read when publishing."""
 
-    def __init__(self, every: int, warn: Callable[[str, str, str], None]) -> None:
+    def __init__(self, every: int, warn: Callable[[str, str, str], None], run: str) -> None:
         distributed = torch.distributed
         self.every = every
         self._warn = warn
-        self._group = distributed.new_group(backend="gloo", timeout=TIMEOUT)  # collective: every rank
-        self._me = distributed.get_rank(self._group)
-        self._size = distributed.get_world_size(self._group)
+        self._store = distributed.distributed_c10d._get_default_store()
+        self._prefix = f"dualtrack/replica/{run}/"
+        self._me = distributed.get_rank()
+        self._size = distributed.get_world_size()
         self.compared = 0
         self.divergent = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,29 +91,29 @@ class ReplicaCheck:
             self._queue.put((step, norm))
 
     def _run(self) -> None:
-        distributed = torch.distributed
+        written: deque[str] = deque()
         while True:
             item = self._queue.get()
             if item is None:
                 return
             step, norm = item
-            mine = torch.tensor([float(step), norm], dtype=torch.float64)
-            gathered = [torch.empty_like(mine) for _ in range(self._size)]
+            keys = [f"{self._prefix}{step}/{rank}" for rank in range(self._size)]
             try:
-                distributed.all_gather(gathered, mine, group=self._group)
-            except Exception as exc:  # noqa: BLE001 - a peer gone or timed out: stop comparing
-                self._warn("replica", "error", f"replica comparison stopped at step {step}: {exc!r}")
-                return
-            steps = {int(t[0]) for t in gathered}
-            if steps != {step}:
-                self._warn("replica", "order", f"replica comparison stopped: the ranks offered steps "
-                           f"{sorted(steps)} together (they must log the same steps)")
+                self._store.set(keys[self._me], _VALUE.pack(step, norm))
+                written.append(keys[self._me])
+                self._store.wait(keys, TIMEOUT)
+                norms = [_VALUE.unpack(self._store.get(key))[1] for key in keys]
+                if len(written) > KEPT:
+                    self._store.delete_key(written.popleft())
+            except Exception as exc:  # noqa: BLE001 - a peer that never compares, a store gone: stop
+                self._warn("replica", "error", f"replica comparison stopped at step {step}: {exc!r} (every rank "
+                           "must watch() its DDP model and log the same steps)")
                 return
             self.compared += 1
-            if outvoted([float(t[1]) for t in gathered], self._me):
+            if outvoted(norms, self._me):
                 self.divergent += 1
                 self._warn("replica", "divergent", f"step {step}: this rank's post-reduction grad norm "
-                           f"{norm!r} differs from its data-parallel peers' ({[float(t[1]) for t in gathered]})")
+                           f"{norm!r} differs from its data-parallel peers' ({norms})")
 
     def counts(self) -> tuple[int, int]:
         return self.compared, self.divergent
