@@ -73,11 +73,15 @@ def test_a_pause_under_way_at_close_ends_with_the_run_and_replay_rebuilds_the_pa
 def test_any_reason_becomes_a_bounded_printable_label_and_never_raises(tmp_path):
     monitor = pull_monitor(tmp_path, "pause", strict=True)
     try:
-        for reason in (None, 42, "a\nb", "x" * 1000, "checkpoint"):
+        class Unprintable:
+            def __str__(self) -> str:
+                raise RuntimeError("no text")
+
+        for reason in (None, 42, "a\nb", "x" * 1000, "checkpoint", Unprintable()):
             with monitor.paused(reason):
                 pass
     finally:
         monitor.close()
     _, events = record_lines(tmp_path / "record.jsonl")
     reasons = {e["reason"] for e in events if e["event"] == "pause"}
-    assert {"None", "42", "a b", "x" * 256, "checkpoint"} == reasons
+    assert {"None", "42", "a b", "x" * 256, "checkpoint", "unspecified"} == reasons

@@ -91,7 +91,7 @@ class TrainingMonitor:
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
-        self._pending: deque[Entry] = deque()
+        self._pending: deque[Entry | dict[str, Any]] = deque()  # steps, and paused()'s record lines
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
@@ -270,7 +270,11 @@ class TrainingMonitor:
         to the bound docs/alerts.md states, then TrainingPauseTooLong names the pause); the time counts
         in training_paused_seconds_total{reason} and the record. A pause inside a pause belongs to the
         outer one. Never raises (its body's exceptions pass through)."""
-        began = not self._closed and self._pauses.begin(pause_reason(reason))
+        try:
+            label = pause_reason(reason)
+        except Exception:  # noqa: BLE001 - a reason whose str() raises: never break the loop
+            label = pause_reason("")
+        began = not self._closed and self._pauses.begin(label)
         try:
             yield
         finally:
@@ -290,7 +294,8 @@ class TrainingMonitor:
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
-        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
+        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...). A
+        DistributedDataParallel `model` also has its replicas' grad norms compared (replica.py).
         """
         if optimizer is None and scaler is None:
             raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
