@@ -598,6 +598,16 @@ def training_run() -> dashboard.Dashboard:
                ("{{run}} 75 % of last-hour median",
                 f"0.75 * quantile_over_time(0.5, job_run:training_mfu:ratio{{{JOB_RUN}}}[1h])")],
               width=24, min_value=0),
+        graph("Paused, by reason", "Share of the run's wall time its ranks spent inside monitor.paused(reason) "
+              "(checkpoints, evaluations: the integrations pause around the framework's own), by reason; it does "
+              "not count towards goodput. Up to 15 min a pause holds back the hang and stall alerts; past it, "
+              "TrainingPauseTooLong fires.", "percentunit",
+              [("{{run}} {{reason}}", f"job_run:training_paused:ratio_rate5m{{{JOB_RUN}}}")],
+              width=12, min_value=0, max_value=1),
+        graph("Replica divergence", "DDP: compared steps at which a rank's post-reduction gradient norm was not the "
+              "one its peers hold (bit for bit); any value above 0 is a corrupted replica "
+              "(TrainingReplicaDivergence).", "short",
+              [(RANK, f"training_replica_divergent_steps_total{{{RUN}}}")], width=12, min_value=0),
     ]:
         board = board.with_panel(panel)
 

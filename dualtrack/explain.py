@@ -61,6 +61,7 @@ RELEVANT = {
     "straggler": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "data_starvation": {"data_wait"},
     "oom": {"memory_pressure", "co_tenant", "gpu_lost", "xid"},
+    "replica_divergence": {"gpu_lost", "xid", "ecc", "remapped_rows"},
     "failed": {"gpu_lost", "xid", "ecc", "remapped_rows", "memory_pressure", "co_tenant", "link_drop"},
 }
 VERDICT = {"co_tenant": "another process on the GPU, not the model",
@@ -227,7 +228,7 @@ def timeline(client: prometheus.Prometheus, run: str, since: float, until: float
     """Every event of the run with its ranked causes. Raises ExplainError, prometheus.QueryError."""
     reader = Reader(client, run, since, until)
     events = (nonfinite_events(reader) + grad_spikes(reader) + slowdowns(reader) + starvation(reader)
-              + loss_scale_collapses(reader) + ends(reader))
+              + loss_scale_collapses(reader) + ends(reader) + replica_divergences(reader))
     events.sort(key=lambda e: (e.time, e.kind))
     for event in events:
         event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
@@ -425,6 +426,18 @@ def ends(reader: Reader) -> list[Event]:
         if at is not None:
             hits["failed"].append((at, rank, reader.step_at(rank, at), "failed"))
     return [e for kind, found in hits.items() for e in _group(found, kind, 300)]
+
+
+def replica_divergences(reader: Reader) -> list[Event]:
+    """replica_divergence: the first time a data-parallel rank's post-reduction grad norm was not its
+    peers' (training_replica_divergent_steps_total grew; TrainingReplicaDivergence's condition)."""
+    hits = []
+    for rank, values in reader.by_rank("training_replica_divergent_steps_total{SEL}").items():
+        at = next((t for t, v in values if v > 0), None)
+        if at is not None:
+            hits.append((at, rank, reader.step_at(rank, at),
+                         "post-reduction gradient norm differs from its data-parallel peers' (a corrupted replica)"))
+    return _group(hits, "replica_divergence", 300)
 
 
 def _ago(seconds: float) -> str:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from prometheus_client.utils import floatToGoString
 from trainer_hook.contract import (DEFAULT_PRECISION, PRECISIONS, PREFIX, RUN_STATES, SERIES_BY_NAME, SKIP_REASON,
                                    STEP_BUCKETS, WINDOW_MAX_KEYS, Accumulator, Series, label_name, label_value,
-                                   logged_series, window_series)
+                                   logged_series, pause_reason, window_series)
 
 from .records import Run, exported_name, number
 
@@ -134,6 +134,8 @@ class RunSeries:
         self._value_count = sample_open(_LOGGED_VALUE, labels, "_count")
         self._nonfinite_values = sample_open(_NONFINITE_VALUES, labels)
         self._keys: dict[str, _Key] = {}  # keys logged so far (their training_nonfinite_values_total was written)
+        self._pauses: dict[str, tuple[str, str]] = {}  # reason -> heads of its pause series
+        self._paused: dict[str, float] = {}  # reason -> seconds paused so far
         # The slow series
         self._states_heads = tuple((name, head("run_state", name)) for name in RUN_STATES)
         self._run_info = sample_head(SERIES_BY_NAME["run_info"], self.info_labels)
@@ -244,6 +246,25 @@ class RunSeries:
             if slow:
                 self._refreshed = line["time"]
                 out.extend(slow)
+        self.samples += len(out)
+        return "".join(out)
+
+    def pause(self, line: dict[str, Any]) -> str:
+        """The samples of a pause line: training_pause_start_timestamp_seconds{reason} at its start
+        and end, and training_paused_seconds_total{reason} grown by its length at its end."""
+        reason = pause_reason(line["reason"])
+        heads = self._pauses.get(reason)
+        if heads is None:
+            heads = self._pauses[reason] = (sample_head(SERIES_BY_NAME["pause_start_timestamp_seconds"], self.labels,
+                                                        reason),
+                                            sample_head(SERIES_BY_NAME["paused_seconds"], self.labels, reason))
+        start, total = heads
+        began, seconds = line["time"], line["seconds"]
+        self._paused[reason] = self._paused.get(reason, 0.0) + seconds
+        out = [f"{total}{floatToGoString(self._paused[reason] - seconds)}{self._stamp(began)}",
+               f"{start}{floatToGoString(began)}{self._stamp(began)}",
+               f"{start}{floatToGoString(began)}{self._stamp(began + seconds)}",
+               f"{total}{floatToGoString(self._paused[reason])}{self._stamp(began + seconds)}"]
         self.samples += len(out)
         return "".join(out)
 

@@ -292,6 +292,16 @@ class Reader:
                         step["time"] = float(step["time"])
                         current.steps += 1
                         yield current, step
+                elif event == "pause":
+                    if current is None:
+                        self.problems.add("pause line before any start line", where)
+                    elif not _pause_line(line):
+                        self.problems.add("corrupt line", where)
+                    elif (bad := _bad_time(line["time"], current)) is not None:
+                        self.problems.add(bad, where)
+                    else:
+                        line["time"], line["seconds"] = float(line["time"]), float(line["seconds"])
+                        yield current, line
                 elif event == "end":
                     if current is None:
                         self.problems.add("end line before any start line", where)
@@ -378,6 +388,13 @@ def _bad_time(time: int | float, run: Run | None) -> str | None:
     if time < start - CLOCK_SLACK_SECONDS:
         return "line timed before its run's start"
     return None
+
+
+def _pause_line(line: dict[str, Any]) -> bool:
+    """A pause line (monitor.paused()): a reason, its start time and its finite length in seconds."""
+    seconds = line.get("seconds")
+    return (isinstance(line.get("reason"), str) and type(line.get("time")) in (int, float)
+            and type(seconds) in (int, float) and 0 <= seconds < math.inf)
 
 
 def _step_line(line: dict[str, Any]) -> dict[str, Any] | None:

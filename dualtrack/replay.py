@@ -112,7 +112,9 @@ def write_openmetrics(reader: Reader, builder: "BlockBuilder") -> list[tuple[Cov
             spans[run.key] = [0, line["time"], line["time"]]
         state.read(reader.consumed - consumed)  # the bytes since the previous line: this run's
         consumed = reader.consumed
-        if "event" in line:
+        if line.get("event") == "pause":
+            builder.write(state.pause(line), 0)
+        elif "event" in line:
             builder.write(state.end(line), 0)
         elif state.in_order(line):
             before = state.samples

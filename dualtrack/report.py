@@ -257,12 +257,15 @@ def render_explained(explained: list[tuple[str, Any, dict[str, float]]]) -> list
             parts.append(f"<tr class=\"event\" data-kind=\"{e(event.kind)}\"><td>{e(utc(event.time))}</td>"
                          f"<td>{e(event.kind)}</td><td>{e(event.sentence)}</td><td>{causes}</td></tr>")
     parts.append("</table><h2>Goodput</h2><table id=\"goodput\"><tr><th>run</th><th>goodput (GPU-seconds that "
-                 "counted)</th><th>tokens per joule</th><th>samples per joule</th><th>ETA at the last update</th></tr>")
+                 "counted)</th><th>tokens per joule</th><th>samples per joule</th><th>ETA at the last update</th>"
+                 "<th>paused, by reason (mean per rank)</th></tr>")
     for name, _, figures in explained:
         cells = [f"{figures['goodput']:.1%}" if "goodput" in figures else "not recorded",
                  f"{figures['tokens_per_joule']:.4g}" if "tokens_per_joule" in figures else "—",
                  f"{figures['samples_per_joule']:.4g}" if "samples_per_joule" in figures else "—",
-                 f"{figures['eta_seconds'] / 60:.0f} min" if "eta_seconds" in figures else "— (no max_steps logged)"]
+                 f"{figures['eta_seconds'] / 60:.0f} min" if "eta_seconds" in figures else "— (no max_steps logged)",
+                 ", ".join(f"{key.split(':', 1)[1]} {seconds / 60:.1f} min" for key, seconds in sorted(figures.items())
+                           if key.startswith("paused_seconds:")) or "none"]
         parts.append(f"<tr><td>{e(name)}</td>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
     parts.append("</table><p class=\"note\">Goodput comes from rules/goodput.yml: \"not recorded\" where "
                  "that Prometheus did not evaluate them while the run ran.</p>")

@@ -26,6 +26,9 @@ REGRESSION_RECOVERED = 1.1
 #: (rate over 5 min) for STARVATION_FOR seconds: data starvation.
 STARVATION_SHARE = 0.3
 STARVATION_FOR = 240.0
+#: A pause (monitor.paused()) holds back TrainingRankHung and TrainingStalled for at most PAUSE_MAX
+#: seconds (rules/pause.yml's job_run:training_pause:seconds); past it, TrainingPauseTooLong fires.
+PAUSE_MAX = 900.0
 
 #: Infra evidence is looked for in this window before an event (the rules' [10m]).
 EVIDENCE_WINDOW = 600.0

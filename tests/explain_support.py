@@ -20,13 +20,15 @@ NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
                     "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike",
+             "replica")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
 #: process of no run in the parent's other GPU instance. In "gpu-lost", the last rank's GPU
 #: is lost at FAULT_AT (the exporter drops its series, counts the loss and XID 79) and the rank fails
-#: LOST_FAIL seconds later.
+#: LOST_FAIL seconds later. In "replica" the last rank's post-reduction grad norm differs from its peers'
+#: from FAULT_AT (training_replica_divergent_steps_total), 2 min after an uncorrected ECC error on its GPU.
 LOST_FAIL = 30.0
 #: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
@@ -97,6 +99,8 @@ class Rank:
     ooms: int = 0
     memory_full: bool = False
     lost: bool = False
+    divergent: int = 0  # replica comparisons this rank lost
+    ecc: int = 0  # uncorrected ECC errors of its GPU
 
 
 def uuid_of(run: str, rank: int) -> str:
@@ -144,6 +148,9 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
     elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
         state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
+    elif scenario == "replica" and faulty:
+        state.divergent = int(after) * (1 + int((at - FAULT_AT) // SCRAPE))
+        state.ecc = int(at >= FAULT_AT - 120)
     elif scenario in ("model", "mig-oom") and rank == ranks - 1:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
@@ -227,7 +234,12 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f"nvml_gpu_memory_used_bytes{{{gpu}}} {used}{ts}")
             lines.append(f"nvml_gpu_memory_total_bytes{{{gpu}}} {80 * 2**30}{ts}")
             lines.append(f"nvml_gpu_utilization_ratio{{{gpu}}} {0.93 * (1 - now.wait_share)}{ts}")
-            lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} 0{ts}')
+            lines.append(f'nvml_gpu_ecc_errors_total{{{gpu},error="uncorrected"}} {now.ecc}{ts}')
+            if scenario == "starving":  # a 2-min checkpoint pause, 10 min before the starvation
+                paused = min(max(0.0, at - (FAULT_AT - 600)), 120.0)
+                lines.append(f'training_paused_seconds_total{{{train},reason="checkpoint"}} {paused}{ts}')
+            if scenario == "replica":
+                lines.append(f"training_replica_divergent_steps_total{{{train}}} {now.divergent}{ts}")
             # NVML names the host pid; the exporter adds its PID namespace and its pid in it
             computing = TRAINING_SM * (1 - now.wait_share) - (CO_TENANT_SM if now.co_tenant else 0.0)
             processes = [(named["rank"].exporter, 61 * 2**30, computing)]

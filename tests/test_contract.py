@@ -41,6 +41,8 @@ NOT_IN_A_RECORD = {
     "record_failures": "the monitor's own faults are not record lines",
     "cuda_alloc_retries": "a step line's cuda field holds allocated and reserved bytes only",
     "cuda_ooms": "a step line's cuda field holds allocated and reserved bytes only",
+    "replica_compared_steps": "the comparison with the peers' norms happens live, the record holds this rank's",
+    "replica_divergent_steps": "the comparison with the peers' norms happens live, the record holds this rank's",
 }
 #: Live samples replay does not write: those of NOT_IN_A_RECORD, and the Pushgateway's
 #: push_time_seconds / push_failure_time_seconds.
@@ -230,7 +232,8 @@ def _full_snapshot() -> Snapshot:
                     failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
                     process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
-                    skipped_steps_total=3)
+                    skipped_steps_total=3, paused_seconds={"checkpoint": 2.5}, pause=("checkpoint", 100.0),
+                    replica=(4, 1))
 
 
 def _declared(sample: str) -> Series:
@@ -292,6 +295,7 @@ _EVERY_SERIES = [
      "nonfinite": ["grad_norm", "custom"], "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2,
      "data_wait_seconds": 0.01, "loss_scale": 1024.0, "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
     {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
+    {"event": "pause", "reason": "checkpoint", "time": 1001.2, "seconds": 0.5},
     {"event": "end", "time": 1002.0, "state": "failed", "reason": "OutOfMemoryError", "steps": 2}]
 _RUN_LABELS = ("job", "run", "rank", "instance", "replayed")
 

@@ -61,6 +61,7 @@ HOOK_METRICS = {
     "training_logged_value_sum", "training_logged_value_count", "training_first_nonfinite_step",
     "training_grad_norm_max_step", "training_loss_scale", "training_skipped_steps_total",
     "training_process_info", "training_world_size", "training_last_push_timestamp_seconds",
+    "training_replica_divergent_steps_total",
 }
 # From Prometheus itself (scrape health, alert state).
 PROMETHEUS_METRICS = {"up", "ALERTS"}

@@ -131,6 +131,17 @@ def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
     assert "all 2 ranks affected: no GPU evidence, so the model or its input" in event["sentence"]
 
 
+def test_a_corrupted_replica_is_an_event_with_its_gpus_ecc_error(prometheus, capsys):
+    """Rank 1's post-reduction grad norm differs from its peers' from FAULT_AT, 2 min after an
+    uncorrected ECC error on its GPU: one replica_divergence event, blaming that error."""
+    events = timeline(prometheus, "replica", capsys)["events"]
+    (event,) = events
+    assert (event["kind"], event["rank"]) == ("replica_divergence", "1")
+    assert event["time"] == pytest.approx(prometheus["base"] + support.FAULT_AT, abs=support.SCRAPE)
+    assert kinds(event) == ["ecc"]
+    assert event["gpu_uuid"] == support.uuid_of("replica", 1)
+
+
 def test_a_thermal_throttle_that_slows_the_steps(prometheus, capsys):
     (event,) = timeline(prometheus, "thermal", capsys)["events"]
     assert event["kind"] == "step_time_regression"
@@ -310,6 +321,7 @@ def test_the_report_has_the_timeline_and_the_goodput(prometheus, tmp_path, capsy
     share = float(re.search(r"<td>([\d.]+)%</td>", goodput).group(1))
     assert 65 <= share <= 75, goodput
     assert "no max_steps logged" in goodput
+    assert "<td>checkpoint 2.0 min</td>" in goodput  # every rank paused 2 min for a checkpoint
 
 
 def test_credentials_never_reach_the_output_and_torch_is_never_imported(tmp_path, capsys):

@@ -22,7 +22,7 @@ CONTRACT = {
     "GPUMemoryLeakSuspected", "TrainingStalled", "TrainingMetricsStale", "GPUThermalThrottling",
     "GPUTemperatureHigh", "GPUXidError", "GPULost", "NVMLExporterDown", "TrainingGPUIdleNotInputBound",
     "TrainingLossScaleCollapse", "TrainingStragglerRank", "GPUSuspectedFaulty",
-    "TrainingRankHung",
+    "TrainingRankHung", "TrainingPauseTooLong", "TrainingReplicaDivergence",
 }
 RUNBOOKS_LABEL = processes.RUNBOOKS_URL_LABEL
 GRAFANA_LABEL = processes.GRAFANA_URL_LABEL

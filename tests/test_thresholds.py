@@ -108,3 +108,18 @@ def test_the_docs_cause_table_is_the_tables():
             f"{limits.REGRESSION_BASELINE / 60:.0f} min before, for {limits.REGRESSION_FOR / 60:.0f} min") in events
     assert (f"below {limits.STRAGGLER_SHARE:.0%} of the run's median step rate for "
             f"{limits.STRAGGLER_FOR / 60:.0f} min").replace("%", " %") in events
+
+
+def test_the_pause_bound_is_the_tables_in_the_rules_and_the_docs():
+    """PAUSE_MAX: how long a pause holds back the hang and stall alerts, and when TrainingPauseTooLong
+    fires; docs/alerts.md states it in minutes."""
+    bound = f"{limits.PAUSE_MAX:.0f}"
+    held = f"unless on (job, run) job_run:training_pause:seconds <= {bound}"
+    assert held in rules("distributed")["TrainingRankHung"]["expr"]
+    assert held in rules("alerts")["TrainingStalled"]["expr"]
+    assert f"training_pause_start_timestamp_seconds > {bound}\n" in rules("pause")["TrainingPauseTooLong"]["expr"]
+    numbers = {int(x) for rule in rules("pause").values() for x in re.findall(r"(?<![\w.\[])(\d+)(?![\w.\]])",
+                                                                                rule["expr"])}
+    assert numbers <= {int(limits.PAUSE_MAX), 60, 1}, numbers  # the bound, the push staleness, "running"
+    runbook = (REPO / "docs" / "alerts.md").read_text().split("## TrainingPauseTooLong")[1].split("\n## ")[0]
+    assert f"{limits.PAUSE_MAX / 60:.0f} min" in runbook

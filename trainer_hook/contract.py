@@ -121,6 +121,14 @@ SERIES: tuple[Series, ...] = (
     Series("last_nonfinite_step", "gauge", "Step of the last non-finite value; -1 until one happens."),
     Series("last_nonfinite_batch_id", "gauge", "batch_id of the last non-finite value; -1 until one happens."),
     Series("skipped_steps", "counter", "Optimizer steps the watched GradScaler skipped.", ("reason",)),
+    Series("paused_seconds", "counter", "Seconds this rank spent inside monitor.paused(reason) (a checkpoint, an "
+           "evaluation), the current pause included.", ("reason",)),
+    Series("pause_start_timestamp_seconds", "gauge", "Unix time the rank's current pause began, labelled with its "
+           "reason; absent while the rank is not paused.", ("reason",)),
+    Series("replica_compared_steps", "counter", "Steps at which this data-parallel rank's post-reduction grad norm "
+           "was compared with its peers' (DDP)."),
+    Series("replica_divergent_steps", "counter", "Compared steps at which this rank's post-reduction grad norm was "
+           "not the one most of its data-parallel peers hold (bitwise): a corrupted replica."),
     Series("last_update_timestamp_seconds", "gauge", "Unix time of the last log() call."),
     Series("start_timestamp_seconds", "gauge", "Unix time the monitor was created."),
     Series("last_push_timestamp_seconds", "gauge", "Unix time the hook published this state (every push "
@@ -209,6 +217,11 @@ def label_value(value: object) -> str:
         text = str(value)
     text = one_line(text, blank=True).encode("utf-8", "replace").decode("utf-8")
     return text[:MAX_LABEL_LENGTH]
+
+
+def pause_reason(reason: object) -> str:
+    """A paused() reason as the `reason` label (and replay) shows it: label_value(), never empty."""
+    return label_value(reason).strip() or "unspecified"
 
 
 def is_secret(key: object) -> bool:
@@ -317,6 +330,9 @@ class Snapshot:
     dropped: dict[str, int] = field(default_factory=dict)
     # Filled in by the monitor when it publishes:
     data_wait_seconds: float = 0.0
+    paused_seconds: dict[str, float] = field(default_factory=dict)  # by reason, the current pause included
+    pause: tuple[str, float] | None = None  # the current pause: (reason, Unix time it began)
+    replica: tuple[int, int] | None = None  # (compared, divergent) steps, once the comparison runs
     state: str = "running"
     precision: str = DEFAULT_PRECISION  # of training_model_flops_total
     failure_reason: str = ""  # a failed run's end: the exception's class name (or "SIGTERM")

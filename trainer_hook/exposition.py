@@ -58,6 +58,12 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "data_wait_seconds": _attribute("data_wait_seconds"),
     "nonfinite_steps": _attribute("nonfinite_steps_total"),
     "skipped_steps": lambda snap, _: [((SKIP_REASON,), (snap.skipped_steps_total,))],
+    "paused_seconds": lambda snap, _: [((reason,), (seconds,)) for reason, seconds in
+                                       sorted(snap.paused_seconds.items())] or None,
+    "pause_start_timestamp_seconds": lambda snap, _: None if snap.pause is None else [((snap.pause[0],),
+                                                                                      (snap.pause[1],))],
+    "replica_compared_steps": lambda snap, _: None if snap.replica is None else _one(snap.replica[0]),
+    "replica_divergent_steps": lambda snap, _: None if snap.replica is None else _one(snap.replica[1]),
     "last_update_timestamp_seconds": _attribute("last_update"),
     "start_timestamp_seconds": _attribute("start_time"),
     "last_push_timestamp_seconds": _attribute("published"),

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -18,13 +19,15 @@ from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
 from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
-                       config_labels, merge_maxima, metric_suffix)
+                       config_labels, merge_maxima, metric_suffix, pause_reason)
 from .exposition import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
 from .identity import own_pid_namespace, own_start_time
+from .pause import Pauses
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
+from .replica import ReplicaCheck, ddp_group, replica_every
 from .remote_write import RemoteWriter
 from .serve import MetricsServer
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
@@ -83,7 +86,7 @@ class TrainingMonitor:
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
-        self._pending: deque[Entry] = deque()
+        self._pending: deque[Entry | dict[str, Any]] = deque()  # steps, and paused()'s record lines
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
@@ -93,6 +96,8 @@ class TrainingMonitor:
         self._data_wait = 0.0  # total, published (only grows)
         self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
+        self._pauses = Pauses()
+        self._replica: ReplicaCheck | None = None  # watch() of a DDP model: compares the replicas' norms
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
@@ -254,13 +259,39 @@ class TrainingMonitor:
             self._waited += waited
             yield item
 
+    @contextmanager
+    def paused(self, reason: Any) -> Iterator[None]:
+        """A pause that is not a hang: the rank saves a checkpoint, evaluates, or waits while a peer
+        does. While inside it, TrainingRankHung and TrainingStalled stay silent for the whole run (up
+        to the bound docs/alerts.md states, then TrainingPauseTooLong names the pause); the time counts
+        in training_paused_seconds_total{reason} and the record. A pause inside a pause belongs to the
+        outer one. Never raises (its body's exceptions pass through)."""
+        try:
+            label = pause_reason(reason)
+        except Exception:  # noqa: BLE001 - a reason whose str() raises: never break the loop
+            label = pause_reason("")
+        began = not self._closed and self._pauses.begin(label)
+        try:
+            yield
+        finally:
+            line = self._pauses.end() if began else None
+            if line is not None:
+                self._pending.append(line)  # written in order with the steps, by the background thread
+                self._wake.set()
+
+    @property
+    def _pause_reason(self) -> str | None:
+        """The reason of the pause under way (paused()), None when the rank is not paused."""
+        return self._pauses.reason
+
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
-        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
+        with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...). A
+        DistributedDataParallel `model` also has its replicas' grad norms compared (replica.py).
         """
         if optimizer is None and scaler is None:
             raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
@@ -284,6 +315,9 @@ class TrainingMonitor:
                             "framework's global norm as grad_norm instead)")
         for key in ("learning_rate",) if sharded else ("grad_norm", "learning_rate"):
             self._learn(key)
+        if not sharded and self._replica is None and ddp_group(model) is not None and replica_every():
+            self._replica = ReplicaCheck(replica_every(), self._warn_once, self.settings.run)
+            self._hooks.append(self._replica)
         if not sharded:  # a shard's parameters are not the model's: no estimate from them
             self._flops.estimated_per_token = estimate_per_token(
                 model.parameters() if model is not None else
@@ -389,18 +423,28 @@ class TrainingMonitor:
             if count:
                 self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
 
-    def _lines(self, entries: list[Entry]) -> list[dict[str, Any]]:
-        """Record lines for `entries`; the last carries the CUDA allocator's state, if any."""
-        lines = self._aggregator.drain(entries)
+    def _lines(self, items: list[Entry | dict[str, Any]]) -> list[dict[str, Any]]:
+        """Record lines for `items` (step entries, and paused()'s lines as they are), in order; the
+        last step's line carries the CUDA allocator's state, if any."""
+        entries = [item for item in items if type(item) is not dict]
+        steps = self._aggregator.drain(entries) if entries else []
         cuda = self._cuda_stats()
-        if cuda is not None:
-            lines[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
-        return lines
+        if cuda is not None and steps:
+            steps[-1]["cuda"] = {"allocated": cuda["allocated"], "reserved": cuda["reserved"]}
+        if self._replica is not None:
+            for line in steps:
+                norm = line["values"].get("grad_norm")
+                if norm is not None:
+                    self._replica.offer(line["step"], float(norm))
+        folded = iter(steps)
+        return [item if type(item) is dict else next(folded) for item in items]
 
     def _publish(self, state: str, failure_reason: str = "") -> Snapshot:
+        paused, pause = self._pauses.state()
         return self._aggregator.publish(
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
-            data_wait_seconds=self._data_wait,
+            data_wait_seconds=self._data_wait, paused_seconds=paused, pause=pause if state == "running" else None,
+            replica=self._replica.counts() if self._replica is not None else None,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender)
             + len(self.settings.refused_sinks),
@@ -460,6 +504,9 @@ class TrainingMonitor:
         for hook in self._hooks:
             hook.remove()
         state = "failed" if failed else "finished"
+        pause = self._pauses.end()  # closed inside paused(): the pause ends with the run
+        if pause is not None:
+            self._pending.append(pause)
         self._drain()
         self._latest = final = self._publish(state, failure_reason=(reason or "") if failed else "")
         end = {"event": "end", "time": time.time(), "state": state, "steps": final.steps_total}

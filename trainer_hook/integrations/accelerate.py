@@ -55,6 +55,7 @@ class DualtrackTracker(GeneralTracker, DeferredMonitor):
         if accelerator is not None:
             self._accelerator = accelerator
             self.patch(accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))
+            self.patch(accelerator, "save_state", self.paused_during("checkpoint"))
             if getattr(accelerator, "scaler", None) is not None:  # fp16
                 self.patch(accelerator.scaler, "step", self._opening)
 

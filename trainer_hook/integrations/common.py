@@ -79,6 +79,7 @@ class DeferredMonitor:
         self._batch_end: float | None = None
         self._warned: set[str] = set()
         self._patched: list[tuple[Any, str]] = []
+        self._pause: Any = None  # the monitor.paused() under way, entered from a framework's hook
 
     def open(self, rank: int, config: Mapping[str, Any] | None = None,
              job: str = "training") -> TrainingMonitor | None:
@@ -117,12 +118,37 @@ class DeferredMonitor:
     def close(self, failed: bool = False, reason: str | None = None) -> None:
         """Close the monitor and remove the wrappers patch() installed; a later open() (another
         `fit`/`train` with the same callback) starts a new monitor."""
+        self.resume()
         for owner, name in reversed(self._patched):
             vars(owner).pop(name, None)
         self._patched = []
         monitor, self.monitor = self.monitor, None
         if monitor is not None:
             monitor.close(failed=failed, reason=reason)
+
+    def pause(self, reason: str) -> None:
+        """Enter monitor.paused(reason) until resume(): the framework's evaluation or save, seen from
+        the hooks it calls before and after (nothing if a pause is already under way)."""
+        if self.monitor is not None and self._pause is None:
+            self._pause = self.monitor.paused(reason)
+            self._pause.__enter__()
+
+    def resume(self) -> None:
+        """End the pause pause() entered, if any."""
+        pause, self._pause = self._pause, None
+        if pause is not None:
+            pause.__exit__(None, None, None)
+
+    def paused_during(self, reason: str) -> Callable[[Callable], Callable]:
+        """A patch() wrapper running the method inside monitor.paused(reason) (e.g. a checkpoint save)."""
+        def wrap(method: Callable) -> Callable:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                if self.monitor is None:
+                    return method(*args, **kwargs)
+                with self.monitor.paused(reason):
+                    return method(*args, **kwargs)
+            return wrapped
+        return wrap
 
     def patch(self, owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
         """Wrap the method `name` of this one framework object (not its class) until close()."""

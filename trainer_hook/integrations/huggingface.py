@@ -58,6 +58,11 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
                                       "norm are not reported")
             return
         self.patch(trainer, "training_step", self._wrap_training_step)
+        # The callbacks hear of an evaluation and a save only after them: the Trainer's own methods
+        # run inside monitor.paused() instead (_save_checkpoint: its periodic checkpoint).
+        self.patch(trainer, "evaluate", self.paused_during("evaluation"))
+        if callable(getattr(trainer, "_save_checkpoint", None)):
+            self.patch(trainer, "_save_checkpoint", self.paused_during("checkpoint"))
         self._accelerator = getattr(trainer, "accelerator", None)
         if self._accelerator is not None:
             self.patch(self._accelerator, "clip_grad_norm_", self.capture_result("_grad_norm"))

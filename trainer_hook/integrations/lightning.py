@@ -66,6 +66,10 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
             self._norm_from = self._grad_norm_source(trainer)
             self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed"
             self.watch_scaler(self._scaler)
+            self.patch(trainer, "save_checkpoint", self.paused_during("checkpoint"))  # ModelCheckpoint's saves
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.pause("evaluation")
 
     def _grad_norm_source(self, trainer: Any) -> str:
         """Where this run's total grad norm comes from: "deepspeed" (the engine's global norm),
@@ -94,7 +98,9 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.batch_ended()
 
-    on_validation_end = on_train_epoch_start  # validation between batches is not waiting for data
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.resume()
+        self.batch_ended()  # validation between batches is not waiting for data
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._wait += self.batch_started() or 0.0
