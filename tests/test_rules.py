@@ -30,10 +30,10 @@ TRAINING_DASHBOARD = REPO / "dashboards" / "training-run.json"
 # Every training alert links to the Training run dashboard, filtered to its job and run and to the hour
 # before the evaluation (and 10 min after), from the Grafana URL in Prometheus' external label.
 DASHBOARD_LINK = (
-    f'{{{{ $externalLabels.{GRAFANA_LABEL} }}}}/d/dualtrack-training-run'
+    f'{{{{ with $externalLabels.{GRAFANA_LABEL} }}}}{{{{ . }}}}/d/dualtrack-training-run'
     '?var-job={{ $labels.job | urlquery }}&var-run={{ $labels.run | urlquery }}'
     '&from={{ with query "(time() - 3600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}'
-    '&to={{ with query "(time() + 600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}')
+    '&to={{ with query "(time() + 600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}{{ end }}')
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -166,5 +166,6 @@ def test_recording_rule_names_and_uses():
 
 def test_prometheus_loads_every_rule_file_and_no_test_file():
     config = yaml.safe_load((REPO / "prometheus.yml").read_text())
-    assert [Path(pattern).name for pattern in config["rule_files"]] == ["*.yml"]
+    assert [str(Path(pattern).relative_to("/etc/prometheus/rules")) for pattern in config["rule_files"]] == [
+        "*.yml", "dcgm/*.yml"]
     assert not any("test" in path.name for path in RULE_FILES)
