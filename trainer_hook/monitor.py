@@ -22,6 +22,7 @@ from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PR
 from .exposition import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
+from .precision import of_autocast, of_parameters
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .remote_write import RemoteWriter
@@ -75,7 +76,7 @@ class TrainingMonitor:
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
                  delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None,
                  flops_per_token: float | None = None, flops_per_sample: float | None = None,
-                 precision: str = DEFAULT_PRECISION) -> None:
+                 precision: str | None = None) -> None:
         arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
@@ -111,6 +112,7 @@ class TrainingMonitor:
         # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
         self._cuda_possible = torch is not None and torch.version.cuda is not None
         self._flops = ModelFlops(s.flops_per_token, s.flops_per_sample)
+        self._precision = s.precision or DEFAULT_PRECISION  # None: detected by watch()
         self._aggregator = Aggregator(self._names, s.max_hold, self._flops)
         self.record = Record(s.record_path, s.record_max_bytes)
         self._server = None
@@ -123,7 +125,9 @@ class TrainingMonitor:
             except OSError as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
-        self.record.write([self._start_line()])
+        # The start line goes out with the first steps (or at close): by then watch() and the first
+        # forward have told the precision it records.
+        self._start_written = False
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         self._offer(self._latest)
@@ -157,7 +161,7 @@ class TrainingMonitor:
         s = self.settings
         return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
                 "rank": s.rank, **{key: getattr(self._process, key) for key in START_PROCESS_KEYS},
-                "instance": s.instance, "precision": s.precision, "config": self._run_labels}
+                "instance": s.instance, "precision": self._precision, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
@@ -275,7 +279,26 @@ class TrainingMonitor:
         if scaler is not None:
             self._scaler = ScalerWatch(scaler, partial(self._warn_once, "watch"))
             self._hooks.append(self._scaler)
+        if self.settings.precision is None:
+            self._detect_precision(model, optimizer, scaler)
         return self
+
+    def _detect_precision(self, model: Any, optimizer: Any, scaler: Any) -> None:
+        """The precision from the scaler and parameters now, and from autocast at the model's first
+        forward (a pre-hook that removes itself: nothing on later steps)."""
+        params = list(model.parameters()) if model is not None else (
+            [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else [])
+        self._precision = of_parameters(params, scaler)
+        if model is None or not callable(getattr(model, "register_forward_pre_hook", None)):
+            return
+        device = next((p.device.type for p in params if hasattr(p, "device")), "cpu")
+
+        def first_forward(_module: Any, _args: Any) -> None:
+            handle.remove()
+            self._precision = of_autocast(device) or self._precision
+
+        handle = model.register_forward_pre_hook(first_forward)
+        self._hooks.append(handle)
 
     def _watch_optimizer(self, model: Any, optimizer: Any) -> None:
         params = [p for p in (model.parameters() if model is not None else
@@ -390,8 +413,12 @@ class TrainingMonitor:
     def _drain(self) -> None:
         with self._drain_lock:  # no drained entry or line outlives the lock (held in no local)
             count = len(self._pending)
-            if count:
-                self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
+            lines = self._lines([self._pending.popleft() for _ in range(count)]) if count else []
+            if not self._start_written and (lines or self._closed):
+                self._start_written = True
+                lines.insert(0, self._start_line())
+            if lines:
+                self.record.write(lines)
 
     def _lines(self, entries: list[Entry]) -> list[dict[str, Any]]:
         """Record lines for `entries`; the last carries the CUDA allocator's state, if any."""
@@ -407,7 +434,7 @@ class TrainingMonitor:
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
-            published=time.time(), precision=self.settings.precision,
+            published=time.time(), precision=self._precision,
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
     def _offer(self, snapshot: Snapshot) -> None:

@@ -67,7 +67,7 @@ class Settings:
     remote_write: Endpoint | None  # its repr() shows no secret
     flops_per_token: float | None
     flops_per_sample: float | None
-    precision: str
+    precision: str | None  # None: detected (trainer_hook/precision.py)
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -254,8 +254,9 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["delete_after"] = _delete_after(a["delete_after"])
     a["flops_per_token"] = _flops("flops_per_token", a["flops_per_token"])
     a["flops_per_sample"] = _flops("flops_per_sample", a["flops_per_sample"])
-    if a["precision"] not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {a['precision']!r}")
+    if a["precision"] is not None and a["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (or None: detected), "
+                         f"got {a['precision']!r}")
     return Settings(**a)
 
 
