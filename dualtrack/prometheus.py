@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from trainer_hook.connection import Endpoint, opener, read_secret, resolve, shown, warn_plaintext
+from trainer_hook.connection import Endpoint, mix_up, opener, read_secret, resolve, shown, warn_plaintext
 from trainer_hook.text import one_line
 
 from .text import duration
@@ -176,6 +176,8 @@ class Prometheus:
             # The socket timeout equals the deadline: whichever fires first, the answer is the same.
             late.set()  # the worker stops at its next read; nobody waits for it
             raise QueryError(f"query failed ({api}): no complete answer within {self.timeout:g} s")
+        if isinstance(error, urllib.error.HTTPError) and error.code == 404:
+            raise QueryError(f"query failed ({api}): {mix_up(self.endpoint.url, 'Prometheus')}")
         if isinstance(error, urllib.error.HTTPError):
             raise QueryError(f"query failed ({api}): HTTP {error.code} {str(error.reason)[:200]}")
         if isinstance(error, urllib.error.URLError):

@@ -10,12 +10,13 @@ import dataclasses
 import logging
 import threading
 import time
+import urllib.error
 from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from .connection import Endpoint, push_handler
+from .connection import Endpoint, mix_up, push_handler
 from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
 from .settings import Settings
@@ -160,6 +161,8 @@ class Pusher:
             self._outage_failures += 1
             self._carry = snapshot
             if self._outage_failures == 1:
+                if isinstance(exc, urllib.error.HTTPError) and exc.code == 404:
+                    exc = mix_up(self.settings.pushgateway, "Pushgateway")
                 log.warning("push to %s failed: %s; training continues, retrying every %gs "
                             "(counted in training_push_failures_total)", self.settings.pushgateway,
                             exc, self.settings.push_interval)
