@@ -64,7 +64,7 @@ class TrainingMonitor:
     """
 
     def __init__(self, job: str | None = None, run: str | None = None,
-                 pushgateway: str | bool | None = None, push_interval: float = 5.0,
+                 pushgateway: str | bool | None = None, push_interval: float | None = None,
                  config: Mapping[str, Any] | Any = None, *, rank: int | None = None,
                  local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,

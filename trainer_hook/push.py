@@ -19,7 +19,7 @@ from prometheus_client import delete_from_gateway, push_to_gateway
 from .connection import Endpoint, mix_up, push_handler
 from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import Settings
+from .settings import PUSHGATEWAY_MAX_RANKS, Settings
 
 log = logging.getLogger("trainer_hook")
 
@@ -114,6 +114,11 @@ class Pusher:
         self.settings = settings
         self._group = (settings.pushgateway, settings.job, tuple(sorted(settings.grouping_key.items())))
         cancel_deletion(self._group)  # a new run of this process under the same identity keeps its group
+        if settings.world_size > PUSHGATEWAY_MAX_RANKS:
+            log.warning("this run has %d ranks, past the %d one Pushgateway carries (docs/scaling.md): pushes "
+                        "will land late or not at all; write to a remote-write receiver instead "
+                        "(remote_write_url= or $DUALTRACK_REMOTE_WRITE_URL: Prometheus, Mimir, VictoriaMetrics...)",
+                        settings.world_size, PUSHGATEWAY_MAX_RANKS)
         self.failures = 0
         self._handler = handler
         self._cond = threading.Condition()
