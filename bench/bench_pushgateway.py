@@ -1,12 +1,15 @@
 """Pushgateway load: N simulated ranks each PUT the hook's full payload every 5 s, on loopback, for a bounded time.
 
     .venv/bin/python bench/bench_pushgateway.py [--ranks 100 1000 4000] [--seconds 30] [--processes 4]
+        [--push-interval 5]
 
 The payload is what a real TrainingMonitor pushes (captured once from its final PUT: loss, learning
 rate, grad norm, epoch, samples, tokens, a GPU and a config), sent under each rank's own grouping key
 (job/run/rank/instance) by `--processes` worker processes, each rank at its own phase of the interval.
 One real Pushgateway (in memory) and one real Prometheus scraping it every 15 s (the stack's default)
-run for each N. Reported per N: pushes/s achieved vs wanted, push latency p50/p99, how late pushes
+run for each N. Reported per N: pushes/s achieved vs wanted, the share of pushes that landed within one
+push interval of when they were due (the ceiling docs/scaling.md states is the largest N where it is at
+least 99 %), push latency p50/p99, how late pushes
 started (> 0: the load generator itself could not keep up), the Pushgateway's CPU (cores) and RSS,
 its /metrics size and time to fetch, Prometheus' own scrape_duration_seconds and
 scrape_samples_scraped for it, head series and Prometheus RSS per million series.
@@ -105,6 +108,7 @@ def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: fl
     latencies: list[float] = []
     lateness: list[float] = []
     errors = [0]
+    on_time = [0]  # accepted within one push interval of when it was due
 
     def timed(rank: int, due: float) -> None:
         started = time.time()
@@ -113,6 +117,7 @@ def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: fl
         lateness.append(started - due)
         if ok:
             latencies.append(finished - started)
+            on_time[0] += finished - due <= PUSH_INTERVAL
         else:
             errors[0] += 1
 
@@ -128,14 +133,14 @@ def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: fl
     wait(futures, timeout=GRACE)
     dropped = sum(future.cancel() for future in futures)
     pool.shutdown(wait=True)
-    results.put((latencies, lateness, errors[0] + dropped))
+    results.put((latencies, lateness, errors[0] + dropped, on_time[0]))
 
 
 def load(worker: Callable[..., None], port: int, payload: object, ranks: int, seconds: float, workers: int,
-         pid: int, lead: float) -> tuple[list[float], list[float], int, float]:
+         pid: int, lead: float) -> tuple[list[float], list[float], int, float, int]:
     """Run `worker(port, its ranks, ranks, seconds, start_at, payload, results)` in `workers` processes,
     starting `lead` seconds from now; (latencies, lateness, errors, CPU cores of process `pid` after
-    the first cycle)."""
+    the first cycle, sends accepted within one push interval of when they were due)."""
     results: multiprocessing.Queue = multiprocessing.Queue()
     start_at = time.time() + lead
     procs = [multiprocessing.Process(target=worker, args=(port, list(range(i, ranks, workers)), ranks, seconds,
@@ -150,7 +155,7 @@ def load(worker: Callable[..., None], port: int, payload: object, ranks: int, se
     for proc in procs:
         proc.join()
     return ([x for got in gathered for x in got[0]], [x for got in gathered for x in got[1]],
-            sum(got[2] for got in gathered), cpu)
+            sum(got[2] for got in gathered), cpu, sum(got[3] for got in gathered))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -173,8 +178,8 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
         prometheus = processes.prometheus(workdir, config, extra_args=["--enable-feature=extra-scrape-metrics"])
         prometheus.start()
         pid = pushgateway.proc.pid
-        latencies, lateness, errors, cpu = load(_worker, pushgateway.port, payload, ranks, seconds, workers,
-                                                pid, lead=1.0)
+        latencies, lateness, errors, cpu, on_time = load(_worker, pushgateway.port, payload, ranks, seconds,
+                                                         workers, pid, lead=1.0)
         started = time.perf_counter()
         body = requests.get(pushgateway.url + "/metrics", timeout=60).content
         fetch = time.perf_counter() - started
@@ -187,7 +192,9 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
                     if line.startswith("prometheus_tsdb_head_series "))
         return {"ranks": ranks, "wanted_per_s": ranks / PUSH_INTERVAL,
                 "achieved_per_s": len(latencies) / (int(seconds / PUSH_INTERVAL) * PUSH_INTERVAL),
-                "errors": errors, "latency_p50_ms": percentile(latencies, 0.5) * 1000,
+                "errors": errors,
+                "on_time_pct": 100 * on_time / (ranks * int(seconds / PUSH_INTERVAL)),
+                "latency_p50_ms": percentile(latencies, 0.5) * 1000,
                 "latency_p99_ms": percentile(latencies, 0.99) * 1000,
                 "late_p99_ms": percentile(lateness, 0.99) * 1000, "pgw_cpu_cores": cpu, "pgw_rss_mib": rss,
                 "metrics_bytes": len(body), "metrics_fetch_ms": fetch * 1000,
@@ -203,7 +210,9 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
 
 
 ROWS = [("wanted pushes/s", "wanted_per_s", "{:.0f}"), ("achieved pushes/s", "achieved_per_s", "{:.0f}"),
-        ("failed or dropped pushes", "errors", "{:.0f}"), ("push latency p50 (ms)", "latency_p50_ms", "{:.1f}"),
+        ("failed or dropped pushes", "errors", "{:.0f}"),
+        ("pushes landed within one push interval (%)", "on_time_pct", "{:.1f}"),
+        ("push latency p50 (ms)", "latency_p50_ms", "{:.1f}"),
         ("push latency p99 (ms)", "latency_p99_ms", "{:.1f}"),
         ("push start lateness p99 (ms; queued behind busy pushes)", "late_p99_ms", "{:.0f}"),
         ("Pushgateway CPU (cores)", "pgw_cpu_cores", "{:.2f}"), ("Pushgateway RSS (MiB)", "pgw_rss_mib", "{:.0f}"),
@@ -215,16 +224,20 @@ ROWS = [("wanted pushes/s", "wanted_per_s", "{:.0f}"), ("achieved pushes/s", "ac
 
 
 def main(argv: list[str] | None = None) -> int:
+    global PUSH_INTERVAL  # set from --push-interval; the load generators are forked: they see it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[100, 1000, 4000])
     parser.add_argument("--seconds", type=float, default=30.0, help="push time per N (whole 5 s cycles)")
     parser.add_argument("--processes", type=int, default=4, help="load generator processes")
+    parser.add_argument("--push-interval", type=float, default=PUSH_INTERVAL, metavar="SECONDS",
+                        help=f"each rank's push interval (default {PUSH_INTERVAL:g}, the hook's)")
     parser.add_argument("--pushgateway-arg", action="append", default=[], metavar="FLAG",
                         help="extra Pushgateway flag, e.g. --pushgateway-arg=--persistence.interval=1m")
     parser.add_argument("--no-consistency-check", action="store_true",
                         help="add --push.disable-consistency-check (faster, but one conflicting push "
                              "makes /metrics answer 500 for every group: not shipped)")
     args = parser.parse_args(argv)
+    PUSH_INTERVAL = args.push_interval
     payload = hook_payload()
     shipped = ["--push.disable-consistency-check"] if args.no_consistency_check else []
     samples = sum(1 for line in payload.decode().splitlines() if line and not line.startswith("#"))

@@ -102,7 +102,7 @@ def run_remote_write(ranks: int, seconds: float, workers: int, snapshot: Snapsho
     prometheus.start()
     try:
         pid = prometheus.proc.pid
-        latencies, lateness, errors, cpu = load(_worker, prometheus.port, snapshot, ranks, seconds, workers,
+        latencies, lateness, errors, cpu, _ = load(_worker, prometheus.port, snapshot, ranks, seconds, workers,
                                                 pid, lead=5.0)  # the workers build their requests first
         per_request = len(remote_write.batch(snapshot, {}, 0.0).samples)
         span = int(seconds / PUSH_INTERVAL) * PUSH_INTERVAL

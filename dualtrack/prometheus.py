@@ -24,6 +24,7 @@ import functools
 import http.client
 import json
 import os
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from trainer_hook.connection import Endpoint, allow_insecure, check_transport, opener, read_secret, resolve, shown
+from trainer_hook.connection import (Endpoint, allow_insecure, check_transport, mix_up, opener, read_secret, resolve,
+                                       shown)
 from trainer_hook.text import one_line
 
 from .text import duration
@@ -46,6 +48,19 @@ MAX_ANSWER_BYTES = 32 * 2**20
 #: The exporter's scrape job in every shipped deployment. GPU series (nvml_*) are read from it alone, in
 #: the rules as in explain: the same names pushed or remote-written under another job say nothing.
 EXPORTER_JOB = "dualtrack-exporter"
+
+
+_GPU_SERIES = re.compile(r"(?<![\w:])(nvml_\w+)(?![\w:])(\{[^{}]*\})?")
+
+
+def exporter_only(expr: str) -> str:
+    """`expr` with every GPU series it reads (nvml_*) selected from the exporter's job alone."""
+    def select(found: re.Match) -> str:
+        labels = (found.group(2) or "{}")[1:-1].strip()
+        if re.search(r"(^|,)\s*job\s*=", labels):
+            return found.group(0)
+        return f"{found.group(1)}{{job={quote(EXPORTER_JOB)}{', ' + labels if labels else ''}}}"
+    return _GPU_SERIES.sub(select, expr)
 
 
 def quote(value: str) -> str:
@@ -182,6 +197,8 @@ class Prometheus:
             # The socket timeout equals the deadline: whichever fires first, the answer is the same.
             late.set()  # the worker stops at its next read; nobody waits for it
             raise QueryError(f"query failed ({api}): no complete answer within {self.timeout:g} s")
+        if isinstance(error, urllib.error.HTTPError) and error.code == 404:
+            raise QueryError(f"query failed ({api}): {mix_up(self.endpoint.url, 'Prometheus')}")
         if isinstance(error, urllib.error.HTTPError):
             raise QueryError(f"query failed ({api}): HTTP {error.code} {str(error.reason)[:200]}")
         if isinstance(error, urllib.error.URLError):

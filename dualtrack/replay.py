@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or directories of them")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="directory for the blocks: a Prometheus data directory (--storage.tsdb.path) "
-                             "or one to load with `python -m stack --replay DIR`")
+                             "or one to load with `bash scripts/up --replay DIR`")
     parser.add_argument("--promtool", default=None, metavar="PATH",
                         help="promtool binary (default: promtool on PATH)")
     parser.add_argument("--max-output-bytes", type=_byte_count, default=MAX_OUTPUT_BYTES, metavar="N",

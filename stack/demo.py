@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -147,6 +148,19 @@ def real_gpu_count() -> int:
         return 0
 
 
+def commands_line(prometheus_url: str) -> str:
+    """The one line to paste into another terminal that makes the printed `dualtrack ...` commands work
+    as printed: this folder (where ./dualtrack-records is), the command on PATH, and this Prometheus
+    for `dualtrack explain` and `dualtrack report` ($DUALTRACK_PROMETHEUS)."""
+    bin_dir = Path(sys.executable).parent
+    if (bin_dir / "dualtrack").is_file():
+        command = f'export PATH={shlex.quote(str(bin_dir))}:"$PATH"'
+    else:  # not installed as a console script (`python -m stack` from a checkout)
+        python = f"PYTHONPATH={shlex.quote(str(REPO))} {shlex.quote(sys.executable)}"
+        command = f'dualtrack() {{ {python} -m dualtrack "$@"; }}'
+    return f"cd {shlex.quote(os.getcwd())} && {command} && export DUALTRACK_PROMETHEUS={prometheus_url}"
+
+
 def alerts_page(prometheus_url: str) -> str:
     """The alerts page of the Prometheus actually started: /alerts, or /classic/alerts on builds
     without the new UI (Debian's 2.42 answers 404 on /alerts)."""
@@ -181,9 +195,9 @@ class AlertPrinter:
         where = f"the Prometheus alerts page {self.alerts_url}"
         if run not in self.runs:
             return where
-        lookup = "" if self.records == Path(DEFAULT_RECORDS).resolve() else f" --records {self.records}"
-        return (f"{where}, or write the run's report: {sys.executable} -m dualtrack report {run}{lookup} "
-                f"--prometheus {self.prometheus_url} --out {run}.html")
+        lookup = ("" if self.records == Path(DEFAULT_RECORDS).resolve()
+                  else f" --records {shlex.quote(str(self.records))}")
+        return f"{where}, or write the run's report: dualtrack report {run}{lookup} --out {run}.html"
 
     def __call__(self, payload: dict) -> None:
         for alert in payload.get("alerts", []):
@@ -303,7 +317,7 @@ def load_replayed_blocks(source: Path, data_dir: Path) -> int:
 
 
 def print_summary(services: dict[str, Service], prometheus_alerts: str, password: str | None,
-                  workdir: Path, records: Path, runs: list[SweepRun], real_gpus: bool) -> None:
+                  workdir: Path, kept: bool, records: Path, runs: list[SweepRun], real_gpus: bool) -> None:
     say()
     log("dualtrack is up:")
     say(f"    Prometheus   {services['prometheus'].url}  (alerts: {prometheus_alerts})")
@@ -316,7 +330,12 @@ def print_summary(services: dict[str, Service], prometheus_alerts: str, password
     else:
         say("    Grafana      not installed here: the dashboards are dashboards/*.json "
             "(docker compose runs Grafana with them)")
-    say(f"    Logs and data in {workdir}; the runs' records in {records}")
+    say(f"    Work folder  {workdir} (logs and data; " + ("kept)" if kept else
+        "removed when the demo stops: --workdir DIR keeps them)"))
+    say(f"    Records      {records} (the runs' records, kept)")
+    say("    Commands     paste this line once in another terminal; then `dualtrack explain RUN` and "
+        "`dualtrack report RUN` work there:")
+    say(f"                 {commands_line(services['prometheus'].url)}")
     say()
     log(f"the sweep (job {JOB}), one run per {'GPU' if real_gpus else 'simulated GPU'}:")
     for gpu, run in enumerate(runs):
@@ -370,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dualtrack-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    kept = args.workdir is not None
     started_services: list[Service] = []
     webhook = None
 
@@ -428,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             list_gpu_processes(workdir / GPU_PROCESSES, trainings)
         printer.prometheus_url = services["prometheus"].url
         printer.alerts_url = alerts_page(printer.prometheus_url)
-        print_summary(services, printer.alerts_url, password, workdir, records, runs, real_gpus)
+        print_summary(services, printer.alerts_url, password, workdir, kept, records, runs, real_gpus)
         printer.up_at = time.monotonic()
         print_expectations(args, real_gpus)
         ended: set[str] = set()
@@ -452,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
             service.stop()
         if webhook:
             webhook.stop()
+        if kept:
+            log(f"kept the work folder {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+            log(f"removed the work folder {workdir} (--workdir DIR keeps it)")
+        log("stopped")
     return 0
 
 

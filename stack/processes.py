@@ -28,6 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus.yml"
 RULES_DIR = REPO / "rules"
+CONTAINER_RULES_DIR = "/etc/prometheus/rules"  # where prometheus.yml's rule_files are: RULES_DIR, mounted
 ALERTMANAGER_YML = REPO / "alertmanager" / "alertmanager.yml"
 ALERTMANAGER_RENDER = REPO / "alertmanager" / "render-config.sh"
 EXPORTER_JOB = "dualtrack-exporter"
@@ -224,7 +225,8 @@ def render_prometheus_config(workdir: Path, targets: dict[str, list[str]], *,
         config["global"]["scrape_interval"] = scrape_interval
     if evaluation_interval:
         config["global"]["evaluation_interval"] = evaluation_interval
-    config["rule_files"] = [str(RULES_DIR / Path(pattern).name) for pattern in config.get("rule_files", [])]
+    config["rule_files"] = [str(RULES_DIR / Path(pattern).relative_to(CONTAINER_RULES_DIR))
+                            for pattern in config.get("rule_files", [])]
     for job in config.get("scrape_configs", []):
         if job["job_name"] in targets:
             job["static_configs"] = [{"targets": targets[job["job_name"]]}]

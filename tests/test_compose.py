@@ -304,8 +304,9 @@ def test_prometheus_paths_match_prometheus_yml():
     config = yaml.safe_load((REPO / "prometheus.yml").read_text())
     rules_target = mounts["./rules"]
     for pattern in config["rule_files"]:
-        assert Path(pattern).parent == Path(rules_target), pattern
-        assert list((REPO / "rules").glob(Path(pattern).name)), f"{pattern} matches no file in rules/"
+        assert Path(pattern).is_relative_to(rules_target), pattern
+        assert list((REPO / "rules").glob(str(Path(pattern).relative_to(rules_target)))), \
+            f"{pattern} matches no file in rules/"
     targets = {t for job in config["scrape_configs"] for sc in job.get("static_configs", [])
                for t in sc["targets"]}
     assert {"exporter:9942", "pushgateway:9091"} <= targets

@@ -219,7 +219,7 @@ def test_prometheus_scrapes_every_target_and_loads_the_rules(stack):
         return jobs == {"dualtrack-exporter": "up", "pushgateway": "up", "prometheus": "up"} and jobs
     wait_until(all_up, 90, interval=1, what="every Prometheus target up")
     loaded = {group["name"] for group in stack.get(9090, "/api/v1/rules").json()["data"]["groups"]}
-    shipped = {group["name"] for path in (REPO / "rules").glob("*.yml")
+    shipped = {group["name"] for path in (REPO / "rules").rglob("*.yml")
                for group in yaml.safe_load(path.read_text())["groups"]}
     assert loaded == shipped
     assert stack.query("nvml_gpu_info")

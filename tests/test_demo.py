@@ -124,10 +124,14 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     # No Grafana here: the line names what there is to open, and its report command works.
     opened = first.group(5)
     assert opened.startswith(f"the Prometheus alerts page {alerts_url}, or write the run's report: "), opened
-    report = subprocess.run(opened.split(": ", 1)[1].split(), cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    # Run as printed: the summary's one line pasted into a fresh shell, then the alert line's command.
+    pasted = re.search(r"Commands .*\n\s+(cd .+)\n", text).group(1)
+    report = subprocess.run(["bash", "-c", f"{pasted} && {opened.split(': ', 1)[1]}"], cwd=tmp_path,
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+                            timeout=120)
     assert report.returncode == 0, report.stderr
-    assert (tmp_path / "explode-lr3e-2.html").stat().st_size > 0
+    assert (REPO / "explode-lr3e-2.html").stat().st_size > 0
+    (REPO / "explode-lr3e-2.html").unlink()
 
     tee.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole pipeline: tee goes first
     tee.wait(10)
@@ -140,16 +144,28 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
 def test_every_way_of_ending_the_stack_stops_its_processes(spawn, tmp_path: Path, how: str) -> None:
     log = tmp_path / "demo.log"
     ignore_sigint = signal.SIG_IGN if "ignored" in how else signal.SIG_DFL
+    argv = demo_argv(tmp_path / "work")
+    if how == "SIGTERM":  # the default work folder: a temporary one
+        argv.remove("--workdir"), argv.remove(str(tmp_path / "work"))
     with log.open("wb") as out:
-        demo = spawn(demo_argv(tmp_path / "work"), stdout=out, stderr=subprocess.STDOUT,
+        demo = spawn(argv, stdout=out, stderr=subprocess.STDOUT,
                      preexec_fn=lambda: signal.signal(signal.SIGINT, ignore_sigint))
     wait_for_output(log, "dualtrack is up", 90)
     daemons = children(demo.pid)
     assert len(daemons) >= 8
     demo.send_signal(getattr(signal, how.split()[0]))
     assert demo.wait(60) == 0, log.read_text()
-    assert "stopping" in log.read_text()
+    text = log.read_text()
+    assert "stopping" in text and text.rstrip().endswith("stopped"), text[-500:]
     wait_until(lambda: not alive(daemons), 15, what=f"the demo's processes {alive(daemons)} to stop")
+    # Where its work folder is, and whether it is kept: a temporary one goes, a --workdir stays.
+    workdir = Path(re.search(r"Work folder\s+(\S+) \(logs and data; (kept|removed when the demo stops)", text)
+                   .group(1))
+    if how == "SIGTERM":
+        assert "removed when the demo stops" in text and not workdir.exists()
+        assert f"removed the work folder {workdir}" in text
+    else:
+        assert workdir == tmp_path / "work" and workdir.is_dir() and f"kept the work folder {workdir}" in text
 
 
 @pytest.mark.slow
@@ -266,8 +282,7 @@ def test_alert_lines_say_what_to_open_with_and_without_grafana(capsys) -> None:
     lines = capsys.readouterr().out
     assert "dashboard" not in lines
     assert ("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts, or write the run's report: "
-            f"{sys.executable} -m dualtrack report leak-bs128 --records /w/records --prometheus http://127.0.0.1:9090 "
-            "--out leak-bs128.html") in lines
+            "dualtrack report leak-bs128 --records /w/records --out leak-bs128.html") in lines
     assert lines.rstrip().endswith("open the Prometheus alerts page http://127.0.0.1:9090/classic/alerts")
     printer.grafana_url = "http://127.0.0.1:3000"
     printer(payload)
@@ -309,7 +324,7 @@ def test_the_readmes_report_command_works_as_printed_on_a_demo_run(start_service
     from stack.demo import parse_args, sweep, training_service
     from tests.hook_support import pushed_value
     readme = (REPO / "README.md").read_text()
-    command = re.search(r"^dualtrack report <run-id> (.+)$", readme, re.M).group(1).split()
+    command = re.search(r"^\.venv/bin/dualtrack report <run-id> (.+)$", readme, re.M).group(1).split()
     pgw = start_service(processes.pushgateway(tmp_path))
     run = sweep(150)[0]
     service = training_service(tmp_path, run, pgw.url, None, None, records=tmp_path / parse_args([]).records)

@@ -92,9 +92,7 @@ def test_the_demo_explosion_fires_and_names_the_spike_step(tmp_path: Path, start
                                         "runbook_url": "#traininggradientexplosion",
                                         "infra_cause": "none found on its GPU in the last 10 min; "
                                                        "dualtrack explain explode has the timeline.",
-                                        "dashboard_url": "/d/dualtrack-training-run?var-job=demo&var-run=explode"
-                                                         f"&from={15_000 * at - 3_600_000}"
-                                                         f"&to={15_000 * at + 600_000}"}}]}]}]}))
+                                        "dashboard_url": ""}}]}]}]}))
     done = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 

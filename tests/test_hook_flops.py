@@ -27,17 +27,19 @@ class TinyTransformer(torch.nn.Module):
 
 
 def train(monitor, steps: int, batch: int = 4, length: int = 8, watch: bool = True,
-          tokens_as_tensor: bool = False) -> int:
+          tokens_as_tensor: bool = False, autocast: torch.dtype | None = None, scaler=None) -> int:
     """A real training loop logging tokens= (a tensor copy, read off the training thread, if asked)
     and samples=; returns the model's parameter count."""
     torch.manual_seed(0)
     model = TinyTransformer()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if watch:
-        monitor.watch(model, optimizer)
+        monitor.watch(model, optimizer, scaler=scaler)
     for step in range(steps):
         ids = torch.randint(0, 50, (batch, length))
-        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -50,7 +52,8 @@ def train(monitor, steps: int, batch: int = 4, length: int = 8, watch: bool = Tr
 def test_flops_per_token_times_the_tokens_logged(tmp_path):
     with pull_monitor(tmp_path, "flops", flops_per_token=1.5e9) as monitor:
         train(monitor, steps=7, tokens_as_tensor=True)
-        assert wait_pulled(monitor, FLOPS, lambda v: v == 7 * 32 * 1.5e9, precision="bf16") == 7 * 32 * 1.5e9
+        # watched fp32 parameters on the CPU: the precision read is fp32
+        assert wait_pulled(monitor, FLOPS, lambda v: v == 7 * 32 * 1.5e9, precision="fp32") == 7 * 32 * 1.5e9
     steps, _ = record_lines(tmp_path / "record.jsonl")
     assert [line["flops"] for line in steps] == [32 * 1.5e9] * 7
 
@@ -86,3 +89,23 @@ def test_bad_flops_settings_are_one_line_errors(tmp_path, arguments):
     with pytest.raises(ValueError, match="flops_per|precision") as raised:
         pull_monitor(tmp_path, "flops-bad", **arguments)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("how, precision", [("fp32", "fp32"), ("autocast bf16", "bf16"),
+                                            ("GradScaler", "fp16"), ("bf16 parameters", "bf16"),
+                                            ("not watched", "unknown")])
+def test_the_precision_is_read_from_the_model_never_assumed(tmp_path, how, precision):
+    """Without precision=: autocast's dtype at the first forward, an enabled GradScaler (fp16), the
+    parameters' dtype, else "unknown" (no MFU); the live series and the record's start line agree."""
+    with pull_monitor(tmp_path, "precision", flops_per_token=1e9) as monitor:
+        if how == "bf16 parameters":
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            train(monitor, steps=3, watch=how != "not watched",
+                  autocast=torch.bfloat16 if how == "autocast bf16" else None,
+                  scaler=torch.amp.GradScaler("cpu") if how == "GradScaler" else None)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert wait_pulled(monitor, FLOPS, lambda v: v == 3 * 32 * 1e9, precision=precision) == 3 * 32 * 1e9
+    _, events = record_lines(tmp_path / "record.jsonl")
+    assert events[0]["event"] == "start" and events[0]["precision"] == precision

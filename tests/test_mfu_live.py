@@ -25,7 +25,8 @@ def test_a_live_run_on_a_known_gpu_has_its_mfu(tmp_path, start_service):
     run = run_id("mfu-live")
     mfu = f'job_run:training_mfu:ratio{{run="{run}"}}'
     with TrainingMonitor(job="mfu-live", run=run, pushgateway=pgw.url, push_interval=0.2,
-                         gpu_uuid=gpu["metric"]["uuid"], record_path=False, flops_per_token=1e11) as monitor:
+                         gpu_uuid=gpu["metric"]["uuid"], record_path=False, flops_per_token=1e11,
+                         precision="bf16") as monitor:
         step = 0
 
         def train() -> list[dict]:

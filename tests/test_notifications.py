@@ -160,7 +160,8 @@ def http_sinks():
 @pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
 def test_a_nan_loss_reaches_the_webhook_slack_pagerduty_and_email_with_run_cause_and_links(
-        tmp_path, start_service, webhook_receiver, http_sinks, smtp_sink):
+        tmp_path, start_service, webhook_receiver, http_sinks, smtp_sink, monkeypatch):
+    monkeypatch.setenv("DUALTRACK_GRAFANA_URL", "https://grafana.example.org")  # the dashboard links' base
     secrets = tmp_path / "notify"
     secrets.mkdir(mode=0o700)
     for name, value in {"slack-api-url": http_sinks["slack"].url, "pagerduty-routing-key": "routing-key-7f3a",
@@ -198,6 +199,7 @@ def test_a_nan_loss_reaches_the_webhook_slack_pagerduty_and_email_with_run_cause
         assert f"FIRING TrainingLossNonFinite [critical] run {run.run} rank 0:" in text, (channel, body)
         assert f"since step {run.nan_step}" in text and f"batch {run.nan_batch_id}" in text, (channel, body)
         assert f"Likely infra cause: {cause}" in text, (channel, body)
+        assert annotations["dashboard_url"].startswith("https://grafana.example.org/d/")
         assert f"Dashboard: {annotations['dashboard_url']}" in text, (channel, body)
         assert f"Runbook: {annotations['runbook_url']}" in text, (channel, body)
     # One notification per run on every channel.

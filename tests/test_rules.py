@@ -30,10 +30,10 @@ TRAINING_DASHBOARD = REPO / "dashboards" / "training-run.json"
 # Every training alert links to the Training run dashboard, filtered to its job and run and to the hour
 # before the evaluation (and 10 min after), from the Grafana URL in Prometheus' external label.
 DASHBOARD_LINK = (
-    f'{{{{ $externalLabels.{GRAFANA_LABEL} }}}}/d/dualtrack-training-run'
+    f'{{{{ with $externalLabels.{GRAFANA_LABEL} }}}}{{{{ . }}}}/d/dualtrack-training-run'
     '?var-job={{ $labels.job | urlquery }}&var-run={{ $labels.run | urlquery }}'
     '&from={{ with query "(time() - 3600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}'
-    '&to={{ with query "(time() + 600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}')
+    '&to={{ with query "(time() + 600) * 1000" }}{{ . | first | value | printf "%.0f" }}{{ end }}{{ end }}')
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -166,7 +166,8 @@ def test_recording_rule_names_and_uses():
 
 def test_prometheus_loads_every_rule_file_and_no_test_file():
     config = yaml.safe_load((REPO / "prometheus.yml").read_text())
-    assert [Path(pattern).name for pattern in config["rule_files"]] == ["*.yml"]
+    assert [str(Path(pattern).relative_to("/etc/prometheus/rules")) for pattern in config["rule_files"]] == [
+        "*.yml", "dcgm/*.yml"]
     assert not any("test" in path.name for path in RULE_FILES)
 
 
@@ -177,7 +178,10 @@ def test_every_gpu_series_a_rule_reads_is_the_exporters():
     """Only the exporter writes GPU series: every rule reads nvml_* from its scrape job alone, so the same
     names pushed (another job) or remote-written under another job fire and record nothing."""
     exporter = f'job="{processes.EXPORTER_JOB}"'
+    every = [rule for path in sorted((REPO / "rules").rglob("*.yml"))
+             for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+    assert any(rule.get("record", "").startswith("DCGM_FI_") for rule in every)  # rules/dcgm/ too
     unselected = [(rule.get("alert") or rule["record"], found.group(0))
-                  for rule in rules("alert") + rules("record") for found in GPU_SELECTOR.finditer(rule["expr"])
+                  for rule in every for found in GPU_SELECTOR.finditer(rule["expr"])
                   if exporter not in (found.group(2) or "")]
     assert unselected == []

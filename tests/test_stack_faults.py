@@ -17,7 +17,7 @@ pytestmark = pytest.mark.fault
 def test_prometheus_restart_mid_run_keeps_rules_history_and_alerts(tmp_path, start_service, webhook_receiver):
     pipeline = start_pipeline(tmp_path, start_service, webhook_receiver)
     rules = pipeline.rule_count()
-    assert rules == sum(len(group["rules"]) for path in processes.RULES_DIR.glob("*.yml")
+    assert rules == sum(len(group["rules"]) for path in processes.RULES_DIR.rglob("*.yml")
                         for group in yaml.safe_load(path.read_text())["groups"])
     run = NonFiniteRun.start(pipeline, tmp_path / "record.jsonl")
     with run.monitor:

@@ -57,6 +57,15 @@ def shown(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
+def mix_up(url: str, wanted: str) -> str:
+    """What a 404 from `url` most likely means when it should be a `wanted` ("Pushgateway", which takes
+    pushes, or "Prometheus", which answers queries): it is the other one. Both answer 404 to the other's
+    requests."""
+    other = "Prometheus" if wanted == "Pushgateway" else "a Pushgateway"
+    return (f"{shown(url)} answered 404, so it is no {wanted}: is it {other}? The Pushgateway takes pushes "
+            "(port 9091 by default), Prometheus answers queries (port 9090)")
+
+
 def check_url(what: str, value: Any) -> str:
     """`value` as an http(s) base URL without a trailing slash (http:// is assumed when no scheme is
     given); raises ValueError with one line that never repeats credentials."""

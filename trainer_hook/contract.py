@@ -35,7 +35,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 #: Precisions of training_model_flops_total{precision}: which of its GPUs' peak FLOP/s the run's MFU
 #: divides by (rules/gpu_peaks.yml, generated from dualtrack/gpu_peaks.py).
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
-DEFAULT_PRECISION = "bf16"
+#: Neither given nor detected (trainer_hook/precision.py): no peak matches it, so the run has no MFU.
+DEFAULT_PRECISION = "unknown"
 #: Keys exported with a window maximum (training_<key>_max) and its step (training_<key>_max_step).
 WINDOW_MAX_KEYS = ("loss", "grad_norm")
 #: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.

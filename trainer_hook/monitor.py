@@ -25,6 +25,7 @@ from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
 from .identity import own_pid_namespace, own_start_time
 from .pause import Pauses
+from .precision import of_autocast, of_parameters
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
 from .replica import ReplicaCheck, ddp_group, replica_every
@@ -57,7 +58,7 @@ class TrainingMonitor:
     """
 
     def __init__(self, job: str | None = None, run: str | None = None,
-                 pushgateway: str | bool | None = None, push_interval: float = 5.0,
+                 pushgateway: str | bool | None = None, push_interval: float | None = None,
                  config: Mapping[str, Any] | Any = None, *, rank: int | None = None,
                  local_rank: int | None = None, world_size: int | None = None,
                  instance: str | None = None, record_path: Any = None,
@@ -69,7 +70,7 @@ class TrainingMonitor:
                  max_hold: float = 30.0, record_max_bytes: int | None = DEFAULT_MAX_BYTES,
                  delete_after: float | None = DEFAULT_DELETE_AFTER, remote_write_url: str | None = None,
                  flops_per_token: float | None = None, flops_per_sample: float | None = None,
-                 precision: str = DEFAULT_PRECISION, remote_write_basic_auth: tuple[str, str] | None = None,
+                 precision: str | None = None, remote_write_basic_auth: tuple[str, str] | None = None,
                  remote_write_bearer_token: str | None = None, remote_write_ca_file: str | None = None,
                  remote_write_client_cert: tuple[str, str] | None = None,
                  allow_insecure_credentials: bool | None = None, listen_basic_auth: tuple[str, str] | None = None,
@@ -111,6 +112,7 @@ class TrainingMonitor:
         # torch built with CUDA: tensors may be on a GPU, so log() marks its copies with events
         self._cuda_possible = torch is not None and torch.version.cuda is not None
         self._flops = ModelFlops(s.flops_per_token, s.flops_per_sample)
+        self._precision = s.precision or DEFAULT_PRECISION  # None: detected by watch()
         self._aggregator = Aggregator(self._names, s.max_hold, self._flops)
         self.record = Record(s.record_path, s.record_max_bytes)
         self._server = None
@@ -123,7 +125,9 @@ class TrainingMonitor:
             except (OSError, ValueError) as exc:
                 self.record.close()
                 raise ValueError(f"cannot serve /metrics on {s.listen_address}:{s.listen_port}: {exc}") from None
-        self.record.write([self._start_line()])
+        # The start line goes out with the first steps (or at close): by then watch() and the first
+        # forward have told the precision it records.
+        self._start_written = False
         self._pusher = Pusher(s, handler) if handler else None
         self._latest = self._publish("running")
         self._offer(self._latest)
@@ -158,7 +162,7 @@ class TrainingMonitor:
         s = self.settings
         return {"event": "start", "format": FORMAT_VERSION, "time": self._start_time, "job": s.job, "run": s.run,
                 "rank": s.rank, **{key: getattr(self._process, key) for key in START_PROCESS_KEYS},
-                "instance": s.instance, "precision": s.precision, "config": self._run_labels}
+                "instance": s.instance, "precision": self._precision, "config": self._run_labels}
 
     # ------------------------------------------------------------------ hot path (training thread)
     def log(self, values: Mapping[Any, Any] | None = None, step: int | None = None,
@@ -302,7 +306,26 @@ class TrainingMonitor:
         if scaler is not None:
             self._scaler = ScalerWatch(scaler, partial(self._warn_once, "watch"))
             self._hooks.append(self._scaler)
+        if self.settings.precision is None:
+            self._detect_precision(model, optimizer, scaler)
         return self
+
+    def _detect_precision(self, model: Any, optimizer: Any, scaler: Any) -> None:
+        """The precision from the scaler and parameters now, and from autocast at the model's first
+        forward (a pre-hook that removes itself: nothing on later steps)."""
+        params = list(model.parameters()) if model is not None else (
+            [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else [])
+        self._precision = of_parameters(params, scaler)
+        if model is None or not callable(getattr(model, "register_forward_pre_hook", None)):
+            return
+        device = next((p.device.type for p in params if hasattr(p, "device")), "cpu")
+
+        def first_forward(_module: Any, _args: Any) -> None:
+            handle.remove()
+            self._precision = of_autocast(device) or self._precision
+
+        handle = model.register_forward_pre_hook(first_forward)
+        self._hooks.append(handle)
 
     def _watch_optimizer(self, model: Any, optimizer: Any) -> None:
         params = [p for p in (model.parameters() if model is not None else
@@ -420,8 +443,12 @@ class TrainingMonitor:
     def _drain(self) -> None:
         with self._drain_lock:  # no drained entry or line outlives the lock (held in no local)
             count = len(self._pending)
-            if count:
-                self.record.write(self._lines([self._pending.popleft() for _ in range(count)]))
+            lines = self._lines([self._pending.popleft() for _ in range(count)]) if count else []
+            if not self._start_written and (lines or self._closed):
+                self._start_written = True
+                lines.insert(0, self._start_line())
+            if lines:
+                self.record.write(lines)
 
     def _lines(self, items: list[Entry | dict[str, Any]]) -> list[dict[str, Any]]:
         """Record lines for `items` (step entries, and paused()'s lines as they are), in order; the
@@ -448,7 +475,7 @@ class TrainingMonitor:
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender)
             + len(self.settings.refused_sinks),
-            published=time.time(), precision=self.settings.precision,
+            published=time.time(), precision=self._precision,
             gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
 
     def _offer(self, snapshot: Snapshot) -> None:

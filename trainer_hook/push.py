@@ -10,15 +10,16 @@ import dataclasses
 import logging
 import threading
 import time
+import urllib.error
 from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from .connection import Endpoint, push_handler
+from .connection import Endpoint, mix_up, push_handler
 from .contract import Snapshot, merge_maxima
 from .exposition import registry_for
-from .settings import Settings
+from .settings import PUSHGATEWAY_MAX_RANKS, Settings
 
 log = logging.getLogger("trainer_hook")
 
@@ -113,6 +114,11 @@ class Pusher:
         self.settings = settings
         self._group = (settings.pushgateway, settings.job, tuple(sorted(settings.grouping_key.items())))
         cancel_deletion(self._group)  # a new run of this process under the same identity keeps its group
+        if settings.world_size > PUSHGATEWAY_MAX_RANKS:
+            log.warning("this run has %d ranks, past the %d one Pushgateway carries (docs/scaling.md): pushes "
+                        "will land late or not at all; write to a remote-write receiver instead "
+                        "(remote_write_url= or $DUALTRACK_REMOTE_WRITE_URL: Prometheus, Mimir, VictoriaMetrics...)",
+                        settings.world_size, PUSHGATEWAY_MAX_RANKS)
         self.failures = 0
         self._handler = handler
         self._cond = threading.Condition()
@@ -160,6 +166,8 @@ class Pusher:
             self._outage_failures += 1
             self._carry = snapshot
             if self._outage_failures == 1:
+                if isinstance(exc, urllib.error.HTTPError) and exc.code == 404:
+                    exc = mix_up(self.settings.pushgateway, "Pushgateway")
                 log.warning("push to %s failed: %s; training continues, retrying every %gs "
                             "(counted in training_push_failures_total)", self.settings.pushgateway,
                             exc, self.settings.push_interval)

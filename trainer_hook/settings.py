@@ -27,6 +27,14 @@ ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
 ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS, _USERNAME/_PASSWORD, _CERT_FILE/_KEY_FILE
 DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
 DEFAULT_DELETE_AFTER = 30.0
+DEFAULT_PUSH_INTERVAL = 5.0
+#: How many ranks one Pushgateway as shipped (its consistency check on) carries with at least 99 % of
+#: pushes landing within one push interval, measured with bench/bench_pushgateway.py (docs/scaling.md):
+#: at the default 5 s, and with the interval stretched to the most it may be, Prometheus' default 15 s
+#: scrape interval (pushing less often than Prometheus scrapes would lose resolution).
+PUSHGATEWAY_RANKS_AT_DEFAULT = 100
+MAX_STRETCHED_PUSH_INTERVAL = 15.0
+PUSHGATEWAY_MAX_RANKS = 170
 DEFAULT_RECORD_DIR = "dualtrack-records"
 #: (rank, local rank, world size) variables per launcher, the innermost launcher first: torchrun
 #: started by srun sees both its own and Slurm's, and its own are the ones that describe the process.
@@ -70,7 +78,7 @@ class Settings:
     refused_sinks: tuple[str, ...]  # sinks not sent to: credentials over plain http:// (counted as failures)
     flops_per_token: float | None
     flops_per_sample: float | None
-    precision: str
+    precision: str | None  # None: detected (trainer_hook/precision.py)
 
     @property
     def grouping_key(self) -> dict[str, str]:
@@ -280,6 +288,8 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
                                     or not 0 <= listen_port <= 65535):
         raise ValueError(f"listen_port must be a TCP port number, got {listen_port!r}")
     _sinks(a)
+    if a["push_interval"] is None:  # on the Pushgateway path, stretched for large runs
+        a["push_interval"] = pushgateway_interval(a["world_size"]) if a["pushgateway"] else DEFAULT_PUSH_INTERVAL
     a["push_interval"] = _positive("push_interval", a["push_interval"])
     a["push_timeout"] = _positive("push_timeout", a["push_timeout"])
     a["record_path"] = _record_path(a["record_path"], job, run, a["rank"])
@@ -289,9 +299,18 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     a["delete_after"] = _delete_after(a["delete_after"])
     a["flops_per_token"] = _flops("flops_per_token", a["flops_per_token"])
     a["flops_per_sample"] = _flops("flops_per_sample", a["flops_per_sample"])
-    if a["precision"] not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {a['precision']!r}")
+    if a["precision"] is not None and a["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (or None: detected), "
+                         f"got {a['precision']!r}")
     return Settings(**a)
+
+
+def pushgateway_interval(world_size: int) -> float:
+    """The default push interval for a run of `world_size` ranks: 5 s, stretched past the ranks one
+    Pushgateway carries at 5 s (its consistency check costs each push a pass over every group, so the
+    load grows with the square of the ranks), up to 15 s."""
+    stretched = DEFAULT_PUSH_INTERVAL * (world_size / PUSHGATEWAY_RANKS_AT_DEFAULT) ** 2
+    return min(MAX_STRETCHED_PUSH_INTERVAL, max(DEFAULT_PUSH_INTERVAL, stretched))
 
 
 def _listen(port: int | None, address: str) -> tuple[int | None, str]:

@@ -1,10 +1,12 @@
 """Write the Kubernetes objects made from other files of the repository; never edit their output by hand.
 
-    python deploy/kubernetes/generate.py           # rewrite prometheusrule.yaml and grafana-dashboards.yaml
+    python deploy/kubernetes/generate.py           # rewrite prometheusrule*.yaml and grafana-dashboards.yaml
     python deploy/kubernetes/generate.py --check   # exit 1 if either differs from what would be written
 
 - prometheusrule.yaml: one PrometheusRule whose spec.groups are the groups of rules/*.yml (files in
   name order), exactly as promtool tests them.
+- prometheusrule-dcgm.yaml: the same of rules/dcgm/*.yml (dcgm-exporter's names), its own object so
+  that deleting it from kustomization.yaml turns them off.
 - grafana-dashboards.yaml: one ConfigMap per dashboards/*.json, labelled grafana_dashboard: "1" for
   Grafana's dashboard sidecar (kube-prometheus-stack), folder annotation grafana_folder: dualtrack.
   The dashboards' provisioned Prometheus datasource uid becomes DATASOURCE_UID, the uid of
@@ -24,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 RULES = REPO / "rules"
 DASHBOARDS = REPO / "dashboards"
 PROMETHEUS_RULE = HERE / "prometheusrule.yaml"
+PROMETHEUS_RULE_DCGM = HERE / "prometheusrule-dcgm.yaml"
 DASHBOARD_CONFIGMAPS = HERE / "grafana-dashboards.yaml"
 OPERATOR_LABELS = {"app.kubernetes.io/part-of": "dualtrack", "release": "kube-prometheus-stack"}
 NAMESPACE = "dualtrack"  # the kustomization names no namespace: each object names its own
@@ -47,12 +50,15 @@ def _dump(documents: list[dict], source: str) -> str:
                                                         explicit_start=True)
 
 
-def prometheus_rule() -> str:
-    groups = [group for path in sorted(RULES.glob("*.yml")) for group in yaml.safe_load(path.read_text())["groups"]]
+def prometheus_rule(pattern: str = "*.yml", name: str = "dualtrack") -> str:
+    groups = [group for path in sorted(RULES.glob(pattern)) for group in yaml.safe_load(path.read_text())["groups"]]
     rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": "dualtrack", "namespace": NAMESPACE, "labels": OPERATOR_LABELS},
-            "spec": {"groups": groups}}
-    return _dump([rule], "rules/*.yml")
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": OPERATOR_LABELS}, "spec": {"groups": groups}}
+    return _dump([rule], f"rules/{pattern}")
+
+
+def dcgm_prometheus_rule() -> str:
+    return prometheus_rule("dcgm/*.yml", "dualtrack-dcgm-names")
 
 
 def dashboard_configmaps() -> str:
@@ -67,7 +73,8 @@ def dashboard_configmaps() -> str:
     return _dump(maps, "dashboards/*.json")
 
 
-OUTPUTS = {PROMETHEUS_RULE: prometheus_rule, DASHBOARD_CONFIGMAPS: dashboard_configmaps}
+OUTPUTS = {PROMETHEUS_RULE: prometheus_rule, PROMETHEUS_RULE_DCGM: dcgm_prometheus_rule,
+           DASHBOARD_CONFIGMAPS: dashboard_configmaps}
 
 
 def main(argv: list[str] | None = None) -> int:
