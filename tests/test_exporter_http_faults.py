@@ -204,18 +204,24 @@ def test_idle_sockets_from_one_client_past_every_cap_keep_no_one_out(daemon):
     assert daemon.running()
 
 
+def guarded_server(tmp_path: Path, web_config: str, **limits) -> WebServer:
+    """A started in-process WebServer serving `nvml_up 1` with the web config `web_config` (text)."""
+    config = tmp_path / "web.yml"
+    config.write_text(web_config)
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
+    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
+                       web_config=load_web_config(str(config)), ready=lambda: True, **limits)
+    server.start()
+    return server
+
+
 def test_a_password_guessing_flood_from_two_addresses_leaves_the_right_password_served(tmp_path):
     """64 keep-alive guessers from each of two addresses send wrong passwords as fast as they are answered.
     A scraper from a third address is served all the while: 20 of 20 scrapes with its (cached) password,
     and a second user's first (uncached, so bcrypt) check too. A 401 closes its connection."""
-    config = tmp_path / "web.yml"
-    config.write_text(f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=10)}'\n"
-                      f"  other: '{bcrypt_hash('pw2', cost=10)}'\n")
-    registry = prometheus_client.CollectorRegistry()
-    prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
-    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
-                       web_config=load_web_config(str(config)), ready=lambda: True)
-    server.start()
+    server = guarded_server(tmp_path, f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=10)}'\n"
+                                      f"  other: '{bcrypt_hash('pw2', cost=10)}'\n")
     port = server.server_address[1]
     wrong = base64.b64encode(b"prom:guess").decode()
     guess = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {wrong}\r\n\r\n".encode()
@@ -268,15 +274,10 @@ def test_waiting_connections_make_room_before_tls_and_auth(pki, tmp_path):
     """Cap 8, 4 per client, TLS and basic auth: idle sockets from two addresses fill every slot; a third
     client is served all the same (its connection takes the slot of the longest waiting socket of a
     client holding the most), and a fifth socket from one address takes one of its own four."""
-    config = tmp_path / "web.yml"
-    config.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
-                      f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=4)}'\n")
-    registry = prometheus_client.CollectorRegistry()
-    prometheus_client.Gauge("nvml_up", "up", registry=registry).set(1)
-    server = WebServer(registry, listen_address="127.0.0.1:0", telemetry_path="/metrics",
-                       web_config=load_web_config(str(config)), ready=lambda: True, header_timeout=60.0,
-                       max_connections=8, max_connections_per_client=4)
-    server.start()
+    server = guarded_server(tmp_path, f"tls_server_config:\n  cert_file: {pki.server_cert}\n"
+                                      f"  key_file: {pki.server_key}\n"
+                                      f"basic_auth_users:\n  prom: '{bcrypt_hash('pw', cost=4)}'\n",
+                            header_timeout=60.0, max_connections=8, max_connections_per_client=4)
     port = server.server_address[1]
     first = [connect_from("127.0.0.1", port) for _ in range(5)]
     second = [connect_from("127.0.0.3", port) for _ in range(4)]
