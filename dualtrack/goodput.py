@@ -13,10 +13,15 @@ QUERIES = {
     "samples_per_joule": "avg_over_time(job_run:training_samples_per_joule:rate5m{SEL}[RANGE])",
     "eta_seconds": "last_over_time(job_run:training_eta_seconds:rate5m{SEL}[RANGE])",
 }
+#: What the run lost, by reason, as a share of its life's goodput evaluations (a reason that held for
+#: part of the run counts for that part): rules/goodput.yml's job_run_reason:training_lost:ratio_rate5m.
+LOST = ("sum by (reason) (sum_over_time(job_run_reason:training_lost:ratio_rate5m{SEL}[RANGE])) / scalar("
+        "sum(count_over_time(job_run:training_goodput:ratio_rate5m{SEL}[RANGE])))")
 
 
 def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float, end: float) -> dict[str, float]:
-    """The figures Prometheus recorded for the run between `start` and `end` (absent ones left out)."""
+    """The figures Prometheus recorded for the run between `start` and `end` (absent ones left out);
+    "lost_<reason>" for each reason the run lost GPU-seconds to (non-finite, skipped steps...)."""
     values = {"SEL": f"job={prometheus.quote(job)},run={prometheus.quote(run)}",
               "RANGE": f"{max(60, int(end - start) + 60)}s"}
     found: dict[str, float] = {}
@@ -26,4 +31,10 @@ def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float,
         result: list[dict[str, Any]] = client.query(query, end)
         if result:
             found[name] = float(result[0]["value"][1])
+    if "goodput" in found:
+        lost = client.query(re.sub("SEL|RANGE", lambda placeholder: values[placeholder[0]], LOST), end)
+        for series in lost:
+            share = float(series["value"][1])
+            if share > 0 and series["metric"].get("reason"):
+                found["lost_" + series["metric"]["reason"]] = share
     return found

@@ -255,9 +255,12 @@ def render_explained(explained: list[tuple[str, Any, dict[str, float]]]) -> list
             parts.append(f"<tr class=\"event\" data-kind=\"{e(event.kind)}\"><td>{e(utc(event.time))}</td>"
                          f"<td>{e(event.kind)}</td><td>{e(event.sentence)}</td><td>{causes}</td></tr>")
     parts.append("</table><h2>Goodput</h2><table id=\"goodput\"><tr><th>run</th><th>goodput (GPU-seconds that "
-                 "counted)</th><th>tokens per joule</th><th>samples per joule</th><th>ETA at the last update</th></tr>")
+                 "counted)</th><th>lost, by reason</th><th>tokens per joule</th><th>samples per joule</th>"
+                 "<th>ETA at the last update</th></tr>")
     for name, _, figures in explained:
+        lost = sorted(((k[5:], v) for k, v in figures.items() if k.startswith("lost_")), key=lambda kv: -kv[1])
         cells = [f"{figures['goodput']:.1%}" if "goodput" in figures else "not recorded",
+                 ", ".join(f"{reason.replace('_', ' ')} {share:.1%}" for reason, share in lost) or "—",
                  f"{figures['tokens_per_joule']:.4g}" if "tokens_per_joule" in figures else "—",
                  f"{figures['samples_per_joule']:.4g}" if "samples_per_joule" in figures else "—",
                  f"{figures['eta_seconds'] / 60:.0f} min" if "eta_seconds" in figures else "— (no max_steps logged)"]
