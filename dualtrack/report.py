@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import html
 import importlib.util
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, default=Path("dualtrack-records"), metavar="DIR",
                         help="where to look up run ids (default: ./dualtrack-records)")
     prometheus.add_arguments(parser, "adds GPU panels and the alerts that fired")
+    parser.add_argument("--launch", metavar="ID", default=None,
+                        help="the launch to report when a run id was launched more than once on the same "
+                             "records (default: the latest; the others are listed)")
     parser.add_argument("--png", action="store_true",
                         help="also write the figure as a PNG next to --out (same name, .png)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .records import InputError, Reader
+    from .records import InputError, Reader, launches, select_launches
     if importlib.util.find_spec("matplotlib") is None:
         return fail("report", "matplotlib is not installed: pip install 'dualtrack[report]'")
     try:
@@ -50,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("report", str(exc), 2)
     try:
         paths = resolve_inputs(args.inputs, args.records)
-        reader = Reader(paths)
+        chosen = select_launches(launches(paths), args.launch)
+        reader = Reader(paths, keep=chosen)
     except InputError as exc:
         return fail("report", str(exc), 2)
+    for line in chosen.others:
+        print(f"dualtrack report: {line}", file=sys.stderr)
     summaries = summarize(reader)
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             warn(f"{prometheus_note}; the report has the record only")
     from .plots import build_figure, save_png, svg_text
     figure = build_figure(summaries, gpu_lines)
-    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained)
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained, chosen.others)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page, encoding="utf-8")
@@ -108,11 +115,11 @@ def summarize(reader: Any) -> list[Any]:
     """One RunSummary per run (rank) in the reader, in the order they appear."""
     from .records import exported_name
     from .summary import RunSummary
-    summaries: dict[tuple[str, str, str], RunSummary] = {}
+    summaries: dict[tuple[str, str, str, str], RunSummary] = {}
     for run, line in reader:
-        summary = summaries.get(run.key)
+        summary = summaries.get(run.launch_key)
         if summary is None:
-            summary = summaries[run.key] = RunSummary(run)
+            summary = summaries[run.launch_key] = RunSummary(run)
         if "event" not in line:
             summary.add(line, exported_name)
     return list(summaries.values())
@@ -190,7 +197,8 @@ def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -
 
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,
-                reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None) -> str:
+                reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None,
+                other_launches: list[str] | None = None) -> str:
     """The whole page; every text from the record is escaped."""
     e = html.escape
     names = ", ".join(s.run.name for s in summaries)
@@ -210,6 +218,9 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                      f"{step}, batch {e(str(batch))} ({e(', '.join(keys))})</span>")
         parts.append(f"<li>{line}</li>")
     parts.append("</ul>")
+    if other_launches:
+        parts.append("<ul id=\"launches\" class=\"note\">" + "".join(f"<li>{e(line)}</li>" for line in other_launches)
+                     + "</ul>")
     parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{svg}"
                  "<figcaption class=\"note\">Long runs are downsampled keeping each bucket's minimum and "
                  "maximum; dashed red lines: first non-finite step.</figcaption></figure>")

@@ -229,7 +229,7 @@ def _full_snapshot() -> Snapshot:
                     precision="fp8", state="failed",
                     failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
-                    process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
+                    process=ProcessIdentity(1, 2, 3, "host", "4026531836", "launch-1"), dropped={"invalid_key": 2},
                     skipped_steps_total=3)
 
 

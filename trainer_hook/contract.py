@@ -134,6 +134,8 @@ SERIES: tuple[Series, ...] = (
     Series("world_size", "gauge", "Processes in the run."),
     Series("process_info", "gauge", "The process that publishes these series (join nvml_gpu_process_* on "
            "pid_namespace, and pid to their namespace_pid).", ("pid", "hostname", "pid_namespace")),
+    Series("launch_info", "gauge", "This launch of the run, value 1: a run id launched again (a restart, a "
+           "relaunch) is a new launch with its own id.", ("launch",)),
     Series("dropped_values", "counter", "Logged values that were not kept.", ("reason",)),
     Series("push_failures", "counter", "Failed pushes to the Pushgateway, and remote-write requests or "
            "batches of samples that were dropped."),
@@ -269,8 +271,9 @@ def numeric_id(batch_id: Any) -> float:
 
 # ---------------------------------------------------------------------- the exported state
 #: Keys of the record's start line that say which process wrote it (format 2; pid_namespace since it
-#: is known: with pid, the pair the exporter's per-process series match across PID namespaces).
-START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace")
+#: is known: with pid, the pair the exporter's per-process series match across PID namespaces; launch:
+#: which launch of the run id this is, shared by the ranks of one launch).
+START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace", "launch")
 
 
 class ProcessIdentity(NamedTuple):
@@ -281,6 +284,7 @@ class ProcessIdentity(NamedTuple):
     pid: int = 0
     hostname: str = ""
     pid_namespace: str = ""  # inode of the PID namespace `pid` is in (decimal): with `pid`, what NVML's host PID is
+    launch: str = ""  # this launch of the run id (settings.launch_id)
 
 
 @dataclass

@@ -69,6 +69,7 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "world_size": lambda snap, _: _one(snap.process.world_size),
     "process_info": lambda snap, _: [((str(snap.process.pid), snap.process.hostname,
                                        snap.process.pid_namespace), (1,))],
+    "launch_info": lambda snap, _: [((snap.process.launch,), (1,))] if snap.process.launch else None,
     "dropped_values": lambda snap, _: [((reason,), (snap.dropped.get(reason, 0),)) for reason in DROP_REASONS],
     "push_failures": _attribute("push_failures"),
     "record_failures": _attribute("record_failures"),
