@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
     gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
+    no_gpu: set[str] = set()
     explained: list[tuple[str, Any, dict[str, float]]] = []
     if client is not None:
         try:
-            gpu_lines, alerts = from_prometheus(client, summaries)
+            gpu_lines, alerts = from_prometheus(client, summaries, no_gpu)
             explained = explain_runs(client, summaries)
             prometheus_note = client.url
         except prometheus.QueryError as exc:
@@ -75,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
             warn(f"{prometheus_note}; the report has the record only")
     from .plots import build_figure, save_png, svg_text
     figure = build_figure(summaries, gpu_lines)
-    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained, chosen.others)
+    notes = chosen.others + [f"run {run}: the run reports no GPU (no training_gpu_info): no GPU panels"
+                             for run in sorted(no_gpu)]
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained, notes)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page, encoding="utf-8")
@@ -125,21 +128,28 @@ def summarize(reader: Any) -> list[Any]:
     return list(summaries.values())
 
 
-def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    """GPU lines mapped onto each run's steps, and the alerts that fired during the runs."""
+def from_prometheus(client: prometheus.Prometheus, summaries: list[Any],
+                    no_gpu: set[str] | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
+    """GPU lines mapped onto each run's steps, and the alerts that fired during the runs; the runs whose
+    own hook reported no GPU are added to `no_gpu` (they get no GPU lines)."""
     from .plots import GpuLine
     lines: list[GpuLine] = []
     queried: set[tuple[str, str]] = set()
+    gpuless = no_gpu if no_gpu is not None else set()
     for summary in summaries:
         start, end = summary.first_time, summary.last_time
         if start is None or summary.run.key[:2] in queried:
             continue  # one set of GPU lines per job/run: the query matches every rank's GPUs
         queried.add(summary.run.key[:2])
         selector = f"job={prometheus.quote(summary.run.job)},run={prometheus.quote(summary.run.run)}"
+        if reports_no_gpu(client, selector, start, end):
+            gpuless.add(summary.run.run)
         for panel, metric in GPU_QUERIES.items():
             found = _range(client, f"{metric} * on(uuid) group_left() max by (uuid) "
                                 f"(training_gpu_info{{{selector}}})", start, end)
             note = ""
+            if not found and summary.run.run in gpuless:
+                break  # the run itself says it has no GPU: no GPU panels
             if not found:  # no GPU info for this run (a replayed run, an old hook): every GPU
                 found, note = _range(client, metric, start, end), " (all GPUs: the run names none)"
             for series in found:
@@ -164,6 +174,14 @@ def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tupl
         alerts.append({"labels": labels, "first": min(times), "last": max(times)})
     alerts.sort(key=lambda alert: alert["first"])
     return lines, alerts
+
+
+def reports_no_gpu(client: prometheus.Prometheus, selector: str, start: float, end: float) -> bool:
+    """Whether the run's live hook (not a replay, which cannot know) published no training_gpu_info."""
+    span = f"{max(60, int(end - start) + 60)}s"
+    at = min(end + 30, time.time())
+    live = client.query(f'count(last_over_time(training_step{{{selector},replayed!="true"}}[{span}]))', at)
+    return bool(live) and not client.query(f"count(last_over_time(training_gpu_info{{{selector}}}[{span}]))", at)
 
 
 def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tuple[str, Any, dict[str, float]]]:
@@ -198,7 +216,7 @@ def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,
                 reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None,
-                other_launches: list[str] | None = None) -> str:
+                notes: list[str] | None = None) -> str:
     """The whole page; every text from the record is escaped."""
     e = html.escape
     names = ", ".join(s.run.name for s in summaries)
@@ -218,9 +236,8 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                      f"{step}, batch {e(str(batch))} ({e(', '.join(keys))})</span>")
         parts.append(f"<li>{line}</li>")
     parts.append("</ul>")
-    if other_launches:
-        parts.append("<ul id=\"launches\" class=\"note\">" + "".join(f"<li>{e(line)}</li>" for line in other_launches)
-                     + "</ul>")
+    if notes:
+        parts.append("<ul id=\"notes\" class=\"note\">" + "".join(f"<li>{e(line)}</li>" for line in notes) + "</ul>")
     parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{svg}"
                  "<figcaption class=\"note\">Long runs are downsampled keeping each bucket's minimum and "
                  "maximum; dashed red lines: first non-finite step.</figcaption></figure>")

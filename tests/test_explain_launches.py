@@ -66,3 +66,29 @@ def test_explain_takes_the_latest_launch_lists_the_other_and_says_the_run_has_no
     assert f"other launches: {ids[1]} (started " in text and "--launch ID" in text
     assert main(["explain", run, "--prometheus", prometheus.url, "--since", "10m", "--launch", "nope"]) == 1
     assert "no launch 'nope'" in capsys.readouterr().err
+
+
+def test_a_cpu_runs_report_has_no_gpu_panels_and_says_the_run_reports_no_gpu(tmp_path, start_service):
+    """A real CPU run next to a (simulated) exporter's GPUs: none of them is the run's."""
+    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
+                                                           "--sample-interval=0.2"]))
+    pgw = start_service(processes.pushgateway(tmp_path))
+    config = processes.render_prometheus_config(
+        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
+        scrape_interval="1s", evaluation_interval="1s")
+    prometheus = start_service(processes.prometheus(tmp_path, config))
+    run = run_id("cpu")
+    records = tmp_path / "records"
+    records.mkdir()
+    with TrainingMonitor(job="cpu-run", run=run, pushgateway=pgw.url, push_interval=0.2, record_path=records) as monitor:
+        trainer = Trainer()
+        processes.wait_until(lambda: [trainer.train_step(monitor)] and daemons.query(
+            prometheus.url, f'training_step{{run="{run}"}} >= 3') and len(daemons.query(
+                prometheus.url, "nvml_gpu_utilization_ratio[10s]")[0]["values"]) >= 3, 30, interval=0.2,
+            what="the run's steps and three scrapes of the GPUs")
+    out = tmp_path / "cpu.html"
+    assert main(["report", run, "--records", str(records), "--out", str(out), "--prometheus", prometheus.url]) == 0
+    page = out.read_text()
+    assert f"run {run}: the run reports no GPU" in page
+    assert ">GPU utilization<" not in page and "all GPUs" not in page
+

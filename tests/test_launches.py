@@ -60,7 +60,7 @@ def test_a_relaunched_run_reports_its_latest_launch_alone_and_names_the_other(tm
         assert shown["state"].startswith("running")  # the live launch, not the finished one
         assert shown["steps in record"] == "12" and shown["first step"].startswith("0 at")
         assert shown["last step"].startswith("11 at")  # no line wraps back from the first launch's steps
-        assert ids[0] in page.split('id="launches"')[1].split("</ul>")[0]
+        assert ids[0] in page.split('id="notes"')[1].split("</ul>")[0]
 
         earlier = tmp_path / "earlier.html"
         assert main(["report", run, "--records", str(records), "--out", str(earlier), "--launch", ids[0]]) == 0
