@@ -648,8 +648,9 @@ def hyper_parameter_causes(reader: Reader, event: Event) -> list[Cause]:
             if before > 0 and value > 0 and max(value / before, before / value) >= limits.HYPER_JUMP:
                 moved = "jumped" if value > before else "fell"
                 label = name.replace("_", " ")
+                span = _ago(max(now, event.time) - then)
                 causes.append(Cause("hyperparameter", f"{name} {moved} from {before:.4g} to {value:.4g} "
-                                                      f"(x{value / before:.3g}) in the {_ago(max(now, event.time) - then)} up to the event",
+                                                      f"(x{value / before:.3g}) in the {span} up to the event",
                                     limits.score("hyperparameter"), f"after the {label} {moved} from {before:.4g} "
                                                                     f"to {value:.4g}"))
                 break
@@ -777,8 +778,8 @@ def render_text(found: Timeline) -> str:
     lines = [f"run {found.run} (job {found.job}){launch}: {utc(found.start)} to {utc(found.end)}; "
              f"GPUs: {gpus or 'none (the run reports no GPU)'}"]
     if found.other_launches:
-        lines.append("other launches: " + ", ".join(f"{o['launch']} (started {utc(o['start'])})" for o in found.other_launches)
-                     + "; pick one with --launch ID")
+        others = ", ".join(f"{o['launch']} (started {utc(o['start'])})" for o in found.other_launches)
+        lines.append(f"other launches: {others}; pick one with --launch ID")
     if not found.events:
         lines.append("no model-track event (non-finite values, spikes, slowdowns, stragglers, data starvation, "
                      "loss-scale collapse, OOM, failure): nothing to explain")

@@ -20,7 +20,8 @@ NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
                     "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike", "lr-jump")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig",
+             "mig-oom", "gpu-lost", "fine-tune-spike", "lr-jump")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -176,7 +177,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             values["training_last_update_timestamp_seconds"] = base + at
             for name, value in values.items():
                 lines.append(f"{name}{{{train}}} {value}{ts}")
-            lines.append(f'training_nonfinite_values_total{{{train},key="loss"}} {values["training_nonfinite_steps_total"]}{ts}')
+            nonfinite = values["training_nonfinite_steps_total"]
+            lines.append(f'training_nonfinite_values_total{{{train},key="loss"}} {nonfinite}{ts}')
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')

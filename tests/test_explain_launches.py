@@ -10,7 +10,7 @@ import pytest
 from dualtrack.cli import main
 from stack import processes
 from tests import daemons
-from tests.hook_support import Trainer, run_id
+from tests.hook_support import Trainer, live_stack, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
@@ -70,17 +70,12 @@ def test_explain_takes_the_latest_launch_lists_the_other_and_says_the_run_has_no
 
 def test_a_cpu_runs_report_has_no_gpu_panels_and_says_the_run_reports_no_gpu(tmp_path, start_service):
     """A real CPU run next to a (simulated) exporter's GPUs: none of them is the run's."""
-    exporter = start_service(processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=2",
-                                                           "--sample-interval=0.2"]))
-    pgw = start_service(processes.pushgateway(tmp_path))
-    config = processes.render_prometheus_config(
-        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
-        scrape_interval="1s", evaluation_interval="1s")
-    prometheus = start_service(processes.prometheus(tmp_path, config))
+    pgw, _, prometheus = live_stack(tmp_path, start_service, "--simulate=healthy", "--simulate.gpus=2")
     run = run_id("cpu")
     records = tmp_path / "records"
     records.mkdir()
-    with TrainingMonitor(job="cpu-run", run=run, pushgateway=pgw.url, push_interval=0.2, record_path=records) as monitor:
+    with TrainingMonitor(job="cpu-run", run=run, pushgateway=pgw.url, push_interval=0.2,
+                         record_path=records) as monitor:
         trainer = Trainer()
         processes.wait_until(lambda: [trainer.train_step(monitor)] and daemons.query(
             prometheus.url, f'training_step{{run="{run}"}} >= 3') and len(daemons.query(

@@ -130,8 +130,9 @@ def _launcher_id() -> tuple[str, str]:
 
 def launch_id() -> str:
     """This launch's id, the same on every rank of it: the launcher's id (torchrun's run id, Slurm's
-    job[.step], the PMIx namespace or Open MPI's job id) with ".restart<n>" after its n-th restart, else one made from the time and a random suffix.
-    A run id launched again gets a new one, so that its launches are never mixed."""
+    job[.step], the PMIx namespace or Open MPI's job id) with ".restart<n>" after its n-th restart,
+    else one made from the time and a random suffix. A run id launched again gets a new one, so that
+    its launches are never mixed."""
     launcher, restarts = _launcher_id()
     launcher = launcher or os.environ.get("PMIX_NAMESPACE", "") or os.environ.get("OMPI_MCA_ess_base_jobid", "")
     if not launcher:
