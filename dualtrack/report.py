@@ -197,10 +197,14 @@ def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tu
             continue
         seen.add((job, run))
         start, end = summary.first_time - WINDOW, min(summary.last_time + WINDOW, time.time())
-        try:
-            explained = timeline(client, run, start, end)
-        except ExplainError:
-            explained = None
+        explained = None
+        # The launch reported (Prometheus names it as the record does), else whatever ran then.
+        for launch in dict.fromkeys((summary.run.launch or None, None)):
+            try:
+                explained = timeline(client, run, start, end, launch)
+                break
+            except ExplainError:
+                continue
         found.append((summary.run.name if len(summaries) == 1 else run, explained,
                       run_goodput(client, job, run, summary.first_time, summary.last_time)))
     return found
