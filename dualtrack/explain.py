@@ -48,9 +48,10 @@ GRAD_SPIKE = """(
 #: before"): one expression, evaluated by Prometheus for both (tests/test_explain.py checks the rule's).
 GRAD_SPIKE_RATIO = ("max_over_time(training_grad_norm_max{SEL}[2m]) / "
                     "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)")
-#: Hyper-parameters whose change at or just before a numerics event is a cause: name -> series.
-HYPER_PARAMETERS = {"learning_rate": "training_learning_rate", "loss_scale": "training_loss_scale",
-                    "batch_size": "training_batch_size"}
+#: Hyper-parameters whose change at or just before a numerics event is a cause: name -> series, the
+#: first the hook exports (a learning rate's window maximum shows a jump that a rollback undid in the push).
+HYPER_PARAMETERS = {"learning_rate": ("training_learning_rate_max", "training_learning_rate"),
+                    "loss_scale": ("training_loss_scale",), "batch_size": ("training_batch_size",)}
 DEFAULT_LOOKBACK = 7 * 86400.0
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
@@ -636,10 +637,12 @@ def hyper_parameter_causes(reader: Reader, event: Event) -> list[Cause]:
     shown = event.time + reader.res  # the first sample at or after the event is in (time, time + res]
     window = f"{int(limits.HYPER_WINDOW + reader.res)}s"
     causes = []
-    for name, series in HYPER_PARAMETERS.items():
+    for name, candidates in HYPER_PARAMETERS.items():
         if name == "loss_scale" and event.kind == "loss_scale_collapse":
             continue  # the collapse is the loss scale's own fall
-        found = reader.client.query(f"{series}{{{sel}}}[{window}]", shown)
+        found = []
+        for series in candidates:
+            found = found or reader.client.query(f"{series}{{{sel}}}[{window}]", shown)
         values = [(float(t), float(v)) for s in found[:1] for t, v in s["values"]]
         after = next((i for i, (at, _) in enumerate(values) if at >= event.time), len(values) - 1)
         for (then, before), (now, value) in reversed(list(zip(values[:after + 1], values[1:after + 1]))):

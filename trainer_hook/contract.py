@@ -36,7 +36,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
 DEFAULT_PRECISION = "bf16"
 #: Keys exported with a window maximum (training_<key>_max) and its step (training_<key>_max_step).
-WINDOW_MAX_KEYS = ("loss", "grad_norm")
+WINDOW_MAX_KEYS = ("loss", "grad_norm", "learning_rate")
 #: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.
 OVERFLOW_KEYS = ("grad_norm",)
 
