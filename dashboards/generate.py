@@ -576,8 +576,8 @@ def training_run() -> dashboard.Dashboard:
     board = board.with_row(dashboard.Row("Goodput: GPU-seconds that counted, tokens per joule, ETA").collapsed(False))
     for panel in [
         graph("Goodput", "Share of the run's GPU-seconds in steps that counted: not waiting for data or idle, not "
-              "skipped (loss-scale overflow), not stalled or restarting (rules/goodput.yml).", "percentunit",
-              [("{{run}}", f"job_run:training_goodput:ratio_rate5m{{{JOB_RUN}}}")], width=6),
+              "skipped (loss-scale overflow) nor non-finite (NaN/Inf), not stalled or restarting (rules/goodput.yml).",
+              "percentunit", [("{{run}}", f"job_run:training_goodput:ratio_rate5m{{{JOB_RUN}}}")], width=6),
         single("Goodput over the range", "The run's goodput averaged over the dashboard's time range: the share of "
                "its GPU-seconds that counted.", "percentunit",
                [("{{run}}", f"avg_over_time(job_run:training_goodput:ratio_rate5m{{{JOB_RUN}}}[$__range])")],
@@ -589,6 +589,10 @@ def training_run() -> dashboard.Dashboard:
         single("ETA", "Time left at the last 5 minutes' step rate, for runs that log max_steps (log(max_steps=N)); "
                "the slowest rank's.", "s", [("{{run}}", f"job_run:training_eta_seconds:rate5m{{{JOB_RUN}}}")],
                width=6, height=8, instant=True, text_mode=cm.BigValueTextMode.VALUE_AND_NAME),
+        graph("Goodput lost, by reason", "Share of the run's GPU-seconds lost to each reason: non-finite steps, "
+              "steps skipped for loss-scale overflow, waiting (for data, or the GPU idle), running without "
+              "stepping, a restart under way (rules/goodput.yml).", "percentunit",
+              [("{{run}} {{reason}}", f"job_run_reason:training_lost:ratio_rate5m{{{JOB_RUN}}}")], width=24),
         graph("MFU", "Model FLOPs utilization: the run's model FLOP/s (training_model_flops_total: flops_per_token "
               "or flops_per_sample x what it logs, else 6 x parameters x tokens) over the dense peak FLOP/s of its "
               "GPUs at the run's precision (NVIDIA's datasheets, rules/gpu_peaks.yml). Empty for GPU models not in "

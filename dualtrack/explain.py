@@ -44,6 +44,14 @@ GRAD_SPIKE = """(
   and
     count_over_time(training_grad_norm_max{SEL}[30m] offset 2m) >= 5
 )"""
+#: The spike's size, as TrainingGradientExplosion's description says it ("Nx its median over the 30 min
+#: before"): one expression, evaluated by Prometheus for both (tests/test_explain.py checks the rule's).
+GRAD_SPIKE_RATIO = ("max_over_time(training_grad_norm_max{SEL}[2m]) / "
+                    "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)")
+#: Hyper-parameters whose change at or just before a numerics event is a cause: name -> series, the
+#: first the hook exports (a learning rate's window maximum shows a jump that a rollback undid in the push).
+HYPER_PARAMETERS = {"learning_rate": ("training_learning_rate_max", "training_learning_rate"),
+                    "loss_scale": ("training_loss_scale",), "batch_size": ("training_batch_size",)}
 DEFAULT_LOOKBACK = 7 * 86400.0
 THROTTLE_KINDS = {"thermal_throttle": ("sw_thermal_slowdown", "hw_thermal_slowdown"),
                   "power_throttle": ("sw_power_cap", "hw_power_brake_slowdown"),
@@ -54,9 +62,9 @@ PROCESS_MEMORY = "nvml_gpu_process_memory_used_bytes"
 PROCESS_SM = "nvml_gpu_process_sm_utilization_ratio"
 #: The causes that can explain each kind of event (nothing else is looked for, so nothing is invented).
 RELEVANT = {
-    "nonfinite": {"gpu_lost", "xid", "ecc", "remapped_rows"},
-    "grad_spike": {"gpu_lost", "xid", "ecc", "remapped_rows"},
-    "loss_scale_collapse": {"gpu_lost", "xid", "ecc", "remapped_rows"},
+    "nonfinite": {"gpu_lost", "xid", "ecc", "remapped_rows", "hyperparameter"},
+    "grad_spike": {"gpu_lost", "xid", "ecc", "remapped_rows", "hyperparameter"},
+    "loss_scale_collapse": {"gpu_lost", "xid", "ecc", "remapped_rows", "hyperparameter"},
     "step_time_regression": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "straggler": HARDWARE | {"co_tenant", "memory_pressure", "data_wait"},
     "data_starvation": {"data_wait"},
@@ -66,7 +74,8 @@ RELEVANT = {
 }
 VERDICT = {"co_tenant": "another process on the GPU, not the model",
            "memory_pressure": "GPU memory, not the model's numerics",
-           "data_wait": "the input pipeline, not the GPU or the model"}
+           "data_wait": "the input pipeline, not the GPU or the model",
+           "hyperparameter": "a hyper-parameter change, not the GPU"}
 
 
 class ExplainError(Exception):
@@ -108,10 +117,13 @@ class Timeline:
     gpus: dict[str, str]  # rank -> uuid
     events: list[Event]
     parent_gpus: dict[str, str] = field(default_factory=dict)  # rank on a MIG instance -> its parent GPU's uuid
+    launch: str | None = None  # the launch explained (None: the run names none)
+    other_launches: list[dict[str, Any]] = field(default_factory=list)  # {"launch", "start"} of the others
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "job": self.job, "start": self.start, "end": self.end,
-                "gpus": self.gpus, "parent_gpus": self.parent_gpus, "events": [e.to_json() for e in self.events]}
+                "gpus": self.gpus, "parent_gpus": self.parent_gpus, "launch": self.launch,
+                "other_launches": self.other_launches, "events": [e.to_json() for e in self.events]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="look for the run from TIME: unix seconds, ISO 8601 (2026-12-03T10:00:00Z) "
                              "or a duration ago (90m, 6h, 2d); default 7 days before --until")
     parser.add_argument("--until", metavar="TIME", default=None, help="... up to TIME (default: now)")
+    parser.add_argument("--launch", metavar="ID", default=None,
+                        help="the launch to explain when the run id was launched more than once (default: the "
+                             "latest in the window; the others are listed)")
     parser.add_argument("--json", action="store_true", help="print the timeline as JSON")
 
 
@@ -137,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if client is None:
         return fail("explain", f"no Prometheus: pass --prometheus URL or set ${prometheus.ENV_URL}", 2)
     try:
-        found = timeline(client, args.run_id, since, until)
+        found = timeline(client, args.run_id, since, until, args.launch)
     except ExplainError as exc:
         return fail("explain", str(exc))
     except prometheus.QueryError as exc:
@@ -187,7 +202,9 @@ class Reader:
         span = max(60.0, until - since)
         rng = f"{int(span)}s"
         starts = client.query(f"min(min_over_time(training_start_timestamp_seconds{{{self.selector}}}[{rng}]))", until)
-        ends = client.query(f"max(max_over_time(training_last_update_timestamp_seconds{{{self.selector}}}[{rng}]))", until)
+        # 0 until a step is logged: no end yet
+        ends = client.query(f"max(max_over_time(training_last_update_timestamp_seconds{{{self.selector}}}[{rng}]) > 0)",
+                            until)
         jobs = client.query(f"count by (job, rank) (last_over_time(training_step{{{self.selector}}}[{rng}]))", until)
         if not jobs:
             raise ExplainError(f"run {run!r}: no training_step series between {utc(since)} and {utc(until)} "
@@ -224,17 +241,56 @@ class Reader:
         return int(float(found[0]["value"][1])) if found else None
 
 
-def timeline(client: prometheus.Prometheus, run: str, since: float, until: float) -> Timeline:
-    """Every event of the run with its ranked causes. Raises ExplainError, prometheus.QueryError."""
+def timeline(client: prometheus.Prometheus, run: str, since: float, until: float,
+             launch: str | None = None) -> Timeline:
+    """Every event of the run (of its latest launch in the window, or of `launch`) with its ranked
+    causes, in time order (a cause's event at the same time before its effect's: by step). Raises
+    ExplainError, prometheus.QueryError."""
+    found = launches(client, run, since, until)
+    chosen = None
+    if found:
+        if launch is not None and launch not in found:
+            raise ExplainError(f"run {run!r}: no launch {launch!r} between {utc(since)} and {utc(until)} "
+                               f"(launches: {', '.join(found)})")
+        chosen = launch if launch is not None else max(found, key=lambda name: (found[name], name))
+        seen = found[chosen][1]
+        later = [first for first in (f for _, f in found.values()) if first > seen]
+        since, until = max(since, seen), min([until, *(first - 1 for first in later)])
     reader = Reader(client, run, since, until)
     events = (nonfinite_events(reader) + grad_spikes(reader) + slowdowns(reader) + starvation(reader)
               + loss_scale_collapses(reader) + ends(reader) + replica_divergences(reader))
-    events.sort(key=lambda e: (e.time, e.kind))
+    events.sort(key=lambda e: (e.time, e.step if e.step is not None else math.inf, e.kind))
     for event in events:
         event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
         event.causes = find_causes(reader, event)
-        event.sentence = sentence(event, len(reader.ranks))
-    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events, reader.parents)
+        event.sentence = sentence(event, len(reader.ranks), bool(reader.gpus))
+    others = [{"launch": name, "start": start} for name, (start, _) in sorted(found.items(), key=lambda x: x[1])
+              if name != chosen]
+    return Timeline(run, reader.job, reader.start, reader.end, reader.gpus, events, reader.parents, chosen, others)
+
+
+def launches(client: prometheus.Prometheus, run: str, since: float, until: float) -> dict[str, tuple[float, float]]:
+    """The run's launches in the window: launch id -> (its start, when Prometheus first had it). A hook
+    that names no launch (training_launch_info) has one per start time, named as `dualtrack report`
+    names them. Each launch's series take over the same labels as the one before it: what is before a
+    launch's first sample is the previous launch's."""
+    from .records import LAUNCH_TIME_FORMAT
+    sel = f"run={prometheus.quote(run)}"
+    step = max(1.0, math.ceil((until - since) / MAX_POINTS))
+    rng = f"{int(step)}s"
+    starts = dict(_values(found[0])) if (found := client.query_range(
+        f"min(max_over_time(training_start_timestamp_seconds{{{sel}}}[{rng}]))", since, until, step)) else {}
+    found: dict[str, tuple[float, float]] = {}
+    for series in client.query_range(f"max by (launch) (last_over_time(training_launch_info{{{sel}}}[{rng}]))",
+                                     since, until, step):
+        first = series["values"][0][0]
+        found[series["metric"].get("launch", "")] = (starts.get(first, first), first)
+    unnamed = client.query_range(f"min(max_over_time(training_start_timestamp_seconds{{{sel}}}[{rng}]) unless on (job, "
+                                 f"run, rank, instance) last_over_time(training_launch_info{{{sel}}}[{rng}]))",
+                                 since, until, step)
+    for at, value in _values(unnamed[0]) if unnamed else []:
+        found.setdefault(time.strftime(LAUNCH_TIME_FORMAT, time.gmtime(value)), (value, at))
+    return found
 
 
 def _rank_key(rank: str) -> tuple[int, str]:
@@ -266,7 +322,8 @@ def nonfinite_events(reader: Reader) -> list[Event]:
         for at, value in values:
             if value >= 0 and value != seen:
                 at = _refine(reader, f"training_first_nonfinite_step{{{reader.selector},rank={prometheus.quote(rank)}}} == {value!r}", at)
-                hits.append((at, rank, int(value), _nonfinite_keys(reader, rank, at) + " non-finite"))
+                keys = _nonfinite_keys(reader, rank, at)
+                hits.append((step_time(reader, rank, int(value), at), rank, int(value), keys + " non-finite"))
             seen = value
     return _group(hits, "nonfinite", 2 * reader.res)
 
@@ -288,23 +345,55 @@ def _refine(reader: Reader, expr: str, at: float) -> float:
 
 def grad_spikes(reader: Reader) -> list[Event]:
     """Where TrainingGradientExplosion's condition holds (GRAD_SPIKE: the 2-min maximum of the
-    gradient norm above 10x its median over the 30 min before): one event per spike and rank."""
-    spikes = reader.by_rank(GRAD_SPIKE)
-    medians = dict((rank, dict(values)) for rank, values in reader.by_rank(
-        "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)").items())
-    steps = reader.by_rank("max_over_time(training_grad_norm_max_step{SEL}[2m])")
+    gradient norm above 10x its median over the 30 min before): one event per spike and rank, at the
+    first second it holds, its size GRAD_SPIKE_RATIO there (what the alert's description says)."""
     hits = []
-    for rank, values in spikes.items():
-        step_of = dict(steps.get(rank, []))
+    for rank, values in reader.by_rank(GRAD_SPIKE).items():
+        sel = f"{reader.selector},rank={prometheus.quote(rank)}"
         last_hit = -math.inf
         for at, value in values:
-            median = medians.get(rank, {}).get(at)
-            if at - last_hit > 300 and median:
-                step = step_of.get(at)
-                hits.append((at, rank, int(step) if step is not None else None,
-                             f"gradient norm {value:.3g}, {value / median:.0f}x its 30-min median"))
+            if at - last_hit > 300:
+                at = _refine(reader, GRAD_SPIKE.replace("{SEL}", "{" + sel + "}"), at)
+                ratio = _instant(reader, GRAD_SPIKE_RATIO.replace("{SEL}", "{" + sel + "}"), at)
+                # The largest norm of the spike's window, and the step that logged it.
+                norm = _instant(reader, f"max_over_time(training_grad_norm_max{{{sel}}}[2m])", at)
+                step = _instant(reader, f"max_over_time((training_grad_norm_max_step{{{sel}}} and on (job, run, rank, "
+                                        f"instance) training_grad_norm_max{{{sel}}} >= {norm!r})[2m:])", at) \
+                    if norm is not None else None
+                step = int(step) if step is not None else None
+                size = f", {ratio:.3g}x its median over the 30 min before" if ratio is not None else ""
+                hits.append((step_time(reader, rank, step, at) if step is not None else at, rank, step,
+                             f"gradient norm {norm if norm is not None else value:.3g}{size}"))
             last_hit = at
     return _group(hits, "grad_spike", 2 * reader.res)
+
+
+def _instant(reader: Reader, expr: str, at: float) -> float | None:
+    """The (first) value of `expr` at `at`, or None."""
+    found = reader.client.query(expr, at)
+    return float(found[0]["value"][1]) if found else None
+
+
+def step_time(reader: Reader, rank: str, step: int, seen: float) -> float:
+    """When the rank logged `step`, by its own clock: between the pushes before and at `seen` (the first
+    sample that showed it), the time of its last update interpolated on the steps. `seen` when unknown."""
+    sel = f"{reader.selector},rank={prometheus.quote(rank)}"
+    window = f"{int(2 * reader.res + 300)}s"
+    pairs = {}
+    for name in ("training_step", "training_last_update_timestamp_seconds"):
+        for series in reader.client.query(f"{name}{{{sel}}}[{window}]", seen)[:1]:
+            for at, value in series["values"]:
+                pairs.setdefault(float(at), {})[name] = float(value)
+    points = sorted((p["training_step"], p["training_last_update_timestamp_seconds"]) for p in pairs.values()
+                    if len(p) == 2)
+    after = next((i for i, (logged, _) in enumerate(points) if logged >= step), None)
+    if after is None:
+        return seen
+    logged, update = points[after]
+    if after == 0 or logged == step:
+        return min(seen, update)
+    before, then = points[after - 1]
+    return min(seen, then + (update - then) * (step - before) / (logged - before))
 
 
 def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], start: int,
@@ -555,9 +644,41 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
             causes.append(Cause("data_wait", f"rank {rank} waited for data up to {share:.0%} of the time in the "
                                              f"{WINDOW / 60:.0f} min before",
                                 limits.data_wait_score(share), f"with rank {rank} waiting for data {share:.0%} of the time"))
+    if "hyperparameter" in wanted and event.rank is not None:
+        causes.extend(hyper_parameter_causes(reader, event))
     causes.sort(key=lambda c: -c.score)
-    return causes or [Cause("none_found", f"no infra evidence on {', '.join(uuids) or 'the run (no training_gpu_info)'} "
-                                          f"in the {WINDOW / 60:.0f} min before", 0.0, "")]
+    where = ", ".join(uuids) if uuids else "the run's GPUs: the run reports no GPU"
+    return causes or [Cause("none_found", f"no infra evidence on {where} in the {WINDOW / 60:.0f} min before", 0.0, "")]
+
+
+def hyper_parameter_causes(reader: Reader, event: Event) -> list[Cause]:
+    """A logged hyper-parameter (HYPER_PARAMETERS) that changed HYPER_JUMP-fold or more from a sample at
+    most HYPER_WINDOW before the event to the first sample that showed the event: its values before and after."""
+    sel = f"{reader.selector},rank={prometheus.quote(event.rank)}"
+    shown = event.time + reader.res  # the first sample at or after the event is in (time, time + res]
+    window = f"{int(limits.HYPER_WINDOW + reader.res)}s"
+    causes = []
+    for name, candidates in HYPER_PARAMETERS.items():
+        if name == "loss_scale" and event.kind == "loss_scale_collapse":
+            continue  # the collapse is the loss scale's own fall
+        found = []
+        for series in candidates:
+            found = found or reader.client.query(f"{series}{{{sel}}}[{window}]", shown)
+        values = [(float(t), float(v)) for s in found[:1] for t, v in s["values"]]
+        after = next((i for i, (at, _) in enumerate(values) if at >= event.time), len(values) - 1)
+        for (then, before), (now, value) in reversed(list(zip(values[:after + 1], values[1:after + 1]))):
+            if then < event.time - limits.HYPER_WINDOW:
+                break
+            if before > 0 and value > 0 and max(value / before, before / value) >= limits.HYPER_JUMP:
+                moved = "jumped" if value > before else "fell"
+                label = name.replace("_", " ")
+                span = _ago(max(now, event.time) - then)
+                causes.append(Cause("hyperparameter", f"{name} {moved} from {before:.4g} to {value:.4g} "
+                                                      f"(x{value / before:.3g}) in the {span} up to the event",
+                                    limits.score("hyperparameter"), f"after the {label} {moved} from {before:.4g} "
+                                                                    f"to {value:.4g}"))
+                break
+    return causes
 
 
 @dataclass(frozen=True)
@@ -645,8 +766,9 @@ def _counter_cause(series: dict[str, Any], event: Event, where: Callable[[str], 
                   counter.phrase.format_map(fields))]
 
 
-def sentence(event: Event, ranks: int) -> str:
-    """One plain sentence: what, where, the top cause, the other ranks, the verdict."""
+def sentence(event: Event, ranks: int, gpus: bool = True) -> str:
+    """One plain sentence: what, where, the top cause, the other ranks, the verdict (`gpus`: whether the
+    run reports any GPU; a run that reports none is not said to have GPU evidence or not)."""
     who = f" on rank {event.rank}" + (f" ({event.gpu_uuid})" if event.gpu_uuid else "") if event.rank is not None else ""
     text = f"step {event.step if event.step is not None else '?'}: {event.detail}{who}"
     top = event.causes[0] if event.causes else None
@@ -661,9 +783,10 @@ def sentence(event: Event, ranks: int) -> str:
             text += f"; also rank(s) {', '.join(sorted(event.others, key=_rank_key))}"
     if top is None or top.kind == "none_found":
         if event.kind in ("nonfinite", "grad_spike", "loss_scale_collapse"):
-            text += ": no GPU evidence, so the model or its input"
+            text += ": no GPU evidence, so the model or its input" if gpus else \
+                ": the run reports no GPU and no hyper-parameter changed, so the model or its input"
         else:
-            text += ": no GPU or input evidence found"
+            text += ": no GPU or input evidence found" if gpus else ": the run reports no GPU; no input evidence found"
     elif top.kind in HARDWARE:
         text += ": hardware, not the model"
     else:
@@ -675,7 +798,12 @@ def render_text(found: Timeline) -> str:
     """The timeline as plain text: a header line, then each event and its ranked causes."""
     gpus = ", ".join(f"rank {r} {u}" + (f" (on {found.parent_gpus[r]})" if r in found.parent_gpus else "")
                      for r, u in sorted(found.gpus.items(), key=lambda x: _rank_key(x[0])))
-    lines = [f"run {found.run} (job {found.job}): {utc(found.start)} to {utc(found.end)}; GPUs: {gpus or 'unknown (no training_gpu_info)'}"]
+    launch = f" launch {found.launch}" if found.launch else ""
+    lines = [f"run {found.run} (job {found.job}){launch}: {utc(found.start)} to {utc(found.end)}; "
+             f"GPUs: {gpus or 'none (the run reports no GPU)'}"]
+    if found.other_launches:
+        others = ", ".join(f"{o['launch']} (started {utc(o['start'])})" for o in found.other_launches)
+        lines.append(f"other launches: {others}; pick one with --launch ID")
     if not found.events:
         lines.append("no model-track event (non-finite values, spikes, slowdowns, stragglers, data starvation, "
                      "loss-scale collapse, OOM, failure): nothing to explain")

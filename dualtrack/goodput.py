@@ -16,11 +16,16 @@ QUERIES = {
     # seconds paused (monitor.paused()) per reason, its ranks' mean: one figure "paused_seconds:<reason>" each
     "paused_seconds": "avg by (reason) (max_over_time(training_paused_seconds_total{SEL}[RANGE]))",
 }
+#: What the run lost, by reason, as a share of its life's goodput evaluations (a reason that held for
+#: part of the run counts for that part): rules/goodput.yml's job_run_reason:training_lost:ratio_rate5m.
+LOST = ("sum by (reason) (sum_over_time(job_run_reason:training_lost:ratio_rate5m{SEL}[RANGE])) / scalar("
+        "sum(count_over_time(job_run:training_goodput:ratio_rate5m{SEL}[RANGE])))")
 
 
 def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float, end: float) -> dict[str, float]:
     """The figures Prometheus recorded for the run between `start` and `end` (absent ones left out); a
-    query answering per `reason` gives one figure per reason, named "<figure>:<reason>"."""
+    query answering per `reason` gives one figure per reason, named "<figure>:<reason>"; and
+    "lost_<reason>" for each reason the run lost GPU-seconds to (non-finite, skipped steps...)."""
     values = {"SEL": f"job={prometheus.quote(job)},run={prometheus.quote(run)}",
               "RANGE": f"{max(60, int(end - start) + 60)}s"}
     found: dict[str, float] = {}
@@ -31,4 +36,10 @@ def run_goodput(client: prometheus.Prometheus, job: str, run: str, start: float,
         for series in result:
             reason = series["metric"].get("reason")
             found.setdefault(name if reason is None else f"{name}:{reason}", float(series["value"][1]))
+    if "goodput" in found:
+        lost = client.query(re.sub("SEL|RANGE", lambda placeholder: values[placeholder[0]], LOST), end)
+        for series in lost:
+            share = float(series["value"][1])
+            if share > 0 and series["metric"].get("reason"):
+                found["lost_" + series["metric"]["reason"]] = share
     return found

@@ -139,6 +139,7 @@ class RunSeries:
         # The slow series
         self._states_heads = tuple((name, head("run_state", name)) for name in RUN_STATES)
         self._run_info = sample_head(SERIES_BY_NAME["run_info"], self.info_labels)
+        self._launch_info = head("launch_info", run.launch) if run.launch else None
         self._start_time, self._last_update = head("start_timestamp_seconds"), head("last_update_timestamp_seconds")
         self._start_fields = tuple((key, sample_head(series, labels)) for key, series in _START_FIELDS)
         self._markers = tuple((name, sample_head(series, labels)) for name, series in _MARKERS)
@@ -297,6 +298,8 @@ class RunSeries:
         start, state = self.run.start, self._run.state
         out = self._states(run_state, ts)
         out.append(f"{self._run_info}1{ts}")
+        if self._launch_info is not None:
+            out.append(f"{self._launch_info}1{ts}")
         if self.run.start_time is not None:
             out.append(f"{self._start_time}{floatToGoString(self.run.start_time)}{ts}")
         out.append(f"{self._last_update}{floatToGoString(state.last_update)}{ts}")

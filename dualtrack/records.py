@@ -25,7 +25,7 @@ import time as clock
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from trainer_hook.contract import (FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value,
                                    metric_suffix)
@@ -49,6 +49,8 @@ MAX_DEPTH = 64
 MAX_STEP = 2 ** 53
 #: How far a line's time may be before its run's start, or after the present (clock steps, skew).
 CLOCK_SLACK_SECONDS = 3600.0
+#: The launch id of a start line that names none (older hooks): its start time, UTC.
+LAUNCH_TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 #: A lone surrogate can come escaped or as raw bytes (json.loads decodes with "surrogatepass").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -73,10 +75,16 @@ class Run:
     start: dict[str, Any]
     end: dict[str, Any] | None = None
     steps: int = 0
+    launch: str = ""  # which launch of the run id (the start line's, else its start time)
 
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.job, self.run, self.rank)
+
+    @property
+    def launch_key(self) -> tuple[str, str, str, str]:
+        """The rank in one launch of its run: a run id launched again is another Run."""
+        return (self.job, self.run, self.rank, self.launch)
 
     @property
     def name(self) -> str:
@@ -223,11 +231,12 @@ class Reader:
     non-finite (not an overflow of a skipped step), as the live hook counts them. `problems` and `runs` fill in as it goes.
     """
 
-    def __init__(self, paths: Iterable[str | Path]) -> None:
+    def __init__(self, paths: Iterable[str | Path], keep: Callable[[Run], bool] | None = None) -> None:
         self.problems = Problems()
         self.files = expand(paths, self.problems)
         self.problems.files = len(self.files)
-        self.runs: dict[tuple[str, str, str], Run] = {}
+        self.runs: dict[tuple[str, str, str, str], Run] = {}  # by launch_key
+        self.keep = keep  # which runs' lines to yield (None: all)
         self.consumed = 0  # bytes of the records read so far, skipped lines included
 
     def no_steps(self) -> str:
@@ -288,7 +297,7 @@ class Reader:
                         self.problems.add("step line before any start line", where)
                     elif (bad := _bad_time(step["time"], current)) is not None:
                         self.problems.add(bad, where)
-                    else:
+                    elif self.keep is None or self.keep(current):
                         step["time"] = float(step["time"])
                         current.steps += 1
                         yield current, step
@@ -309,7 +318,7 @@ class Reader:
                         self.problems.add("corrupt line", where)
                     elif (bad := _bad_time(line["time"], current)) is not None:
                         self.problems.add(bad, where)
-                    else:
+                    elif self.keep is None or self.keep(current):
                         line["time"] = float(line["time"])
                         current.end = line
                         yield current, line
@@ -323,18 +332,81 @@ class Reader:
             self.problems.add("corrupt line", where)
             return None
         version = line.get("format", 1)
-        if isinstance(version, int) and version > KNOWN_FORMAT and (job, run, rank) not in self.runs:
-            self.problems.newer_format += 1
-        known = self.runs.get((job, run, rank))
-        if known is not None:
-            return known
         start_time = line.get("time")
         usable = type(start_time) in (int, float) and _bad_time(start_time, None) is None
+        launch = line.get("launch")
+        # A record written before launches were named: each start time is a launch.
+        launch = label_value(launch) if isinstance(launch, str) and launch.strip() else \
+            clock.strftime(LAUNCH_TIME_FORMAT, clock.gmtime(start_time)) if usable else ""
+        if isinstance(version, int) and version > KNOWN_FORMAT and (job, run, rank, launch) not in self.runs:
+            self.problems.newer_format += 1
+        known = self.runs.get((job, run, rank, launch))
+        if known is not None:
+            return known
         made = Run(job=job, run=run, rank=rank, instance=label_value(line.get("instance", "")),
                    start_time=float(start_time) if usable else None,
-                   format=version if isinstance(version, int) else 1, start=line)
-        self.runs[made.key] = made
+                   format=version if isinstance(version, int) else 1, start=line, launch=launch)
+        self.runs[made.launch_key] = made
         return made
+
+
+def launches(paths: Iterable[str | Path]) -> list[Run]:
+    """Every launch of every rank in the records, as Runs without steps: a quick pass that parses
+    start lines only. Raises InputError as Reader does."""
+    reader = Reader(paths)
+    for path in reader.files:
+        try:
+            handle = open_record(path)
+        except (InputError, OSError):
+            continue  # the reading pass reports it
+        with handle:
+            for raw in lines(handle):
+                if raw is not None and b'"start"' in raw:
+                    line = _parse(raw)
+                    if line is not None and line.get("event") == "start":
+                        reader._start(line, path.name)
+    return list(reader.runs.values())
+
+
+@dataclass
+class Launches:
+    """Which launch of each job/run to read (the latest, or the one asked for) and the others."""
+
+    keep: set[tuple[str, str, str]]  # (job, run, launch)
+    others: list[str]  # one line per job/run launched more than once
+
+    def __call__(self, run: Run) -> bool:
+        return (run.job, run.run, run.launch) in self.keep
+
+
+def select_launches(runs: Iterable[Run], wanted: str | None = None) -> Launches:
+    """The latest launch of each job/run (by its first rank's start), or the launch `wanted`; a line
+    naming the others for each job/run that has them. Raises InputError when no run has `wanted`."""
+    starts: dict[tuple[str, str], dict[str, float]] = {}
+    for run in runs:
+        found = starts.setdefault((run.job, run.run), {})
+        start = run.start_time if run.start_time is not None else -math.inf
+        found[run.launch] = min(found.get(run.launch, math.inf), start)
+    if wanted is not None and not any(wanted in found for found in starts.values()):
+        known = sorted({launch for found in starts.values() for launch in found})
+        raise InputError(f"--launch {wanted}: no such launch in the records (launches: {', '.join(known)})")
+    keep: set[tuple[str, str, str]] = set()
+    others = []
+    for (job, run), found in starts.items():
+        order = sorted(found, key=lambda launch: (found[launch], launch))
+        chosen = order[-1] if wanted is None else wanted
+        if chosen not in found:
+            continue
+        keep.add((job, run, chosen))
+        if len(order) > 1:
+            others.append(f"run {run} (job {job}): launch {chosen} (started {_when(found[chosen])}); other "
+                          f"launches: {', '.join(f'{o} (started {_when(found[o])})' for o in order if o != chosen)};"
+                          " pick one with --launch ID")
+    return Launches(keep, others)
+
+
+def _when(start: float) -> str:
+    return clock.strftime("%Y-%m-%d %H:%M:%S UTC", clock.gmtime(start)) if math.isfinite(start) else "?"
 
 
 def _parse(raw: bytes) -> dict[str, Any] | None:

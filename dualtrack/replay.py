@@ -16,11 +16,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from .text import fail
 from .manifest import Coverage, ManifestError, install
-from .records import InputError, Reader
+from .records import InputError, Reader, launches, select_launches
 from .workspace import Interrupted, remove_stale, workspace
 
 HELP = "rebuild a run's Prometheus series (step resolution) from its local record, as TSDB blocks"
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or one to load with `bash scripts/up --replay DIR`")
     parser.add_argument("--promtool", default=None, metavar="PATH",
                         help="promtool binary (default: promtool on PATH)")
+    parser.add_argument("--launch", metavar="ID", default=None,
+                        help="the launch to replay when a run id was launched more than once on the same "
+                             "records (default: the latest; the others are listed)")
     parser.add_argument("--max-output-bytes", type=_byte_count, default=MAX_OUTPUT_BYTES, metavar="N",
                         help=f"stop with an error once the OpenMetrics text for promtool would pass N bytes "
                              f"(default {MAX_OUTPUT_BYTES}, 16 GiB: about 6 M steps logging 3 keys)")
@@ -67,9 +71,12 @@ def run(args: argparse.Namespace) -> int:
     if promtool is None or not os.access(promtool, os.X_OK):
         return fail("replay", PROMTOOL_MISSING if args.promtool is None else f"--promtool {args.promtool}: not an executable")
     try:
-        reader = Reader(args.records)
+        chosen = select_launches(launches(args.records), args.launch)
+        reader = Reader(args.records, keep=chosen)
     except InputError as exc:
         return fail("replay", str(exc), 2)
+    for line in chosen.others:
+        print(f"dualtrack replay: {line}", file=sys.stderr)
     out: Path = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import html
 import importlib.util
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, default=Path("dualtrack-records"), metavar="DIR",
                         help="where to look up run ids (default: ./dualtrack-records)")
     prometheus.add_arguments(parser, "adds GPU panels and the alerts that fired")
+    parser.add_argument("--launch", metavar="ID", default=None,
+                        help="the launch to report when a run id was launched more than once on the same "
+                             "records (default: the latest; the others are listed)")
     parser.add_argument("--png", action="store_true",
                         help="also write the figure as a PNG next to --out (same name, .png)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .records import InputError, Reader
+    from .records import InputError, Reader, launches, select_launches
     if importlib.util.find_spec("matplotlib") is None:
         return fail("report", "matplotlib is not installed: pip install 'dualtrack[report]'")
     try:
@@ -52,17 +56,21 @@ def run(args: argparse.Namespace) -> int:
         return fail("report", str(exc), 2)
     try:
         paths = resolve_inputs(args.inputs, args.records)
-        reader = Reader(paths)
+        chosen = select_launches(launches(paths), args.launch)
+        reader = Reader(paths, keep=chosen)
     except InputError as exc:
         return fail("report", str(exc), 2)
+    for line in chosen.others:
+        print(f"dualtrack report: {line}", file=sys.stderr)
     summaries = summarize(reader)
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
     gpu_lines, alerts, prometheus_note = [], [], "not given (--prometheus URL adds GPU panels and alerts)"
+    no_gpu: set[str] = set()
     explained: list[tuple[str, Any, dict[str, float]]] = []
     if client is not None:
         try:
-            gpu_lines, alerts = from_prometheus(client, summaries)
+            gpu_lines, alerts = from_prometheus(client, summaries, no_gpu)
             explained = explain_runs(client, summaries)
             prometheus_note = client.url
         except prometheus.QueryError as exc:
@@ -70,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
             warn(f"{prometheus_note}; the report has the record only")
     from .plots import build_figure, save_png, svg_text
     figure = build_figure(summaries, gpu_lines)
-    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained)
+    notes = chosen.others + [f"run {run}: the run reports no GPU (no training_gpu_info): no GPU panels"
+                             for run in sorted(no_gpu)]
+    page = render_html(summaries, svg_text(figure), alerts, prometheus_note, reader, explained, notes)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page, encoding="utf-8")
@@ -110,31 +120,38 @@ def summarize(reader: Any) -> list[Any]:
     """One RunSummary per run (rank) in the reader, in the order they appear."""
     from .records import exported_name
     from .summary import RunSummary
-    summaries: dict[tuple[str, str, str], RunSummary] = {}
+    summaries: dict[tuple[str, str, str, str], RunSummary] = {}
     for run, line in reader:
-        summary = summaries.get(run.key)
+        summary = summaries.get(run.launch_key)
         if summary is None:
-            summary = summaries[run.key] = RunSummary(run)
+            summary = summaries[run.launch_key] = RunSummary(run)
         if "event" not in line:
             summary.add(line, exported_name)
     return list(summaries.values())
 
 
-def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    """GPU lines mapped onto each run's steps, and the alerts that fired during the runs."""
+def from_prometheus(client: prometheus.Prometheus, summaries: list[Any],
+                    no_gpu: set[str] | None = None) -> tuple[list[Any], list[dict[str, Any]]]:
+    """GPU lines mapped onto each run's steps, and the alerts that fired during the runs; the runs whose
+    own hook reported no GPU are added to `no_gpu` (they get no GPU lines)."""
     from .plots import GpuLine
     lines: list[GpuLine] = []
     queried: set[tuple[str, str]] = set()
+    gpuless = no_gpu if no_gpu is not None else set()
     for summary in summaries:
         start, end = summary.first_time, summary.last_time
         if start is None or summary.run.key[:2] in queried:
             continue  # one set of GPU lines per job/run: the query matches every rank's GPUs
         queried.add(summary.run.key[:2])
         selector = f"job={prometheus.quote(summary.run.job)},run={prometheus.quote(summary.run.run)}"
+        if reports_no_gpu(client, selector, start, end):
+            gpuless.add(summary.run.run)
         for panel, metric in GPU_QUERIES.items():
             found = _range(client, f"{metric} * on(uuid) group_left() max by (uuid) "
                                 f"(training_gpu_info{{{selector}}})", start, end)
             note = ""
+            if not found and summary.run.run in gpuless:
+                break  # the run itself says it has no GPU: no GPU panels
             if not found:  # no GPU info for this run (a replayed run, an old hook): every GPU
                 found, note = _range(client, metric, start, end), " (all GPUs: the run names none)"
             for series in found:
@@ -161,6 +178,14 @@ def from_prometheus(client: prometheus.Prometheus, summaries: list[Any]) -> tupl
     return lines, alerts
 
 
+def reports_no_gpu(client: prometheus.Prometheus, selector: str, start: float, end: float) -> bool:
+    """Whether the run's live hook (not a replay, which cannot know) published no training_gpu_info."""
+    span = f"{max(60, int(end - start) + 60)}s"
+    at = min(end + 30, time.time())
+    live = client.query(f'count(last_over_time(training_step{{{selector},replayed!="true"}}[{span}]))', at)
+    return bool(live) and not client.query(f"count(last_over_time(training_gpu_info{{{selector}}}[{span}]))", at)
+
+
 def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tuple[str, Any, dict[str, float]]]:
     """Per job/run: its explained timeline (None when Prometheus has no training series of it) and
     its goodput figures, as `dualtrack explain` and rules/goodput.yml give them."""
@@ -174,10 +199,14 @@ def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tu
             continue
         seen.add((job, run))
         start, end = summary.first_time - WINDOW, min(summary.last_time + WINDOW, time.time())
-        try:
-            explained = timeline(client, run, start, end)
-        except ExplainError:
-            explained = None
+        explained = None
+        # The launch reported (Prometheus names it as the record does), else whatever ran then.
+        for launch in dict.fromkeys((summary.run.launch or None, None)):
+            try:
+                explained = timeline(client, run, start, end, launch)
+                break
+            except ExplainError:
+                continue
         found.append((summary.run.name if len(summaries) == 1 else run, explained,
                       run_goodput(client, job, run, summary.first_time, summary.last_time)))
     return found
@@ -192,7 +221,8 @@ def _range(client: prometheus.Prometheus, expr: str, start: float, end: float) -
 
 
 def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], prometheus_note: str,
-                reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None) -> str:
+                reader: Any, explained: list[tuple[str, Any, dict[str, float]]] | None = None,
+                notes: list[str] | None = None) -> str:
     """The whole page; every text from the record is escaped."""
     e = html.escape
     names = ", ".join(s.run.name for s in summaries)
@@ -212,6 +242,8 @@ def render_html(summaries: list[Any], svg: str, alerts: list[dict[str, Any]], pr
                      f"{step}, batch {e(str(batch))} ({e(', '.join(keys))})</span>")
         parts.append(f"<li>{line}</li>")
     parts.append("</ul>")
+    if notes:
+        parts.append("<ul id=\"notes\" class=\"note\">" + "".join(f"<li>{e(line)}</li>" for line in notes) + "</ul>")
     parts.append(f"<h2>Training and GPU tracks</h2><figure id=\"plots\">{svg}"
                  "<figcaption class=\"note\">Long runs are downsampled keeping each bucket's minimum and "
                  "maximum; dashed red lines: first non-finite step.</figcaption></figure>")
@@ -257,10 +289,12 @@ def render_explained(explained: list[tuple[str, Any, dict[str, float]]]) -> list
             parts.append(f"<tr class=\"event\" data-kind=\"{e(event.kind)}\"><td>{e(utc(event.time))}</td>"
                          f"<td>{e(event.kind)}</td><td>{e(event.sentence)}</td><td>{causes}</td></tr>")
     parts.append("</table><h2>Goodput</h2><table id=\"goodput\"><tr><th>run</th><th>goodput (GPU-seconds that "
-                 "counted)</th><th>tokens per joule</th><th>samples per joule</th><th>ETA at the last update</th>"
-                 "<th>paused, by reason (mean per rank)</th></tr>")
+                 "counted)</th><th>lost, by reason</th><th>tokens per joule</th><th>samples per joule</th>"
+                 "<th>ETA at the last update</th><th>paused, by reason (mean per rank)</th></tr>")
     for name, _, figures in explained:
+        lost = sorted(((k[5:], v) for k, v in figures.items() if k.startswith("lost_")), key=lambda kv: -kv[1])
         cells = [f"{figures['goodput']:.1%}" if "goodput" in figures else "not recorded",
+                 ", ".join(f"{reason.replace('_', ' ')} {share:.1%}" for reason, share in lost) or "—",
                  f"{figures['tokens_per_joule']:.4g}" if "tokens_per_joule" in figures else "—",
                  f"{figures['samples_per_joule']:.4g}" if "samples_per_joule" in figures else "—",
                  f"{figures['eta_seconds'] / 60:.0f} min" if "eta_seconds" in figures else "— (no max_steps logged)",

@@ -44,6 +44,10 @@ CLOCK_DROP = 0.8
 LINK_DROP = 0.5
 #: A rank waited for data more than this share of the time: the input pipeline is a cause.
 DATA_WAIT_SHARE = 0.2
+#: A hyper-parameter (learning rate, loss scale, batch size) that changed by this factor or more, up or
+#: down, between two samples, the earlier within HYPER_WINDOW seconds before a numerics event: a cause.
+HYPER_JUMP = 2.0
+HYPER_WINDOW = 120.0
 
 #: Each cause's score (its severe form) and, where it has one, its lesser form's: an XID that does not
 #: stop the work (exporter/xids.py), corrected ECC errors, correctable row remaps, a co-tenant that only
@@ -61,6 +65,7 @@ SCORES: dict[str, tuple[float, float | None]] = {
     "memory_pressure": (0.8, 0.5),
     "link_drop": (0.5, 0.4),
     "clock_drop": (0.45, None),
+    "hyperparameter": (0.8, None),
 }
 DATA_WAIT_BONUS = 0.2
 DATA_WAIT_MAX = 0.9

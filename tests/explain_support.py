@@ -20,8 +20,8 @@ NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
                     "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike",
-             "replica")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig",
+             "mig-oom", "gpu-lost", "fine-tune-spike", "replica", "lr-jump")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -30,6 +30,11 @@ SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power"
 #: LOST_FAIL seconds later. In "replica" the last rank's post-reduction grad norm differs from its peers'
 #: from FAULT_AT (training_replica_divergent_steps_total), 2 min after an uncorrected ECC error on its GPU.
 LOST_FAIL = 30.0
+#: In "lr-jump" the learning rate of every rank jumps from LEARNING_RATE to JUMPED_RATE at FAULT_AT (the demo's
+#: explosion): in that push the gradient norm spikes (SPIKE) at the step before the first non-finite one.
+LEARNING_RATE = 0.03
+JUMPED_RATE = 300.0
+SPIKE = 80.0
 #: The "model" scenario: a gradient spike on rank 0 at FAULT_AT, its loss scale collapsing at
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
@@ -101,6 +106,7 @@ class Rank:
     lost: bool = False
     divergent: int = 0  # replica comparisons this rank lost
     ecc: int = 0  # uncorrected ECC errors of its GPU
+    learning_rate: float = LEARNING_RATE
 
 
 def uuid_of(run: str, rank: int) -> str:
@@ -146,6 +152,9 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "lr-jump" and after:
+        state.learning_rate, state.nonfinite_from = JUMPED_RATE, FAULT_AT
+        state.grad_norm = SPIKE if at < FAULT_AT + SCRAPE else 1.0  # the run rolls back and carries on
     elif scenario == "fine-tune-spike" and rank == 0:  # norms around 5e-5, one spike 20x above
         state.grad_norm = 1e-3 if FAULT_AT <= at < FAULT_AT + SCRAPE else 5e-5
     elif scenario == "replica" and faulty:
@@ -155,6 +164,37 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
         state.memory_full = at >= OOM_AT - 120
         state.ooms = int(at >= OOM_AT)
     return state
+
+
+def training_samples(scenario: str, rank: int, ranks: int, minutes: float, scrape: float = SCRAPE):
+    """(seconds from the start, the rank's state, its run state, its training_* values) at each scrape:
+    what the hook's pushes carry (the time series of its start and last update left to the caller)."""
+    steps = waited = 0.0
+    first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
+    at = 0.0
+    while at <= minutes * 60:
+        now = rank_state(scenario, rank, at, ranks)
+        if state == "running":
+            if now.failed_at is not None and at >= now.failed_at:
+                state = "failed"
+            else:
+                steps += scrape / now.step_seconds
+                waited += scrape * now.wait_share
+        spike_step = int(steps)
+        if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
+            first_nonfinite = float(int(steps))
+            if scenario == "lr-jump":
+                spike_step -= 1  # the spike, then the first non-finite step, in one push
+        if first_nonfinite >= 0 and state == "running":
+            nonfinite_steps += int(scrape / now.step_seconds)
+        yield at, now, state, {
+            "training_step": int(steps), "training_steps_total": int(steps), "training_data_wait_seconds_total": waited,
+            "training_first_nonfinite_step": first_nonfinite, "training_nonfinite_steps_total": nonfinite_steps,
+            "training_grad_norm_max": now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3)),
+            "training_loss_scale": now.loss_scale, "training_cuda_ooms_total": now.ooms,
+            "training_grad_norm_max_step": spike_step, "training_world_size": ranks,
+            "training_learning_rate": now.learning_rate}
+        at += scrape
 
 
 def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2, minutes: float = 60,
@@ -170,36 +210,16 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
         gpu = f'job="{gpu_job}",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
-        steps = waited = thermal = idle = power = 0.0
-        first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
-        at = 0.0
+        thermal = idle = power = 0.0
         lines: list[str] = []
-        while at <= minutes * 60:
-            now = rank_state(scenario, rank, at, ranks)
+        for at, now, state, values in training_samples(scenario, rank, ranks, minutes, scrape):
             ts = f" {base + at:.3f}"
-            if state == "running":
-                if now.failed_at is not None and at >= now.failed_at:
-                    state = "failed"
-                else:
-                    steps += scrape / now.step_seconds
-                    waited += scrape * now.wait_share
-            if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
-                first_nonfinite = float(int(steps))
-            if first_nonfinite >= 0 and state == "running":
-                nonfinite_steps += int(scrape / now.step_seconds)
-            for name, value in (("training_step", int(steps)), ("training_steps_total", int(steps)),
-                                ("training_data_wait_seconds_total", waited),
-                                ("training_first_nonfinite_step", first_nonfinite),
-                                ("training_nonfinite_steps_total", nonfinite_steps),
-                                ('training_nonfinite_values_total{%s,key="loss"}' % train, nonfinite_steps),
-                                ("training_grad_norm_max", now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3))),
-                                ("training_loss_scale", now.loss_scale),
-                                ("training_cuda_ooms_total", now.ooms),
-                                ("training_grad_norm_max_step", int(steps)),
-                                ("training_start_timestamp_seconds", base),
-                                ("training_last_update_timestamp_seconds", base + at),
-                                ("training_world_size", ranks)):
-                lines.append(f"{name}{{{train}}} {value}{ts}" if "{" not in name else f"{name} {value}{ts}")
+            values["training_start_timestamp_seconds"] = base
+            values["training_last_update_timestamp_seconds"] = base + at
+            for name, value in values.items():
+                lines.append(f"{name}{{{train}}} {value}{ts}")
+            nonfinite = values["training_nonfinite_steps_total"]
+            lines.append(f'training_nonfinite_values_total{{{train},key="loss"}} {nonfinite}{ts}')
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')
@@ -211,7 +231,6 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             if now.lost:  # the exporter drops a lost GPU's series
                 lines.append(f"nvml_exporter_gpu_lost_total{{{gpu}}} 1{ts}")
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
-                at += scrape
                 continue
             if mig:
                 lines.append(f'nvml_gpu_mig_info{{{gpu},gpu_instance="1",mig_uuid="{hook_uuid}"}} 1{ts}')
@@ -255,7 +274,6 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 lines.append(f"nvml_gpu_process_sm_utilization_ratio{{{process}}} {sm}{ts}")
             if scenario in ("xid", "mig") and rank == ranks - 1 and at >= FAULT_AT:
                 lines.append(f'nvml_gpu_xid_errors_total{{{gpu},xid="79"}} 1{ts}')
-            at += scrape
         out.write("\n".join(lines) + "\n")
         samples += len(lines)
     # What rules/goodput.yml records for the run while it runs (the rules are tested by promtool).

@@ -3,6 +3,7 @@ with the repo's rules -> Alertmanager with the repo's routes -> a webhook on loo
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -39,7 +40,13 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     assert alert["labels"] == {"alertname": "TrainingLossNonFinite", "severity": "critical", "monitor": "dualtrack",
                                **run.labels}
     description = alert["annotations"]["description"]
-    assert f"non-finite values since step {run.nan_step}, batch {run.nan_batch_id}" in description, description
+    # The state when it fired: the streak it names, and the steps the run has been finite since.
+    assert re.search(rf"was non-finite from step {run.nan_step} \(batch {run.nan_batch_id}\) to step {run.nan_step} "
+                     r"\(1 step\), finite for \d+ steps? since", description), description
+    assert alert["annotations"]["summary"] == f"Non-finite values in run {run.run} rank 0"
+    # A CPU run reports no GPU: the alert says so, and names no GPU of the run.
+    assert " ".join(alert["annotations"]["infra_cause"].split()) == \
+        f"none: the run reports no GPU; dualtrack explain {run.run} has the timeline."
     # An absolute link from prometheus.yml's one setting; the setting itself is not an alert label.
     runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
     assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"

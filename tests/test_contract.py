@@ -49,7 +49,7 @@ NOT_IN_A_RECORD = {
 NOT_REPLAYED = {PREFIX + name for series in SERIES if series.name in NOT_IN_A_RECORD
                 for name in series.sample_names()} | {"push_time_seconds", "push_failure_time_seconds"}
 #: Series that hold a window maximum (live: over the push's window; replay: one per step).
-MAXIMA = {"training_loss_max", "training_grad_norm_max"}
+MAXIMA = {"training_loss_max", "training_grad_norm_max", "training_learning_rate_max"}
 _SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+) (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -197,6 +197,18 @@ def test_a_spike_followed_by_inf_in_one_push_keeps_the_spike_and_its_step(tmp_pa
         assert pulled(monitor, "training_first_nonfinite_batch_id") == 11
 
 
+def test_a_learning_rate_jump_that_a_rollback_undid_within_a_push_still_shows(tmp_path) -> None:
+    """The demo's explosion: the learning rate jumps x1e4 for one step, the run rolls back to its checkpoint
+    (and its learning rate) at once; the gauge shows the last value, the window maximum the jump."""
+    with pull_monitor(tmp_path, "lr") as monitor:
+        for step in range(10):
+            monitor.log({"learning_rate": 300.0 if step == 6 else 0.03, "loss": 0.5}, step=step)
+        wait_pulled(monitor, "training_steps_total", lambda v: v == 10)
+        assert pulled(monitor, "training_learning_rate") == 0.03
+        assert pulled(monitor, "training_learning_rate_max") == 300.0
+        assert pulled(monitor, "training_learning_rate_max_step") == 6
+
+
 #: Runs `dualtrack ARGS...` in this process and prints whether torch got imported (even on exit 2).
 _PROBE = ("import sys\nfrom dualtrack.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
           "except SystemExit as exc:\n    code = exc.code\nprint('TORCH', 'torch' in sys.modules, code)\n")
@@ -226,15 +238,17 @@ def test_dualtrack_commands_never_import_torch(tmp_path: Path, command: str) -> 
 def _full_snapshot() -> Snapshot:
     """A snapshot in which every declared series has a sample: a failed run with GPUs, CUDA, tokens,
     model FLOPs, window maxima, skipped steps, dropped values and a config."""
-    return Snapshot(gauges={"loss": 1.0, "custom": math.nan}, maxima={"loss": 3.0, "grad_norm": 5.0},
-                    max_steps={"loss": 1, "grad_norm": 2}, value_sums={"loss": 3.0}, value_counts={"loss": 2},
+    return Snapshot(gauges={"loss": 1.0, "custom": math.nan},
+                    maxima={"loss": 3.0, "grad_norm": 5.0, "learning_rate": 0.1},
+                    max_steps={"loss": 1, "grad_norm": 2, "learning_rate": 3}, value_sums={"loss": 3.0},
+                    value_counts={"loss": 2},
                     nonfinite_values={"custom": 1}, step=5, tokens_total=7.0, model_flops_total=4.2e15,
                     precision="fp8", state="failed",
                     failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
-                    process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
-                    skipped_steps_total=3, paused_seconds={"checkpoint": 2.5}, pause=("checkpoint", 100.0),
-                    replica=(4, 1))
+                    process=ProcessIdentity(1, 2, 3, "host", "4026531836", "123456", "launch-1"),
+                    dropped={"invalid_key": 2}, skipped_steps_total=3, paused_seconds={"checkpoint": 2.5},
+                    pause=("checkpoint", 100.0), replica=(4, 1))
 
 
 def _declared(sample: str) -> Series:
@@ -292,7 +306,7 @@ def test_remote_write_sends_the_declared_series() -> None:
 _EVERY_SERIES = [
     {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r", "rank": 0, "instance": "n",
      "local_rank": 0, "world_size": 2, "precision": "fp16", "config": {"lr": 0.1}},
-    {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf", "custom": "nan"},
+    {"time": 1000.5, "step": 0, "values": {"loss": 1.0, "grad_norm": "inf", "custom": "nan", "learning_rate": 0.1},
      "nonfinite": ["grad_norm", "custom"], "samples": 8, "tokens": 64, "flops": 3.8e12, "duration_seconds": 0.2,
      "data_wait_seconds": 0.01, "loss_scale": 1024.0, "skipped": "overflow", "cuda": {"allocated": 10, "reserved": 20}},
     {"time": 1001.0, "step": 1, "values": {"loss": "nan", "grad_norm": 2.0}, "nonfinite": ["loss"]},
@@ -315,7 +329,7 @@ def test_replay_writes_the_samples_the_live_exposition_declares(tmp_path) -> Non
         replayed.add((match[1], names[len(_RUN_LABELS):]))
     # The state the hook would publish for those steps: the same keys, a failed run, CUDA memory, ...
     snapshot = dataclasses.replace(_full_snapshot(), gauges={"loss": 1.0, "grad_norm": 2.0, "custom": math.nan,
-                                                             "loss_scale": 1024.0})
+                                                             "loss_scale": 1024.0, "learning_rate": 0.1})
     live = {(sample.name, tuple(sample.labels)) for family in families(snapshot, {}) for sample in family.samples
             if family.name[len(PREFIX):] not in NOT_IN_A_RECORD}
     assert replayed == live

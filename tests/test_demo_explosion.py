@@ -90,7 +90,7 @@ def test_the_demo_explosion_fires_and_names_the_spike_step(tmp_path: Path, start
                     "exp_annotations": {"summary": "Gradient explosion in run explode rank 0",
                                         "description": description,
                                         "runbook_url": "#traininggradientexplosion",
-                                        "infra_cause": "none found on its GPU in the last 10 min; "
+                                        "infra_cause": "none: the run reports no GPU; "
                                                        "dualtrack explain explode has the timeline.",
                                         "dashboard_url": ""}}]}]}]}))
     done = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)

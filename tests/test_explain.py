@@ -244,6 +244,66 @@ def test_explain_uses_the_alerts_own_conditions():
     assert explosion[:-len(gating)].strip() == " ".join(module.GRAD_SPIKE.replace("{SEL}", "").split())
 
 
+def test_a_learning_rate_jump_is_named_before_the_spike_and_the_nonfinite_step_it_causes(prometheus, capsys):
+    """The demo's explosion: the learning rate jumps 0.03 -> 300, the gradient norm spikes at a step and the
+    next step is non-finite, in one push. The spike comes first, at its step's own time, and the jump is the
+    top cause of both, with its values."""
+    base = prometheus["base"] + support.FAULT_AT
+    events = timeline(prometheus, "lr-jump", capsys)["events"]
+    assert [(e["kind"], e["rank"]) for e in events] == [("grad_spike", "0"), ("nonfinite", "0")], events
+    spike, nonfinite = events
+    assert spike["step"] + 1 == nonfinite["step"] and spike["other_ranks"] == nonfinite["other_ranks"] == ["1"]
+    # Steps last 0.5 s: the spike's step was logged half a second before the push's last one.
+    assert spike["time"] == base - support.NORMAL_STEP and nonfinite["time"] == base
+    for event in events:
+        assert kinds(event) == ["hyperparameter"] and event["causes"][0]["score"] == thresholds.score("hyperparameter")
+        assert event["causes"][0]["evidence"].startswith("learning_rate jumped from 0.03 to 300 (x1e+04)")
+        assert event["sentence"].endswith("after the learning rate jumped from 0.03 to 300; all 2 ranks affected: "
+                                          "a hyper-parameter change, not the GPU"), event["sentence"]
+    assert "gradient norm 80, 72.7x its median over the 30 min before" in spike["sentence"]
+    code, out, _ = explain(prometheus, "lr-jump", capsys)
+    lines = [line for line in out.splitlines() if not line.startswith(" ")]
+    assert [line.split()[3] for line in lines[1:]] == ["grad_spike:", "nonfinite:"]  # the text, in time order
+
+
+def test_the_alert_and_explain_size_a_spike_alike(prometheus, capsys, tmp_path):
+    """One computation (explain.GRAD_SPIKE_RATIO, in the alert's description too): on the same samples,
+    TrainingGradientExplosion's description (promtool evaluating the real rules) and explain say the same."""
+    spike = timeline(prometheus, "lr-jump", capsys)["events"][0]
+    size = re.search(r"gradient norm (\S+), (\S+x) its median over the 30 min before", spike["sentence"])
+    rule = " ".join(yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"][0]["rules"][2]
+                    ["annotations"]["description"].split())
+    assert explain_module.GRAD_SPIKE_RATIO.replace("{SEL}", "{%s}") in rule
+    samples = list(support.training_samples("lr-jump", 0, 2, 31))
+    labels = 'job="train",run="lr-jump",rank="0",instance="lr-jump-node0"'
+    names = ("training_grad_norm_max", "training_grad_norm_max_step", "training_step",
+             "training_nonfinite_steps_total", "training_first_nonfinite_step")
+    series = [{"series": f"{name}{{{labels}}}", "values": " ".join(str(values[name]) for _, _, _, values in samples)}
+              for name in names]
+    series.append({"series": f'training_run_state{{{labels},state="running"}}', "values": f"1x{len(samples) - 1}"})
+    at = int(support.FAULT_AT)
+    median = 1.1  # the norms before: 1.0, 1.1, 1.2 in turn
+    description = (f"Run lr-jump (job train, rank 0, host lr-jump-node0): gradient norm reached {size[1]} at step "
+                   f"{spike['step']}, {size[2]} its median over the 30 min before ({median:.4g}). The run went "
+                   f"non-finite from step {spike['step'] + 1} on.")
+    tests = tmp_path / "agree_test.yml"
+    tests.write_text(yaml.safe_dump({
+        "rule_files": [str(REPO / "rules" / "recording.yml"), str(REPO / "rules" / "alerts.yml")],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "alert_rule_test": [
+            {"eval_time": f"{at}s", "alertname": "TrainingGradientExplosion", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "job": "train", "run": "lr-jump", "rank": "0",
+                               "instance": "lr-jump-node0"},
+                "exp_annotations": {
+                    "summary": "Gradient explosion in run lr-jump rank 0", "description": description,
+                    "runbook_url": "#traininggradientexplosion",
+                    "infra_cause": "none: the run reports no GPU; dualtrack explain lr-jump has the timeline.",
+                    "dashboard_url": f"/d/dualtrack-training-run?var-job=train&var-run=lr-jump"
+                                     f"&from={1000 * at - 3_600_000}&to={1000 * at + 600_000}"}}]}]}]}))
+    done = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
     events = timeline(prometheus, "model", capsys)["events"]
     assert [(e["kind"], e["rank"]) for e in events] == [("grad_spike", "0"), ("loss_scale_collapse", "0"),

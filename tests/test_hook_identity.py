@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import json
 import os
 import re
 import subprocess
@@ -20,7 +21,8 @@ from trainer_hook import TrainingMonitor
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "LOCAL_RANK",
                     "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
                     "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_PROCID",
-                    "SLURM_LOCALID", "SLURM_NTASKS", "DUALTRACK_RUN")
+                    "SLURM_LOCALID", "SLURM_NTASKS", "DUALTRACK_RUN", "TORCHELASTIC_RESTART_COUNT",
+                    "SLURM_RESTART_COUNT", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
 
 
 @pytest.fixture
@@ -48,6 +50,32 @@ def test_default_run_id_is_the_launchs_id(tmp_path, bare_env, env, run):
         bare_env.setenv(name, value)
     assert settings(tmp_path).run == run
     assert settings(tmp_path, run="explicit").run == "explicit"
+
+
+@pytest.mark.parametrize("env, launch", [
+    ({"TORCHELASTIC_RUN_ID": "a1b2c3", "TORCHELASTIC_RESTART_COUNT": "0"}, "a1b2c3"),
+    ({"TORCHELASTIC_RUN_ID": "a1b2c3", "TORCHELASTIC_RESTART_COUNT": "2"}, "a1b2c3.restart2"),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2", "SLURM_RESTART_COUNT": "1"}, "77.2.restart1"),
+    ({"PMIX_NAMESPACE": "prterun-node-1234@1", "DUALTRACK_RUN": "sweep-4"}, "prterun-node-1234@1"),
+])
+def test_the_start_line_names_the_launch_shared_by_its_ranks(tmp_path, bare_env, env, launch):
+    """Each launch of a run id has its own id, the same on every rank (the launcher's, with its restarts):
+    the record's start line and training_launch_info carry it."""
+    for name, value in env.items():
+        bare_env.setenv(name, value)
+    record = tmp_path / "launch.jsonl"
+    with TrainingMonitor(job="identity", run="r", pushgateway=False, record_path=record, rank=1, world_size=2):
+        pass
+    assert json.loads(record.read_text().splitlines()[0])["launch"] == launch
+
+
+def test_without_a_launcher_each_launch_has_its_own_id(tmp_path, bare_env):
+    record = tmp_path / "launch.jsonl"
+    for _ in range(2):
+        with TrainingMonitor(job="identity", run="r", pushgateway=False, record_path=record):
+            pass
+    launches = [json.loads(line)["launch"] for line in record.read_text().splitlines() if '"start"' in line]
+    assert len(set(launches)) == 2 and all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", x) for x in launches)
 
 
 def test_without_a_launcher_two_runs_started_in_the_same_second_differ(tmp_path, bare_env):

@@ -186,7 +186,7 @@ def test_a_nan_loss_reaches_the_webhook_slack_pagerduty_and_email_with_run_cause
     print(f"the email, as sent:\nSubject: {smtp_sink.messages[0]['Subject']}\n{mail}")
     annotations = alert["annotations"]
     cause = " ".join(annotations["infra_cause"].split())
-    assert cause.startswith("none found on its GPU") and run.run in cause
+    assert cause.startswith("none: the run reports no GPU") and run.run in cause
     attachment = slack["attachments"][0]
     assert attachment["title"].startswith(f"[FIRING:1] TrainingLossNonFinite run {run.run} (job alerting-test)")
     assert pagerduty["routing_key"] == "routing-key-7f3a" and pagerduty["payload"]["severity"] == "critical"
@@ -197,7 +197,7 @@ def test_a_nan_loss_reaches_the_webhook_slack_pagerduty_and_email_with_run_cause
                           "email": mail}.items():
         text = " ".join(body.split())
         assert f"FIRING TrainingLossNonFinite [critical] run {run.run} rank 0:" in text, (channel, body)
-        assert f"since step {run.nan_step}" in text and f"batch {run.nan_batch_id}" in text, (channel, body)
+        assert f"from step {run.nan_step}" in text and f"batch {run.nan_batch_id}" in text, (channel, body)
         assert f"Likely infra cause: {cause}" in text, (channel, body)
         assert annotations["dashboard_url"].startswith("https://grafana.example.org/d/")
         assert f"Dashboard: {annotations['dashboard_url']}" in text, (channel, body)

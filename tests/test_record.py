@@ -113,7 +113,7 @@ def test_format_1_lines_without_a_version_are_read(tmp_path: Path) -> None:
         '{"event": "end", "time": 11.0, "state": "failed", "steps": 1, "reason": "RuntimeError"}\n')
     reader = Reader([path])
     lines = list(reader)
-    run = reader.runs[("old", "r0", "0")]
+    run = reader.runs[("old", "r0", "0", "19700101T000010Z")]
     assert run.format == 1 and run.end["reason"] == "RuntimeError"
     values = lines[0][1]["values"]
     assert values["lr"] == 0.1 and values["train/loss"] != values["train/loss"]  # NaN

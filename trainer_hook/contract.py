@@ -38,7 +38,7 @@ PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
 #: Neither given nor detected (trainer_hook/precision.py): no peak matches it, so the run has no MFU.
 DEFAULT_PRECISION = "unknown"
 #: Keys exported with a window maximum (training_<key>_max) and its step (training_<key>_max_step).
-WINDOW_MAX_KEYS = ("loss", "grad_norm")
+WINDOW_MAX_KEYS = ("loss", "grad_norm", "learning_rate")
 #: Keys whose non-finite value on a step the GradScaler skipped is the overflow itself, not a fault.
 OVERFLOW_KEYS = ("grad_norm",)
 
@@ -144,6 +144,8 @@ SERIES: tuple[Series, ...] = (
     Series("process_info", "gauge", "The process that publishes these series: pid in its own PID namespace, "
            "start_time in clock ticks since boot (join nvml_gpu_process_* on namespace_pid = pid and "
            "start_time).", ("pid", "hostname", "pid_namespace", "start_time")),
+    Series("launch_info", "gauge", "This launch of the run, value 1: a run id launched again (a restart, a "
+           "relaunch) is a new launch with its own id.", ("launch",)),
     Series("dropped_values", "counter", "Logged values that were not kept.", ("reason",)),
     Series("push_failures", "counter", "Failed pushes to the Pushgateway, and remote-write requests or "
            "batches of samples that were dropped."),
@@ -285,8 +287,9 @@ def numeric_id(batch_id: Any) -> float:
 
 # ---------------------------------------------------------------------- the exported state
 #: Keys of the record's start line that say which process wrote it (format 2; pid_namespace since it
-#: is known: with pid, the pair the exporter's per-process series match across PID namespaces).
-START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace")
+#: is known: with pid, the pair the exporter's per-process series match across PID namespaces; launch:
+#: which launch of the run id this is, shared by the ranks of one launch).
+START_PROCESS_KEYS = ("local_rank", "world_size", "pid", "pid_namespace", "launch")
 
 
 class ProcessIdentity(NamedTuple):
@@ -298,6 +301,7 @@ class ProcessIdentity(NamedTuple):
     hostname: str = ""
     pid_namespace: str = ""  # inode of the PID namespace `pid` is in (decimal): with `pid`, what NVML's host PID is
     start_time: str = ""  # clock ticks since boot it started at (/proc/self/stat field 22): with `pid`, names it
+    launch: str = ""  # this launch of the run id (settings.launch_id)
 
 
 @dataclass

@@ -75,6 +75,7 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "world_size": lambda snap, _: _one(snap.process.world_size),
     "process_info": lambda snap, _: [((str(snap.process.pid), snap.process.hostname,
                                        snap.process.pid_namespace, snap.process.start_time), (1,))],
+    "launch_info": lambda snap, _: [((snap.process.launch,), (1,))] if snap.process.launch else None,
     "dropped_values": lambda snap, _: [((reason,), (snap.dropped.get(reason, 0),)) for reason in DROP_REASONS],
     "push_failures": _attribute("push_failures"),
     "record_failures": _attribute("record_failures"),

@@ -31,7 +31,7 @@ from .record import DEFAULT_MAX_BYTES, Record
 from .replica import ReplicaCheck, ddp_group, replica_every
 from .remote_write import RemoteWriter
 from .serve import MetricsServer
-from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, resolve
+from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, launch_id, resolve
 from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
 from .values import scalar
 from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
@@ -102,7 +102,7 @@ class TrainingMonitor:
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
-                                        own_pid_namespace(), own_start_time())
+                                        own_pid_namespace(), own_start_time(), launch_id())
         self._close_lock = threading.Lock()
         self._drain_lock = threading.RLock()  # RLock: close() may run in a signal handler
         self._wake = threading.Event()

@@ -124,14 +124,32 @@ def _run(run: str | None) -> str:
 
 def _launch_id() -> str:
     """torchrun's run id, else Slurm's job[.step] id, else the start time and a random suffix."""
+    return _launcher_id()[0] or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _launcher_id() -> tuple[str, str]:
+    """(torchrun's run id, else Slurm's job[.step] id, else ""; the launcher's restart count, else "")."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic != "none":
-        return elastic
+        return elastic, os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         step = os.environ.get("SLURM_STEP_ID")
-        return f"{job}.{step}" if step else job
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        return (f"{job}.{step}" if step else job), os.environ.get("SLURM_RESTART_COUNT", "")
+    return "", ""
+
+
+def launch_id() -> str:
+    """This launch's id, the same on every rank of it: the launcher's id (torchrun's run id, Slurm's
+    job[.step], the PMIx namespace or Open MPI's job id) with ".restart<n>" after its n-th restart,
+    else one made from the time and a random suffix. A run id launched again gets a new one, so that
+    its launches are never mixed."""
+    launcher, restarts = _launcher_id()
+    launcher = launcher or os.environ.get("PMIX_NAMESPACE", "") or os.environ.get("OMPI_MCA_ess_base_jobid", "")
+    if not launcher:
+        return label_value(f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+    restarts = restarts.strip()
+    return label_value(launcher + (f".restart{restarts}" if restarts.isdigit() and int(restarts) else ""))
 
 
 def _env_int(name: str) -> int | None:
