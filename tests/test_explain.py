@@ -298,8 +298,7 @@ def test_the_alert_and_explain_size_a_spike_alike(prometheus, capsys, tmp_path):
                     "summary": "Gradient explosion in run lr-jump rank 0", "description": description,
                     "runbook_url": "#traininggradientexplosion",
                     "infra_cause": "none: the run reports no GPU; dualtrack explain lr-jump has the timeline.",
-                    "dashboard_url": f"/d/dualtrack-training-run?var-job=train&var-run=lr-jump"
-                                     f"&from={1000 * at - 3_600_000}&to={1000 * at + 600_000}"}}]}]}]}))
+                    "dashboard_url": ""}}]}]}]}))  # no Grafana configured
     done = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -29,7 +29,9 @@ def two_launches(tmp_path: Path, monkeypatch) -> tuple[str, Path, list[str], Tra
     trainer = Trainer()
     for _ in range(12):
         trainer.train_step(second)
-    second.record.write([])  # the steps so far reach the file (the worker writes them in the background)
+    # The hook writes a launch's start line with its first steps, from its worker thread.
+    from stack.processes import wait_until
+    wait_until(lambda: record.read_text().count('"event": "start"') >= 2, 30, what="the second start line")
     starts = [json.loads(line) for line in record.read_text().splitlines() if '"event": "start"' in line]
     return run, records, [start["launch"] for start in starts], second
 
