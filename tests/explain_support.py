@@ -20,7 +20,8 @@ NORMAL_STEP = 0.5
 SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
                     "hw_thermal_slowdown")
-SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike")
+SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig", "mig-oom", "gpu-lost", "fine-tune-spike",
+             "ddp-thermal")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -47,6 +48,10 @@ SYNC_SLOWDOWNS = (1.22, 1.27)
 #: each POWER_SHARE of the time, from 10 min before FAULT_AT; every rank's step time goes to 0.8 s at FAULT_AT.
 POWER_SHARE = 0.045
 HOST_NAMESPACE = 4026531836
+#: "ddp-thermal" is "thermal" under DDP with the collectives timed: every rank waits COLLECTIVE_SHARE of its
+#: step time in the all-reduce until FAULT_AT; then the throttled last rank still does, and the others wait
+#: for it too (0.3 s of each 0.8 s step).
+COLLECTIVE_SHARE = 0.02
 
 
 def container_namespace(rank: int) -> int:
@@ -68,6 +73,7 @@ class Rank:
     ooms: int = 0
     memory_full: bool = False
     lost: bool = False
+    collective_share: float | None = None  # of the step time waited in the collectives (None: not timed)
 
 
 def uuid_of(run: str, rank: int) -> str:
@@ -86,7 +92,9 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     state = Rank()
     faulty = rank == ranks - 1  # the last rank's GPU is the one that misbehaves
     after = at >= FAULT_AT
-    if scenario == "thermal" and after:
+    if scenario == "ddp-thermal":
+        state.collective_share = COLLECTIVE_SHARE + (0.3 / 0.8 if after and not faulty else 0.0)
+    if scenario in ("thermal", "ddp-thermal") and after:
         state.step_seconds = 0.8  # synchronous training: every rank waits for the throttled GPU
         state.thermal = faulty
     elif scenario in ("xid", "mig") and faulty:
@@ -128,7 +136,7 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
         host = f"{run}-node{rank // 8}"
         train = f'job="{job}",run="{run}",rank="{rank}",instance="{host}"'
         gpu = f'job="dualtrack-exporter",instance="{host}:9942",gpu="{rank % 8}",uuid="{uuid}"'
-        steps = waited = thermal = idle = power = 0.0
+        steps = waited = thermal = idle = power = wall = collective = 0.0
         first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
         at = 0.0
         lines: list[str] = []
@@ -141,6 +149,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                 else:
                     steps += scrape / now.step_seconds
                     waited += scrape * now.wait_share
+                    wall += scrape
+                    collective += scrape * (now.collective_share or 0.0)
             if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
                 first_nonfinite = float(int(steps))
             if first_nonfinite >= 0 and state == "running":
@@ -158,6 +168,9 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
                                 ("training_last_update_timestamp_seconds", base + at),
                                 ("training_world_size", ranks)):
                 lines.append(f"{name}{{{train}}} {value}{ts}" if "{" not in name else f"{name} {value}{ts}")
+            if now.collective_share is not None:
+                lines.append(f"training_step_duration_seconds_sum{{{train}}} {wall}{ts}")
+                lines.append(f"training_collective_wait_seconds_total{{{train}}} {collective}{ts}")
             for option in ("running", "finished", "failed"):
                 lines.append(f'training_run_state{{{train},state="{option}"}} {int(option == state)}{ts}')
             lines.append(f'training_gpu_info{{{train},gpu="{rank % 8}",uuid="{hook_uuid}"}} 1{ts}')

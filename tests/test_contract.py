@@ -41,6 +41,9 @@ NOT_IN_A_RECORD = {
     "record_failures": "the monitor's own faults are not record lines",
     "cuda_alloc_retries": "a step line's cuda field holds allocated and reserved bytes only",
     "cuda_ooms": "a step line's cuda field holds allocated and reserved bytes only",
+    **dict.fromkeys(("collective_wait_seconds", "compute_seconds", "collectives", "collective_sequence"),
+                    "the collectives' timing is the hook's, not a step line's"),
+    **dict.fromkeys(("rank_phase", "rank_frame_info"), "what the training thread does now is not a step line"),
 }
 #: Live samples replay does not write: those of NOT_IN_A_RECORD, and the Pushgateway's
 #: push_time_seconds / push_failure_time_seconds.
@@ -222,7 +225,7 @@ def test_dualtrack_commands_never_import_torch(tmp_path: Path, command: str) -> 
 # ---------------------------------------------------------------------- one declaration per series
 def _full_snapshot() -> Snapshot:
     """A snapshot in which every declared series has a sample: a failed run with GPUs, CUDA, tokens,
-    model FLOPs, window maxima, skipped steps, dropped values and a config."""
+    model FLOPs, window maxima, skipped steps, dropped values, a config and timed collectives."""
     return Snapshot(gauges={"loss": 1.0, "custom": math.nan}, maxima={"loss": 3.0, "grad_norm": 5.0},
                     max_steps={"loss": 1, "grad_norm": 2}, value_sums={"loss": 3.0}, value_counts={"loss": 2},
                     nonfinite_values={"custom": 1}, step=5, tokens_total=7.0, model_flops_total=4.2e15,
@@ -230,7 +233,8 @@ def _full_snapshot() -> Snapshot:
                     failure_reason="OutOfMemoryError", run_labels={"lr": "0.1"}, gpus=(("0", "GPU-1"),),
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
                     process=ProcessIdentity(1, 2, 3, "host", "4026531836"), dropped={"invalid_key": 2},
-                    skipped_steps_total=3)
+                    skipped_steps_total=3, collective_wait=1.5, compute=2.5, collectives_total=6,
+                    collective_sequence=7, phase="loader", frame="batches (train.py:12)")
 
 
 def _declared(sample: str) -> Series:

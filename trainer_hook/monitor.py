@@ -1,6 +1,7 @@
 """TrainingMonitor: the training loop's side of dualtrack."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ from prometheus_client import start_http_server
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
+from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
 from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
                        config_labels, merge_maxima, metric_suffix)
 from .exposition import registry_for
@@ -98,6 +100,11 @@ class TrainingMonitor:
         self._data_wait = 0.0  # total, published (only grows)
         self._waited = 0.0  # by loader() since the previous log()
         self._last_log: float | None = None
+        self._in_loader = False  # the training thread waits in loader() for a batch
+        self._pause_reason: str | None = None  # what the run is paused for; None: not paused
+        self._thread: int | None = threading.get_ident()  # the training thread (watch() updates it)
+        self._collectives: CollectiveTimer | None = None  # watch() times a DDP model's
+        self._compute = 0.0  # published training_compute_seconds_total (only grows)
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
@@ -249,25 +256,34 @@ class TrainingMonitor:
         iterator = iter(iterable)
         while True:
             start = time.perf_counter()
+            self._in_loader = True
             try:
                 item = next(iterator)
             except StopIteration:
                 return
+            finally:
+                self._in_loader = False
             waited = time.perf_counter() - start
             self._data_wait += waited
             self._waited += waited
             yield item
 
-    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
+    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
+              collectives: bool | None = None) -> "TrainingMonitor":
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
+        With a DistributedDataParallel `model`, time this rank's wait in the gradient all-reduces
+        (a communication hook; `collectives=False` or $DUALTRACK_COLLECTIVES=0 turns it off).
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
         with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...).
         """
         if optimizer is None and scaler is None:
             raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
+        self._thread = threading.get_ident()
+        if self._collectives is None and wanted(collectives) and is_ddp(model):
+            self._collectives = install(model, partial(self._warn_once, "watch"))
         if optimizer is not None:
             if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
                 raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
@@ -402,13 +418,40 @@ class TrainingMonitor:
         return lines
 
     def _publish(self, state: str, failure_reason: str = "") -> Snapshot:
-        return self._aggregator.publish(
+        snapshot = self._aggregator.publish(
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait,
             record_failures=self.record.failures, run_labels=self._run_labels,
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender),
             published=time.time(), precision=self.settings.precision,
-            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
+            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process, **self._rank_state(state))
+        if snapshot.collective_wait is None:
+            return snapshot
+        # the logged steps' wall time outside the collectives and the loader (a counter: never lower)
+        self._compute = max(self._compute, snapshot.duration_sum - snapshot.data_wait_seconds - snapshot.collective_wait)
+        return dataclasses.replace(snapshot, compute=self._compute)
+
+    def _rank_state(self, state: str) -> dict[str, Any]:
+        """What the training thread does now (its phase; while steps stall, its innermost frame in
+        the project's code) and the timed collectives' counts; read here, nothing asked of it."""
+        timer = self._collectives
+        last = self._last_log
+        stalled = state == "running" and (last is None or time.perf_counter() - last
+                                          > max(1.0, 2 * self.settings.push_interval))
+        frame, seen = innermost_frame(self._thread) if stalled else ("", None)
+        if self._pause_reason is not None:
+            phase = "paused"
+        elif self._in_loader:
+            phase = "loader"
+        elif (timer is not None and timer.inside) or seen == "collective":
+            phase = "collective"
+        else:
+            phase = seen or "compute"
+        extra: dict[str, Any] = {"phase": phase, "frame": frame}
+        if timer is not None:
+            extra.update(collective_wait=timer.read(), collectives_total=timer.completed,
+                         collective_sequence=timer.entered)
+        return extra
 
     def _offer(self, snapshot: Snapshot) -> None:
         for sender in (self._pusher, self._writer):
