@@ -71,7 +71,7 @@ class CollectiveTimer:
         """An all-reduce is in flight (for NCCL: enqueued and not yet handed back to the stream)."""
         return self._in_flight > 0
 
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def] # DDP refuses other annotations than its own
+    def hook(self, state, bucket):  # no annotations: DDP refuses any but its own (strings included)
         """The communication hook: DDP's default all-reduce (divide, sum), timed."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

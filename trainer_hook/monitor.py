@@ -428,7 +428,8 @@ class TrainingMonitor:
         if snapshot.collective_wait is None:
             return snapshot
         # the logged steps' wall time outside the collectives and the loader (a counter: never lower)
-        self._compute = max(self._compute, snapshot.duration_sum - snapshot.data_wait_seconds - snapshot.collective_wait)
+        outside = snapshot.duration_sum - snapshot.data_wait_seconds - snapshot.collective_wait
+        self._compute = max(self._compute, outside)
         return dataclasses.replace(snapshot, compute=self._compute)
 
     def _rank_state(self, state: str) -> dict[str, Any]:
@@ -436,8 +437,9 @@ class TrainingMonitor:
         the project's code) and the timed collectives' counts; read here, nothing asked of it."""
         timer = self._collectives
         last = self._last_log
-        stalled = state == "running" and (last is None or time.perf_counter() - last
-                                          > max(1.0, 2 * self.settings.push_interval))
+        # after the first step (start-up is not a stall), not while paused (the phase says it all)
+        stalled = (state == "running" and last is not None and self._pause_reason is None
+                   and time.perf_counter() - last > max(1.0, 2 * self.settings.push_interval))
         frame, seen = innermost_frame(self._thread) if stalled else ("", None)
         if self._pause_reason is not None:
             phase = "paused"
