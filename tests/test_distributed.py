@@ -287,6 +287,49 @@ def test_under_ddp_a_rank_stuck_computing_is_the_one_the_hang_alert_names(tmp_pa
     finish(proc, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_under_ddp_the_shipped_rules_name_the_straggler_within_10_minutes(stack, tmp_path):
+    """Real time, the rules as shipped: three DDP ranks healthy for 2.5 min raise nothing; then rank 1
+    takes 45 ms more before its forward, and TrainingStragglerRank names rank 1 alone within 10 min."""
+    pgw, prom = stack
+    run = run_id("lockstep-long")
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        daemons.wait_for_series(  # 2.5 min of wait shares (one evaluation a second)
+            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 150',
+            timeout=300, predicate=lambda r: len(r) == 3)
+        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        (tmp_path / "slow").touch()
+        onset = time.time()
+        firing = daemons.wait_for_series(prom.url, alerts.replace("}", ',alertstate="firing"}'), timeout=600)
+        assert [(a["metric"]["alertname"], a["metric"]["rank"]) for a in firing] == [("TrainingStragglerRank", "1")]
+        assert time.time() - onset < 600
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_healthy_ddp_run_raises_no_straggler_nor_hang_in_20_minutes(stack, tmp_path):
+    """Real time, the rules as shipped: three healthy DDP ranks for 20 min, neither TrainingStragglerRank
+    nor TrainingRankHung, not even pending."""
+    pgw, prom = stack
+    run = run_id("lockstep-healthy")
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        daemons.wait_for_series(
+            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 1200',
+            timeout=1500, predicate=lambda r: len(r) == 3)
+        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path)
+
+
 def hang_names_rank_1(prometheus: str, run: str, records: Path, where: str, phase: str, frame: str) -> None:
     """Block rank 1 of a `sync` run (distributed_worker.py) `where` ("loader", "compute"); TrainingRankHung
     names rank 1 alone, with its phase and frame; released, the run steps again and the alert resolves."""
