@@ -267,6 +267,10 @@ def test_under_ddp_the_hung_rank_and_the_straggler_are_the_ranks_the_others_wait
         (tmp_path / "stop").touch()
         (tmp_path / "release").touch()
     finish(proc, tmp_path)
+    # watch()'s communication hook still all-reduces: every rank's gradient norm is the same at each step
+    norms = [[line["values"]["grad_norm"] for line in record_lines(tmp_path / f"sync-{run}-rank{rank}.jsonl")[0]]
+             for rank in range(3)]
+    assert len(norms[0]) > 100 and norms[0] == norms[1] == norms[2]
 
 
 @pytest.mark.slow

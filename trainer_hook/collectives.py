@@ -52,10 +52,11 @@ def is_ddp(model: Any) -> bool:
 
 
 class CollectiveTimer:
-    """Times a DDP model's gradient all-reduces: `wait` (seconds with one in flight), `completed`,
-    `entered` (the sequence number of the last one entered) and whether one is in flight now."""
+    """Times a DDP model's gradient all-reduces: `wait` (seconds with one in flight, from the first
+    logged step on, as the step durations it is compared with), `completed`, `entered` (the sequence
+    number of the last one entered) and whether one is in flight now."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, stepping: Callable[[], bool] = lambda: True) -> None:
         self.entered = 0  # all-reduces this rank entered: the number of the one it is in, or was last in
         self.completed = 0
         self.wait = 0.0  # seconds with at least one all-reduce in flight, until the last completed
@@ -63,6 +64,7 @@ class CollectiveTimer:
         self._since = 0.0  # perf_counter() when the first of those in flight was entered
         self._lock = threading.Lock()
         self._cuda = cuda
+        self._stepping = stepping  # whether the first step was logged (asked on torch's thread)
         self._start: Any = None  # CUDA event: the first in flight entered (NCCL)
         self._spans: deque[tuple[Any, Any]] = deque()  # CUDA (start, end) events not read yet
 
@@ -72,9 +74,11 @@ class CollectiveTimer:
         return self._in_flight > 0
 
     def hook(self, state, bucket):  # no annotations: DDP refuses any but its own (strings included)
-        """The communication hook: DDP's default all-reduce (divide, sum), timed."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+        """The communication hook: DDP's default all-reduce (divide by the group's size, sum), timed
+        in the one callback that hands the reduced bucket back (`state`: the process group)."""
+        group = state if state is not None else torch.distributed.group.WORLD
+        tensor = bucket.buffer()
+        tensor.div_(group.size())
         with self._lock:
             self.entered += 1
             if self._in_flight == 0:
@@ -83,7 +87,7 @@ class CollectiveTimer:
                     self._start = torch.cuda.Event(enable_timing=True)
                     self._start.record()
             self._in_flight += 1
-        return allreduce_hook(state, bucket).then(self._done)
+        return torch.distributed.all_reduce(tensor, group=group, async_op=True).get_future().then(self._done)
 
     def _done(self, future: Any) -> Any:
         """Runs on torch's thread when the all-reduce's future completes; returns its tensor."""
@@ -91,14 +95,14 @@ class CollectiveTimer:
         with self._lock:
             self._in_flight -= 1
             self.completed += 1
-            if self._in_flight == 0:
+            if self._in_flight == 0 and self._stepping():
                 if self._cuda:  # on the stream the value is ready on: after the collective's kernel
                     end = torch.cuda.Event(enable_timing=True)
                     end.record()
                     self._spans.append((self._start, end))
                 else:
                     self.wait += now - self._since
-        return future.value()
+        return future.value()[0]
 
     def read(self) -> float:
         """Total wait in seconds, the CUDA spans whose end has passed folded in (the hook's thread)."""
@@ -108,15 +112,16 @@ class CollectiveTimer:
         return self.wait
 
 
-def install(model: Any, warn: Callable[[str, str], None]) -> CollectiveTimer | None:
+def install(model: Any, warn: Callable[[str, str], None], stepping: Callable[[], bool]) -> CollectiveTimer | None:
     """A CollectiveTimer registered as `model`'s (DDP) communication hook, or None when the model
-    already has one (the user's: kept, with a warning) or DDP refuses it."""
+    already has one (the user's: kept, with a warning) or DDP refuses it. `stepping()`: whether the
+    run logged its first step (the wait counts from there)."""
     if getattr(model, "_comm_hooks", None):
         warn("comm-hook", "watch(): the DDP model already has a communication hook; it is kept, and the "
              "time this rank waits in its collectives is not measured (watch(collectives=False) says so)")
         return None
     device = getattr(model, "device", None)
-    timer = CollectiveTimer(cuda=getattr(device, "type", "cpu") == "cuda")
+    timer = CollectiveTimer(getattr(device, "type", "cpu") == "cuda", stepping)
     try:
         model.register_comm_hook(model.process_group, timer.hook)
     except Exception as exc:  # noqa: BLE001 - a built-in hook, or a DDP that takes none: keep training

@@ -283,7 +283,7 @@ class TrainingMonitor:
             raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
         self._thread = threading.get_ident()
         if self._collectives is None and wanted(collectives) and is_ddp(model):
-            self._collectives = install(model, partial(self._warn_once, "watch"))
+            self._collectives = install(model, partial(self._warn_once, "watch"), lambda: self._last_log is not None)
         if optimizer is not None:
             if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
                 raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
