@@ -9,9 +9,10 @@ has finished it, so CUDA events recorded around it are read a step later on the 
 Nothing here reads a device value on the training thread, and the training thread's own cost is a
 few attribute writes per all-reduce.
 
-`phase()` and `innermost_frame()` run on the hook's background thread: the training thread's phase
-(its data loader, inside collective number n, computing, paused) and, from `sys._current_frames()`
-(no signal, no sync), the innermost frame of the project's own code.
+`innermost_frame()` runs on the hook's background thread: from `sys._current_frames()` (no signal,
+no sync), the training thread's innermost frame in the project's own code, and the phase the library
+frames above it say (inside `torch.distributed`, in a torch DataLoader). The monitor adds what it
+knows (loader(), the timer, a pause) to report the phase: loader, collective, compute or paused.
 """
 from __future__ import annotations
 
