@@ -671,8 +671,12 @@ def side_by_side(busy: str) -> list:
     """The Model track (left) and the Infra track (right), row by row on one time axis."""
     return [
         model("Data-wait share", "Seconds the loop waited for its next batch per second of wall time "
-              "(monitor.loader). Above the dashed 30 % for minutes fires TrainingDataLoaderBottleneck.", "percentunit",
-              [(RANK, rate("training_data_wait_seconds_total"))], min_value=0, max_value=1, dashed_threshold=0.3),
+              "(monitor.loader). Above the dashed 30 % for minutes fires TrainingDataLoaderBottleneck. Under DDP "
+              "(watch(model) times the all-reduces), each rank's share of step time spent waiting in the collectives: "
+              "the rank the others wait for waits least (TrainingStragglerRank).", "percentunit",
+              [(RANK, rate("training_data_wait_seconds_total")),
+               (legend(RANK, "collective wait"), f"job_run_rank:training_collective_wait:ratio2m{{{RUN}}}")],
+              min_value=0, max_value=1, dashed_threshold=0.3),
         infra("GPU busy and idle share (heartbeat)", "Busy share: the rate of busy seconds, i.e. the mean utilization "
               "(a steady 40 % reads 40 %). Idle share: the share of time spent below the exporter's idle threshold. "
               "They need not add up to 100 %. A GPU waiting for data shows a high idle share next to a high data-wait "

@@ -257,8 +257,8 @@ def timeline(client: prometheus.Prometheus, run: str, since: float, until: float
         later = [first for first in (f for _, f in found.values()) if first > seen]
         since, until = max(since, seen), min([until, *(first - 1 for first in later)])
     reader = Reader(client, run, since, until)
-    events = (nonfinite_events(reader) + grad_spikes(reader) + slowdowns(reader) + starvation(reader)
-              + loss_scale_collapses(reader) + ends(reader) + replica_divergences(reader))
+    events = (nonfinite_events(reader) + grad_spikes(reader) + slowdowns(reader) + lockstep_stragglers(reader)
+              + starvation(reader) + loss_scale_collapses(reader) + ends(reader) + replica_divergences(reader))
     events.sort(key=lambda e: (e.time, e.step if e.step is not None else math.inf, e.kind))
     for event in events:
         event.gpu_uuid = reader.gpus.get(event.rank) if event.rank is not None else None
@@ -466,6 +466,37 @@ def slowdowns(reader: Reader) -> list[Event]:
                 events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
                                     f"stepped at {low:.0%} of the run's median rate"))
                 i = k
+    return events
+
+
+def lockstep_stragglers(reader: Reader) -> list[Event]:
+    """straggler under synchronous data parallelism (TrainingStragglerRank's collective-wait rule): a
+    rank whose share of step time spent waiting in the collectives is STRAGGLER_WAIT_GAP or more below
+    the run's largest, for STRAGGLER_WAIT_FOR seconds (dualtrack/thresholds.py). The ranks step at one
+    pace there, so the step-rate straggler of slowdowns() cannot see it: the others wait for it."""
+    window = f"{int(max(limits.STRAGGLER_WAIT_WINDOW, 4 * reader.res))}s"
+    shares = reader.by_rank(f"rate(training_collective_wait_seconds_total{{SEL}}[{window}]) "
+                            f"/ rate(training_step_duration_seconds_sum{{SEL}}[{window}])")
+    by_time: dict[float, dict[str, float]] = {}
+    for rank, values in shares.items():
+        for at, value in values:
+            if math.isfinite(value):
+                by_time.setdefault(at, {})[rank] = value
+    events: list[Event] = []
+    for rank, values in shares.items():
+        gap = [(at, max(by_time[at].values()) - value) for at, value in values
+               if math.isfinite(value) and len(by_time[at]) >= 2]
+        i = 0
+        while (found := _sustained(gap, lambda k: gap[k][1] >= limits.STRAGGLER_WAIT_GAP, i,
+                                   limits.STRAGGLER_WAIT_FOR)) is not None:
+            k = found
+            while k < len(gap) and gap[k][1] >= limits.STRAGGLER_WAIT_GAP / 2:
+                k += 1
+            at = gap[found][0]
+            lost = statistics.median(g for _, g in gap[found:k])
+            events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
+                                f"the other ranks waited for it in the collectives ({lost:.0%} of each step)"))
+            i = k
     return events
 
 

@@ -15,6 +15,14 @@ RATE_WINDOW = 300.0
 STRAGGLER_SHARE = 0.75
 STRAGGLER_FOR = 600.0
 STRAGGLER_RECOVERED = 0.9
+#: TrainingStragglerRank under synchronous data parallelism (ranks that wait for each other in every
+#: step's all-reduce, so their step rates are equal): a rank whose share of step time spent waiting in
+#: the collectives (rates over STRAGGLER_WAIT_WINDOW) is STRAGGLER_WAIT_GAP or more below its run's
+#: largest share, for STRAGGLER_WAIT_FOR seconds: the others lose that share of each step waiting for it
+#: (0.2: a rank 25 % slower than its peers, as STRAGGLER_SHARE). The event ends below half the gap.
+STRAGGLER_WAIT_GAP = 0.2
+STRAGGLER_WAIT_WINDOW = 120.0
+STRAGGLER_WAIT_FOR = 300.0
 #: A step-time regression: the run's median step time at least REGRESSION_RATIO times its median over
 #: the REGRESSION_BASELINE seconds before, for REGRESSION_FOR seconds. A 20 % slowdown is a step time
 #: 1.2 times as long (the step rate down to 1 / 1.2, 83 %). The event ends below REGRESSION_RECOVERED.

@@ -9,6 +9,10 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 - hang: every step ends in an all-reduce that also carries the stop decision (DIR/stop exists on
   either rank), so a rank stopped with SIGSTOP leaves the other waiting in that collective; each rank
   writes its pid to DIR/rank<N>.pid.
+- sync: DDP (3 ranks) under watch(model, optimizer), one gradient all-reduce per step after 30 ms of
+  "compute"; files in DIR steer rank 1: `slow` adds 45 ms before its forward, `hang-loader` blocks its
+  data iterator and `hang-compute` its compute (both until `release`); every step starts with an
+  all-reduce of the stop decision (DIR/stop on any rank), so all ranks leave at the same step.
 - fsdp: FSDP2 (fully_shard); logs clip_grad_norm_'s result and trainer_hook.grad_norm's next to the
   norm of the full (unsharded, all-reduced) gradients and the norm of this rank's shards alone. Then
   FSDP1 with use_orig_params=True under watch(): logs the module's clip_grad_norm_ and the same
@@ -17,6 +21,7 @@ The run id and the Pushgateway come from the environment (DUALTRACK_RUN, DUALTRA
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
 import signal
 import sys
@@ -140,6 +145,51 @@ def hang(records: Path) -> None:
     dist.destroy_process_group()
 
 
+def sync(records: Path) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    rank = dist.get_rank()
+    (records / f"rank{rank}.pid").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def batches():
+        torch.manual_seed(1 + rank)
+        while True:
+            while rank == 1 and (records / "hang-loader").exists() and not (records / "release").exists():
+                time.sleep(0.05)  # a read that never returns
+            yield torch.randn(8, 16), torch.randn(8, 1)
+
+    with TrainingMonitor(job="sync", push_interval=0.5, record_path=records) as monitor:
+        monitor.watch(model, optimizer)
+        data = monitor.loader(batches())
+        for step in itertools.count():
+            stop = torch.tensor([float((records / "stop").exists())])
+            dist.all_reduce(stop)
+            if stop.item():
+                break
+            x, y = next(data)  # after the stop decision: the others then wait in the gradients' all-reduce
+            time.sleep(0.03)  # the rank's "compute"
+            if rank == 1 and (records / "slow").exists():
+                time.sleep(0.045)
+            if rank == 1 and (records / "hang-compute").exists():
+                custom_kernel(records)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.log({"loss": loss.detach()}, step=step)
+    dist.destroy_process_group()
+
+
+def custom_kernel(records: Path) -> None:
+    """Rank 1's compute, stuck until DIR/release exists."""
+    while not (records / "release").exists():
+        time.sleep(0.05)
+
+
 def fsdp(records: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -211,4 +261,4 @@ def fsdp1(records: Path, rank: int) -> None:
 
 if __name__ == "__main__":
     {"ddp": ddp, "frameworks": frameworks, "straggler": straggler, "hang": hang,
-     "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))
+     "sync": sync, "fsdp": fsdp}[sys.argv[1]](Path(sys.argv[2]))

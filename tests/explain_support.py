@@ -21,7 +21,7 @@ SM_CLOCK = 1.98e9
 THROTTLE_REASONS = ("gpu_idle", "sw_power_cap", "hw_power_brake_slowdown", "hw_slowdown", "sw_thermal_slowdown",
                     "hw_thermal_slowdown")
 SCENARIOS = ("healthy", "thermal", "xid", "co-tenant", "co-tenant-sync", "power", "starving", "nan-all", "model", "mig",
-             "mig-oom", "gpu-lost", "fine-tune-spike", "replica", "lr-jump")
+             "mig-oom", "gpu-lost", "fine-tune-spike", "replica", "lr-jump", "ddp-thermal")
 #: The "mig" scenario is "xid" with the last rank on GPU instance 1 of a MIG GPU (its `MIG-…` uuid in
 #: training_gpu_info; the exporter's series carry the parent's). In "mig-oom" that rank's GPU instance
 #: (40 GiB) fills up and it runs out of memory at OOM_AT, its parent GPU far from full. Both list a
@@ -83,6 +83,10 @@ def default_identities(rank: int) -> dict[str, Identity]:
                              f'pid="{1000 + rank}",process="python3",container_id="",pod_uid="",slurm_job_id="",'
                              f'{inner}'),
             "co-tenant": Identity("", host_process("4242", "stress-ng"))}
+#: "ddp-thermal" is "thermal" under DDP with the collectives timed: every rank waits COLLECTIVE_SHARE of its
+#: step time in the all-reduce until FAULT_AT; then the throttled last rank still does, and the others wait
+#: for it too (0.3 s of each 0.8 s step).
+COLLECTIVE_SHARE = 0.02
 
 
 def container_namespace(rank: int) -> int:
@@ -107,6 +111,7 @@ class Rank:
     divergent: int = 0  # replica comparisons this rank lost
     ecc: int = 0  # uncorrected ECC errors of its GPU
     learning_rate: float = LEARNING_RATE
+    collective_share: float | None = None  # of the step time waited in the collectives (None: not timed)
 
 
 def uuid_of(run: str, rank: int) -> str:
@@ -125,7 +130,9 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     state = Rank()
     faulty = rank == ranks - 1  # the last rank's GPU is the one that misbehaves
     after = at >= FAULT_AT
-    if scenario == "thermal" and after:
+    if scenario == "ddp-thermal":
+        state.collective_share = COLLECTIVE_SHARE + (0.3 / 0.8 if after and not faulty else 0.0)
+    if scenario in ("thermal", "ddp-thermal") and after:
         state.step_seconds = 0.8  # synchronous training: every rank waits for the throttled GPU
         state.thermal = faulty
     elif scenario in ("xid", "mig") and faulty:
@@ -169,7 +176,7 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
 def training_samples(scenario: str, rank: int, ranks: int, minutes: float, scrape: float = SCRAPE):
     """(seconds from the start, the rank's state, its run state, its training_* values) at each scrape:
     what the hook's pushes carry (the time series of its start and last update left to the caller)."""
-    steps = waited = 0.0
+    steps = waited = wall = collective = 0.0
     first_nonfinite, nonfinite_steps, state = -1.0, 0, "running"
     at = 0.0
     while at <= minutes * 60:
@@ -180,6 +187,8 @@ def training_samples(scenario: str, rank: int, ranks: int, minutes: float, scrap
             else:
                 steps += scrape / now.step_seconds
                 waited += scrape * now.wait_share
+                wall += scrape
+                collective += scrape * (now.collective_share or 0.0)
         spike_step = int(steps)
         if now.nonfinite_from is not None and at >= now.nonfinite_from and first_nonfinite < 0:
             first_nonfinite = float(int(steps))
@@ -187,13 +196,17 @@ def training_samples(scenario: str, rank: int, ranks: int, minutes: float, scrap
                 spike_step -= 1  # the spike, then the first non-finite step, in one push
         if first_nonfinite >= 0 and state == "running":
             nonfinite_steps += int(scrape / now.step_seconds)
-        yield at, now, state, {
+        values = {
             "training_step": int(steps), "training_steps_total": int(steps), "training_data_wait_seconds_total": waited,
             "training_first_nonfinite_step": first_nonfinite, "training_nonfinite_steps_total": nonfinite_steps,
             "training_grad_norm_max": now.grad_norm * (1 + 0.1 * ((int(at) // 15) % 3)),
             "training_loss_scale": now.loss_scale, "training_cuda_ooms_total": now.ooms,
             "training_grad_norm_max_step": spike_step, "training_world_size": ranks,
             "training_learning_rate": now.learning_rate}
+        if now.collective_share is not None:  # collectives timed (DDP)
+            values["training_step_duration_seconds_sum"] = wall
+            values["training_collective_wait_seconds_total"] = collective
+        yield at, now, state, values
         at += scrape
 
 

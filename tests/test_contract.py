@@ -43,6 +43,9 @@ NOT_IN_A_RECORD = {
     "cuda_ooms": "a step line's cuda field holds allocated and reserved bytes only",
     "replica_compared_steps": "the comparison with the peers' norms happens live, the record holds this rank's",
     "replica_divergent_steps": "the comparison with the peers' norms happens live, the record holds this rank's",
+    **dict.fromkeys(("collective_wait_seconds", "compute_seconds", "collectives", "collective_sequence"),
+                    "the collectives' timing is the hook's, not a step line's"),
+    **dict.fromkeys(("rank_phase", "rank_frame_info"), "what the training thread does now is not a step line"),
 }
 #: Live samples replay does not write: those of NOT_IN_A_RECORD, and the Pushgateway's
 #: push_time_seconds / push_failure_time_seconds.
@@ -237,7 +240,7 @@ def test_dualtrack_commands_never_import_torch(tmp_path: Path, command: str) -> 
 # ---------------------------------------------------------------------- one declaration per series
 def _full_snapshot() -> Snapshot:
     """A snapshot in which every declared series has a sample: a failed run with GPUs, CUDA, tokens,
-    model FLOPs, window maxima, skipped steps, dropped values and a config."""
+    model FLOPs, window maxima, skipped steps, dropped values, a config and timed collectives."""
     return Snapshot(gauges={"loss": 1.0, "custom": math.nan},
                     maxima={"loss": 3.0, "grad_norm": 5.0, "learning_rate": 0.1},
                     max_steps={"loss": 1, "grad_norm": 2, "learning_rate": 3}, value_sums={"loss": 3.0},
@@ -248,7 +251,8 @@ def _full_snapshot() -> Snapshot:
                     cuda={"allocated": 1.0, "reserved": 2.0, "retries": 3, "ooms": 4},
                     process=ProcessIdentity(1, 2, 3, "host", "4026531836", "123456", "launch-1"),
                     dropped={"invalid_key": 2}, skipped_steps_total=3, paused_seconds={"checkpoint": 2.5},
-                    pause=("checkpoint", 100.0), replica=(4, 1))
+                    pause=("checkpoint", 100.0), replica=(4, 1), collective_wait=1.5, compute=2.5,
+                    collectives_total=6, collective_sequence=7, phase="loader", frame="batches (train.py:12)")
 
 
 def _declared(sample: str) -> Series:

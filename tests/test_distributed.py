@@ -34,7 +34,7 @@ def stack(tmp_path, start_service):
     return pgw, start_service(processes.prometheus(tmp_path, config))
 
 
-def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None) -> subprocess.Popen:
+def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None, ranks: int = 2) -> subprocess.Popen:
     # DUALTRACK_DELETE_AFTER=none: the final state stays on this test's own Pushgateway, and no
     # rank waits at exit to delete its group.
     env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1",
@@ -44,7 +44,7 @@ def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None)
         env["DUALTRACK_PUSHGATEWAY"] = pushgateway
     log = open(records / f"torchrun-{mode}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node=2", str(WORKER), mode, str(records)],
+                             f"--nproc_per_node={ranks}", str(WORKER), mode, str(records)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -139,21 +139,60 @@ def test_a_slow_rank_shows_in_the_step_rate_spread_and_the_straggler_alert(stack
 HANG_WINDOWS = {"240": "10", "60": "5"}
 
 
+#: TrainingStragglerRank's collective-wait rule as shipped (2-min rates, 5 min `for`) and as the tests
+#: below run it.
+STRAGGLER_WINDOWS = {"[2m]": "[10s]", "5m": "4s"}
+
+
 def shortened_hang_rules(workdir: Path) -> Path:
     """The shipped `dualtrack-hang.alerts` group with only its windows shortened (HANG_WINDOWS):
-    every other character of its expression and annotations is as shipped."""
+    every other character of its rules' expressions and annotations is as shipped."""
     groups = yaml.safe_load((processes.RULES_DIR / "distributed.yml").read_text())["groups"]
     [group] = [group for group in groups if group["name"] == "dualtrack-hang.alerts"]
-    [rule] = group["rules"]
-    assert rule["alert"] == "TrainingRankHung" and "for" not in rule
+    [alert] = [rule for rule in group["rules"] if "alert" in rule]
+    assert alert["alert"] == "TrainingRankHung" and "for" not in alert
     for shipped, short in HANG_WINDOWS.items():
         window = re.compile(rf"(?<![\w.]){shipped}(?![\w.])")
-        assert window.search(rule["expr"]), f"window {shipped} s not in the rule: update HANG_WINDOWS"
-        rule["expr"] = window.sub(short, rule["expr"])
-        rule["annotations"] = {key: window.sub(short, text) for key, text in rule["annotations"].items()}
+        assert window.search(alert["expr"]), f"window {shipped} s not in the rule: update HANG_WINDOWS"
+        for rule in group["rules"]:
+            rule["expr"] = window.sub(short, rule["expr"])
+            rule["annotations"] = {key: window.sub(short, text) for key, text in rule.get("annotations", {}).items()}
     path = workdir / "hang.yml"
     path.write_text(yaml.safe_dump({"groups": [group]}, width=1 << 16))
     return path
+
+
+def shortened_straggler_rules(workdir: Path) -> Path:
+    """The shipped collective-wait recording rules and TrainingStragglerRank rules, the lockstep
+    rule's rate window and `for` shortened (STRAGGLER_WINDOWS), the rest as shipped."""
+    groups = yaml.safe_load((processes.RULES_DIR / "distributed.yml").read_text())["groups"]
+    kept = []
+    for group in groups:
+        rules = [rule for rule in group["rules"] if "collective_wait" in rule.get("record", "")
+                 or rule.get("alert") == "TrainingStragglerRank"]
+        for rule in rules:
+            if "record" in rule:
+                rule["expr"] = rule["expr"].replace("[2m]", STRAGGLER_WINDOWS["[2m]"])
+            elif rule["labels"].get("basis") == "collective_wait":
+                assert rule["for"] == "5m", "update STRAGGLER_WINDOWS"
+                rule["for"] = STRAGGLER_WINDOWS["5m"]
+        if rules:
+            kept.append({**group, "rules": rules})
+    assert STRAGGLER_WINDOWS["[2m]"] in str(kept), "the rate window is not in the rules: update STRAGGLER_WINDOWS"
+    path = workdir / "straggler.yml"
+    path.write_text(yaml.safe_dump({"groups": kept}, width=1 << 16))
+    return path
+
+
+def stack_with(tmp_path: Path, start_service, *rule_files: Path) -> tuple:
+    """A Pushgateway and a Prometheus scraping it every second, evaluating only `rule_files`."""
+    pgw = start_service(processes.pushgateway(tmp_path))
+    config = processes.render_prometheus_config(tmp_path, {processes.PUSHGATEWAY_JOB: [pgw.address]},
+                                                scrape_interval="1s", evaluation_interval="1s")
+    rendered = yaml.safe_load(config.read_text())
+    rendered["rule_files"] = [str(path) for path in rule_files]
+    config.write_text(yaml.safe_dump(rendered, sort_keys=False))
+    return pgw, start_service(processes.prometheus(tmp_path, config))
 
 
 def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
@@ -161,13 +200,7 @@ def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
     hook's pushes stop too while rank 0 waits in the collective and still pushes. TrainingRankHung
     (its windows shortened, see HANG_WINDOWS) names rank 1 alone, was silent while both ranks
     stepped, and resolves once rank 1 resumes and the run finishes."""
-    pgw = start_service(processes.pushgateway(tmp_path))
-    config = processes.render_prometheus_config(tmp_path, {processes.PUSHGATEWAY_JOB: [pgw.address]},
-                                                scrape_interval="1s", evaluation_interval="1s")
-    rendered = yaml.safe_load(config.read_text())
-    rendered["rule_files"] = [str(shortened_hang_rules(tmp_path))]
-    config.write_text(yaml.safe_dump(rendered, sort_keys=False))
-    prom = start_service(processes.prometheus(tmp_path, config))
+    pgw, prom = stack_with(tmp_path, start_service, shortened_hang_rules(tmp_path))
     run = run_id("hang")
     alerts = f'ALERTS{{alertname="TrainingRankHung",run="{run}",alertstate="firing"}}'
     proc = torchrun("hang", tmp_path, run, pgw.url)
@@ -200,6 +233,125 @@ def test_a_frozen_rank_is_the_one_the_hang_alert_names(tmp_path, start_service):
             os.kill(frozen, signal.SIGCONT)  # whatever happened, no stopped process outlives the test
         kill_tree(proc.pid)
         proc.wait()
+
+
+def test_under_ddp_the_hung_rank_and_the_straggler_are_the_ranks_the_others_wait_for(tmp_path, start_service):
+    """Three DDP ranks (gloo), watch() timing their all-reduces, the alerts' windows shortened
+    (HANG_WINDOWS, STRAGGLER_WINDOWS). Healthy, neither TrainingStragglerRank nor TrainingRankHung
+    fires. Rank 1's data iterator blocks while ranks 0 and 2 wait in the all-reduce: TrainingRankHung
+    names rank 1 alone, in its data loader, with its frame; released, the alert resolves. Then rank 1
+    takes 45 ms more before its forward: every rank's step rate drops alike (lockstep), and
+    TrainingStragglerRank names rank 1 alone, the rank that waits least."""
+    pgw, prom = stack_with(tmp_path, start_service, shortened_straggler_rules(tmp_path),
+                           shortened_hang_rules(tmp_path))
+    run = run_id("lockstep")
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        # Healthy: Prometheus has seen every rank's wait share, and its steps, for longer than the windows.
+        daemons.wait_for_series(
+            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 15',
+            timeout=120, predicate=lambda r: len(r) == 3)
+        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        hang_names_rank_1(prom.url, run, tmp_path, "loader", "in its data loader", "batches (distributed_worker.py:")
+        (tmp_path / "slow").touch()
+        firing = daemons.wait_for_series(prom.url, alerts.replace("}", ',alertstate="firing"}'), timeout=90)
+        assert [(a["metric"]["alertname"], a["metric"]["rank"]) for a in firing] == [("TrainingStragglerRank", "1")]
+        [alert] = [a for a in requests.get(f"{prom.url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+                   if a["labels"].get("run") == run and a["state"] == "firing"]
+        assert alert["annotations"]["summary"] == f"Run {run} rank 1 is a straggler: the other ranks wait for it"
+        assert "rank 1 on host" in alert["annotations"]["description"]
+        rates = ranks(daemons.query(prom.url, f'rate(training_steps_total{{run="{run}"}}[10s])'))
+        assert max(rates.values()) < 1.2 * min(rates.values()), rates  # lockstep: no step-rate straggler
+    finally:
+        (tmp_path / "stop").touch()
+        (tmp_path / "release").touch()
+    finish(proc, tmp_path)
+    # watch()'s communication hook still all-reduces: every rank's gradient norm is the same at each step
+    norms = [[line["values"]["grad_norm"] for line in record_lines(tmp_path / f"sync-{run}-rank{rank}.jsonl")[0]]
+             for rank in range(3)]
+    assert len(norms[0]) > 100 and norms[0] == norms[1] == norms[2]
+
+
+@pytest.mark.slow
+def test_under_ddp_a_rank_stuck_computing_is_the_one_the_hang_alert_names(tmp_path, start_service):
+    """Three DDP ranks (gloo) at the same step; rank 1 blocks in its own code before its forward
+    while ranks 0 and 2 wait in the all-reduce: TrainingRankHung names rank 1 alone, computing."""
+    pgw, prom = stack_with(tmp_path, start_service, shortened_hang_rules(tmp_path))
+    run = run_id("ddphang")
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        daemons.wait_for_series(
+            prom.url, f'count_over_time(training_steps_total{{run="{run}"}}[1h]) > {float(HANG_WINDOWS["240"]) + 3}'
+            f' and training_steps_total > 0', timeout=120, predicate=lambda r: len(r) == 3)
+        hang_names_rank_1(prom.url, run, tmp_path, "compute", "computing", "custom_kernel (distributed_worker.py:")
+    finally:
+        (tmp_path / "stop").touch()
+        (tmp_path / "release").touch()
+    finish(proc, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_under_ddp_the_shipped_rules_name_the_straggler_within_10_minutes(stack, tmp_path):
+    """Real time, the rules as shipped: three DDP ranks healthy for 2.5 min raise nothing; then rank 1
+    takes 45 ms more before its forward, and TrainingStragglerRank names rank 1 alone within 10 min."""
+    pgw, prom = stack
+    run = run_id("lockstep-long")
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        daemons.wait_for_series(  # 2.5 min of wait shares (one evaluation a second)
+            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 150',
+            timeout=300, predicate=lambda r: len(r) == 3)
+        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        (tmp_path / "slow").touch()
+        onset = time.time()
+        firing = daemons.wait_for_series(prom.url, alerts.replace("}", ',alertstate="firing"}'), timeout=600)
+        assert [(a["metric"]["alertname"], a["metric"]["rank"]) for a in firing] == [("TrainingStragglerRank", "1")]
+        assert time.time() - onset < 600
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_healthy_ddp_run_raises_no_straggler_nor_hang_in_20_minutes(stack, tmp_path):
+    """Real time, the rules as shipped: three healthy DDP ranks for 20 min, neither TrainingStragglerRank
+    nor TrainingRankHung, not even pending."""
+    pgw, prom = stack
+    run = run_id("lockstep-healthy")
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
+    try:
+        daemons.wait_for_series(
+            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 1200',
+            timeout=1500, predicate=lambda r: len(r) == 3)
+        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+    finally:
+        (tmp_path / "stop").touch()
+    finish(proc, tmp_path)
+
+
+def hang_names_rank_1(prometheus: str, run: str, records: Path, where: str, phase: str, frame: str) -> None:
+    """Block rank 1 of a `sync` run (distributed_worker.py) `where` ("loader", "compute"); TrainingRankHung
+    names rank 1 alone, with its phase and frame; released, the run steps again and the alert resolves."""
+    alerts = f'ALERTS{{alertname="TrainingRankHung",run="{run}",alertstate="firing"}}'
+    (records / f"hang-{where}").touch()
+    firing = daemons.wait_for_series(prometheus, alerts, timeout=60)
+    assert [series["metric"]["rank"] for series in firing] == ["1"], where
+    [alert] = [a for a in requests.get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+               if a["labels"].get("run") == run and a["labels"]["alertname"] == "TrainingRankHung"]
+    summary, description = alert["annotations"]["summary"], alert["annotations"]["description"]
+    assert re.match(rf"Run {run} hangs: rank 1 is {phase} at step \d+, the others inside collective \d+$",
+                    summary), summary
+    assert "but not inside the collective they wait in" in description, description
+    assert f"Its training thread is {phase}, in {frame}" in description, description
+    (records / "release").touch()
+    processes.wait_until(lambda: not daemons.query(prometheus, alerts), 60, what="the alert to resolve")
+    (records / f"hang-{where}").unlink()
+    (records / "release").unlink()
 
 
 def test_fsdp_grad_norms_are_global_or_absent_never_a_shards(tmp_path):

@@ -183,6 +183,19 @@ def test_a_co_tenant_process_makes_one_rank_a_straggler(prometheus, capsys):
     assert {e["kind"] for e in events} == {"straggler", "step_time_regression"}
 
 
+def test_a_throttled_gpu_under_ddp_makes_its_rank_the_straggler(prometheus, capsys):
+    """Synchronous training (DDP, collectives timed): rank 1's GPU throttles, every rank's step slows
+    alike, and the ranks' step rates stay equal; rank 1 is the one the others wait for in the
+    all-reduce, named a straggler within 10 min with its GPU's thermal throttle."""
+    events = timeline(prometheus, "ddp-thermal", capsys)["events"]
+    (straggler,) = [e for e in events if e["kind"] == "straggler"]
+    assert straggler["rank"] == "1" and kinds(straggler)[0] == "thermal_throttle", straggler["causes"]
+    assert prometheus["base"] + support.FAULT_AT < straggler["time"] < prometheus["base"] + support.FAULT_AT + 600
+    assert "the other ranks waited for it in the collectives (38% of each step) on rank 1" in straggler["sentence"]
+    assert straggler["sentence"].endswith(": hardware, not the model"), straggler["sentence"]
+    assert {e["kind"] for e in events} == {"straggler", "step_time_regression"}
+
+
 def test_a_co_tenant_that_slows_every_rank_by_a_fifth_is_a_regression(prometheus, capsys):
     """A neighbour on rank 1's GPU makes every rank's (synchronous) step 22-27 % longer: a sustained
     slowdown of 20 % or more, explained by the co-tenant; no rank is a straggler."""

@@ -61,14 +61,33 @@ def test_a_score_or_threshold_changed_in_the_rule_is_caught():
         assert len(infra_cause_drift(expr.replace(old, new))) == 1, new
 
 
+def stragglers() -> dict[str, dict]:
+    """TrainingStragglerRank's two rules by their basis: "step_rate" (ranks at their own pace) and
+    "collective_wait" (synchronous data parallelism)."""
+    groups = yaml.safe_load((REPO / "rules" / "distributed.yml").read_text())["groups"]
+    return {rule["labels"].get("basis", "step_rate"): rule for group in groups for rule in group["rules"]
+            if rule.get("alert") == "TrainingStragglerRank"}
+
+
 def test_straggler_rule_is_the_tables():
     """TrainingStragglerRank's share, `for` and rate window are explain's straggler condition."""
     distributed = rules("distributed")
-    straggler = distributed["TrainingStragglerRank"]
+    straggler = stragglers()["step_rate"]
     assert [float(x) for x in re.findall(r"\) < ([\d.]+)", straggler["expr"])] == [limits.STRAGGLER_SHARE]
     assert straggler["for"] == minutes(limits.STRAGGLER_FOR)
     for expr in (straggler["expr"], distributed["job_run:training_steps:rate5m_median"]["expr"]):
         assert set(re.findall(r"\[(\w+)\]", expr)) == {minutes(limits.RATE_WINDOW)}, expr
+
+
+def test_lockstep_straggler_rule_is_the_tables():
+    """TrainingStragglerRank under synchronous data parallelism: its gap, `for` and rate window are
+    explain's lockstep straggler condition."""
+    straggler = stragglers()["collective_wait"]
+    gaps = re.findall(r"ratio2m\n\s*\) >= ([\d.]+)", straggler["expr"])
+    assert [float(x) for x in gaps] == [limits.STRAGGLER_WAIT_GAP]
+    assert straggler["for"] == minutes(limits.STRAGGLER_WAIT_FOR)
+    ratio = rules("distributed")["job_run_rank:training_collective_wait:ratio2m"]["expr"]
+    assert set(re.findall(r"\[(\w+)\]", ratio)) == {minutes(limits.STRAGGLER_WAIT_WINDOW)}, ratio
 
 
 def test_data_loader_rule_is_the_tables():
@@ -108,6 +127,9 @@ def test_the_docs_cause_table_is_the_tables():
             f"{limits.REGRESSION_BASELINE / 60:.0f} min before, for {limits.REGRESSION_FOR / 60:.0f} min") in events
     assert (f"below {limits.STRAGGLER_SHARE:.0%} of the run's median step rate for "
             f"{limits.STRAGGLER_FOR / 60:.0f} min").replace("%", " %") in events
+    assert (f"{limits.STRAGGLER_WAIT_GAP:.0%} or more below the run's largest for "
+            f"{limits.STRAGGLER_WAIT_FOR / 60:.0f} min, rates over "
+            f"{limits.STRAGGLER_WAIT_WINDOW / 60:.0f} min").replace("%", " %") in events
 
 
 def test_the_pause_bound_is_the_tables_in_the_rules_and_the_docs():

@@ -29,6 +29,8 @@ PREFIX = "training_"
 FORMAT_VERSION = 2
 #: training_run_state{state}: one of these is 1.
 RUN_STATES = ("running", "finished", "failed")
+#: training_rank_phase{phase}: one of these is 1 (what the training thread does; trainer_hook.collectives).
+PHASES = ("loader", "compute", "collective", "paused")
 #: Upper bounds (seconds) of training_step_duration_seconds; +Inf is implicit.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                 60.0)
@@ -154,6 +156,17 @@ SERIES: tuple[Series, ...] = (
     Series("cuda_memory_reserved_bytes", "gauge", "CUDA caching allocator: reserved bytes."),
     Series("cuda_alloc_retries", "counter", "CUDA allocator retries after a failed allocation."),
     Series("cuda_ooms", "counter", "CUDA out-of-memory errors raised by the allocator."),
+    Series("collective_wait_seconds", "counter", "Time this rank waited in its data-parallel collectives (DDP "
+           "gradient all-reduces timed by watch()): the rank the others wait for waits least."),
+    Series("compute_seconds", "counter", "Time between log() calls spent outside the timed collectives and the "
+           "data loader."),
+    Series("collectives", "counter", "Data-parallel collectives (DDP gradient all-reduces) completed."),
+    Series("collective_sequence", "gauge", "Number of the last data-parallel collective this rank entered (the "
+           "one it is in when training_rank_phase{phase=\"collective\"} is 1)."),
+    Series("rank_phase", "gauge", "1 for what the training thread does now: in its data loader, inside a "
+           "collective, computing, or paused.", ("phase",)),
+    Series("rank_frame_info", "gauge", "The innermost frame of the project's code on the training thread, while "
+           "no step was logged for two push intervals (sampled, no signal, no sync).", ("frame",)),
 )
 SERIES_BY_NAME = {series.name: series for series in SERIES}
 #: Log keys with a documented meaning (their gauge's HELP); any other numeric key is a plain gauge.
@@ -349,6 +362,12 @@ class Snapshot:
     gpus: tuple[tuple[str, str], ...] = ()
     cuda: dict[str, float] | None = None
     process: ProcessIdentity = ProcessIdentity()
+    collective_wait: float | None = None  # None: the collectives are not timed (collectives.py)
+    compute: float = 0.0
+    collectives_total: int = 0
+    collective_sequence: int = 0
+    phase: str = "compute"  # one of PHASES
+    frame: str = ""  # the training thread's innermost project frame, while steps stall
 
 
 class Folded(NamedTuple):

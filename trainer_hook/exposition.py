@@ -8,8 +8,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     Metric, SummaryMetricFamily)
 from prometheus_client.registry import CollectorRegistry
 
-from .contract import (DROP_REASONS, PREFIX, RUN_STATES, SERIES, SKIP_REASON, STEP_BUCKETS, WINDOW_MAX_KEYS, Series,
-                       Snapshot, logged_series, per_key)
+from .contract import (DROP_REASONS, PHASES, PREFIX, RUN_STATES, SERIES, SKIP_REASON, STEP_BUCKETS, WINDOW_MAX_KEYS,
+                       Series, Snapshot, logged_series, per_key)
 
 _KINDS: dict[str, type] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
                            "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}
@@ -33,6 +33,11 @@ def _max_step(snap: Snapshot, name: str) -> Rows:
 
 def _cuda(field: str) -> Callable[[Snapshot, str], Rows]:
     return lambda snap, _: None if snap.cuda is None else _one(snap.cuda[field])
+
+
+def _timed(attribute: str) -> Callable[[Snapshot, str], Rows]:
+    """A series of the timed collectives: none where they are not timed."""
+    return lambda snap, _: None if snap.collective_wait is None else _one(getattr(snap, attribute))
 
 
 def _attribute(attribute: str) -> Callable[[Snapshot, str], Rows]:
@@ -83,6 +88,11 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "cuda_memory_reserved_bytes": _cuda("reserved"),
     "cuda_alloc_retries": _cuda("retries"),
     "cuda_ooms": _cuda("ooms"),
+    **{name: _timed(attribute) for name, attribute in (
+        ("collective_wait_seconds", "collective_wait"), ("compute_seconds", "compute"),
+        ("collectives", "collectives_total"), ("collective_sequence", "collective_sequence"))},
+    "rank_phase": lambda snap, _: [((name,), (float(name == snap.phase),)) for name in PHASES],
+    "rank_frame_info": lambda snap, _: [((snap.frame,), (1,))] if snap.frame else None,
 }
 _BOUNDS = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
 

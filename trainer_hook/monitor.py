@@ -1,6 +1,7 @@
 """TrainingMonitor: the training loop's side of dualtrack."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
+from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
 from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
                        config_labels, merge_maxima, metric_suffix, pause_reason)
 from .exposition import registry_for
@@ -99,6 +101,10 @@ class TrainingMonitor:
         self._last_log: float | None = None
         self._pauses = Pauses()
         self._replica: ReplicaCheck | None = None  # watch() of a DDP model: compares the replicas' norms
+        self._in_loader = False  # the training thread waits in loader() for a batch
+        self._thread: int | None = threading.get_ident()  # the training thread (watch() updates it)
+        self._collectives: CollectiveTimer | None = None  # watch() times a DDP model's
+        self._compute = 0.0  # published training_compute_seconds_total (only grows)
         self._closed = False
         self._pid = os.getpid()  # a forked child (DataLoader worker) must never close/push for us
         self._process = ProcessIdentity(s.local_rank, s.world_size, self._pid, socket.gethostname(),
@@ -254,10 +260,13 @@ class TrainingMonitor:
         iterator = iter(iterable)
         while True:
             start = time.perf_counter()
+            self._in_loader = True
             try:
                 item = next(iterator)
             except StopIteration:
                 return
+            finally:
+                self._in_loader = False
             waited = time.perf_counter() - start
             self._data_wait += waited
             self._waited += waited
@@ -288,10 +297,13 @@ class TrainingMonitor:
         """The reason of the pause under way (paused()), None when the rank is not paused."""
         return self._pauses.reason
 
-    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "TrainingMonitor":
+    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
+              collectives: bool | None = None) -> "TrainingMonitor":
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
+        With a DistributedDataParallel `model`, time this rank's wait in the gradient all-reduces
+        (a communication hook; `collectives=False` or $DUALTRACK_COLLECTIVES=0 turns it off).
 
         The values join the next `log()` call (keys given to `log()` win). `optimizer`: anything
         with `param_groups` and `step` (torch, DeepSpeed, Apex, bitsandbytes ...). A
@@ -299,6 +311,9 @@ class TrainingMonitor:
         """
         if optimizer is None and scaler is None:
             raise ValueError("watch() needs an optimizer (anything with param_groups) or a scaler")
+        self._thread = threading.get_ident()
+        if self._collectives is None and wanted(collectives) and is_ddp(model):
+            self._collectives = install(model, partial(self._warn_once, "watch"), lambda: self._last_log is not None)
         if optimizer is not None:
             if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
                 raise ValueError(f"watch() needs an optimizer with param_groups and step(), got {optimizer!r}")
@@ -468,7 +483,7 @@ class TrainingMonitor:
 
     def _publish(self, state: str, failure_reason: str = "") -> Snapshot:
         paused, pause = self._pauses.state()
-        return self._aggregator.publish(
+        snapshot = self._aggregator.publish(
             self._dropped, state=state, failure_reason=failure_reason, start_time=self._start_time,
             data_wait_seconds=self._data_wait, paused_seconds=paused, pause=pause if state == "running" else None,
             replica=self._replica.counts() if self._replica is not None else None,
@@ -476,7 +491,36 @@ class TrainingMonitor:
             push_failures=sum(sender.failures for sender in (self._pusher, self._writer) if sender)
             + len(self.settings.refused_sinks),
             published=time.time(), precision=self._precision,
-            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process)
+            gpus=self._gpus(), cuda=self._cuda_stats(), process=self._process, **self._rank_state(state))
+        if snapshot.collective_wait is None:
+            return snapshot
+        # the logged steps' wall time outside the collectives and the loader (a counter: never lower)
+        outside = snapshot.duration_sum - snapshot.data_wait_seconds - snapshot.collective_wait
+        self._compute = max(self._compute, outside)
+        return dataclasses.replace(snapshot, compute=self._compute)
+
+    def _rank_state(self, state: str) -> dict[str, Any]:
+        """What the training thread does now (its phase; while steps stall, its innermost frame in
+        the project's code) and the timed collectives' counts; read here, nothing asked of it."""
+        timer = self._collectives
+        last = self._last_log
+        # after the first step (start-up is not a stall), not while paused (the phase says it all)
+        stalled = (state == "running" and last is not None and self._pause_reason is None
+                   and time.perf_counter() - last > max(1.0, 2 * self.settings.push_interval))
+        frame, seen = innermost_frame(self._thread) if stalled else ("", None)
+        if self._pause_reason is not None:
+            phase = "paused"
+        elif self._in_loader:
+            phase = "loader"
+        elif (timer is not None and timer.inside) or seen == "collective":
+            phase = "collective"
+        else:
+            phase = seen or "compute"
+        extra: dict[str, Any] = {"phase": phase, "frame": frame}
+        if timer is not None:
+            extra.update(collective_wait=timer.read(), collectives_total=timer.completed,
+                         collective_sequence=timer.entered)
+        return extra
 
     def _offer(self, snapshot: Snapshot) -> None:
         for sender in (self._pusher, self._writer):
