@@ -49,6 +49,12 @@ NEEDS_REAL_GPU = {
 }
 # Queries for runs that log their max_steps: the run here trains until stopped.
 NEEDS_MAX_STEPS = {"ETA A": "job_run:training_eta_seconds:rate5m needs training_max_steps"}
+# Queries for what this run (one process, no DDP model, never inside monitor.paused()) does not do.
+NEEDS_DDP_OR_PAUSE = {
+    "Model · Data-wait share B": "job_run_rank:training_collective_wait:ratio2m needs a DDP model's timed collectives",
+    "Paused, by reason A": "job_run:training_paused:ratio_rate5m needs monitor.paused()",
+    "Replica divergence A": "training_replica_divergent_steps_total needs DDP replicas compared",
+}
 # GPU 1 gets fans (SXM H100s have none) and MIG mode (MIG_RUN trains on its GPU instance 1); GPU 0,
 # the run's GPU, reports an XID 79 (GPUXidError).
 FAULT_PLAN = {"devices": {"1": {"fans": 2, "mig": True}}, "faults": [{"gpu": 0, "xid": 79, "at": 1, "times": 1}]}
@@ -170,7 +176,7 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     that wait for merged names or need CUDA."""
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
-            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU | NEEDS_MAX_STEPS and MIG_ONLY not in expr
+            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU | NEEDS_MAX_STEPS | NEEDS_DDP_OR_PAUSE and MIG_ONLY not in expr
             and not daemons.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
@@ -195,9 +201,9 @@ def test_every_panel_query_returns_data(stack):
         assert empty_panel_queries(stack.prom.url, dashboard, values) == [], path.name
         # The exceptions stay honest: a query listed as waiting that returns data must leave the list.
         answered = [f"{where} {target['refId']}" for where, expr, target in queries(dashboard)
-                    if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU | NEEDS_MAX_STEPS
+                    if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU | NEEDS_MAX_STEPS | NEEDS_DDP_OR_PAUSE
                     and daemons.query(stack.prom.url, substitute(expr, {**BUILTINS, **values}))]
-        assert answered == [], "these queries return data now: remove them from NEEDS_REAL_GPU or NEEDS_MAX_STEPS"
+        assert answered == [], "these queries return data now: remove them from their NEEDS_ list"
 
 
 def test_run_panels_show_the_run_on_its_gpu_only(stack):
@@ -268,7 +274,8 @@ def test_dashboards_use_only_metrics_the_exporter_and_hook_expose(stack):
     used = {name for path in DASHBOARDS for _, expr, _ in queries(load(path)) for name in metric_names(expr)}
     used -= PROMETHEUS_METRICS | recording_rule_names()
     needs_gpu = {name for path in DASHBOARDS for where, expr, target in queries(load(path))
-               if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU for name in metric_names(expr)}
+               if f"{where} {target.get('refId')}" in NEEDS_REAL_GPU | NEEDS_DDP_OR_PAUSE
+               for name in metric_names(expr)}
     assert used - exposed - needs_gpu == set(NOT_ON_H100)
     # The contract list in test_dashboards stays honest: the hook really pushes what it names.
     assert {"training_loss_max", "training_grad_norm_max", "training_gpu_info", "training_run_info"} <= exposed

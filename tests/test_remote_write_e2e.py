@@ -26,12 +26,13 @@ PUSHGATEWAY_ONLY = {"push_time_seconds", "push_failure_time_seconds"}
 
 
 def series(prometheus_url: str, run: str) -> set[tuple[tuple[str, str], ...]]:
-    """Every series the hook gave `run` (not the recording rules'), without the run label (so two runs
-    compare)."""
+    """Every series the hook gave `run` (not the recording rules'), without the run and launch labels (so
+    two runs compare)."""
     answer = requests.get(f"{prometheus_url}/api/v1/series", timeout=10,
                           params={"match[]": f'{{run="{run}",__name__=~"training_.*"}}'})
     answer.raise_for_status()
-    return {tuple(sorted((k, v) for k, v in labels.items() if k != "run")) for labels in answer.json()["data"]
+    return {tuple(sorted((k, v) for k, v in labels.items() if k not in ("run", "launch")))
+            for labels in answer.json()["data"]
             if labels["__name__"] not in PUSHGATEWAY_ONLY}
 
 
@@ -66,7 +67,7 @@ def test_remote_written_run_fires_the_rules_with_the_pushgateways_series(tmp_pat
     alert, = processes.wait_until(firing, 60, what="TrainingLossNonFinite from remote-written series")
     assert {k: alert["labels"][k] for k in ("job", "rank", "severity")} == {"job": "rw-test", "rank": "0",
                                                                             "severity": "critical"}
-    assert "since step 10, batch 4242" in alert["annotations"]["description"]
+    assert "from step 10 (batch 4242)" in alert["annotations"]["description"]
     # the same series, with the same labels, on both paths (the hook's own push time included)
     written = series(prometheus.url, runs["written"])
     assert len(written) > 60 and written == series(prometheus.url, runs["pushed"])
@@ -100,7 +101,7 @@ def test_victoria_metrics_serves_the_runs_series_and_vmalert_fires_the_rules(tmp
                 and a["state"] == "firing"]
 
     alert, = processes.wait_until(firing, 90, what="vmalert firing TrainingLossNonFinite")
-    assert "since step 10, batch 4242" in alert["annotations"]["description"]
+    assert "from step 10 (batch 4242)" in alert["annotations"]["description"]
     monitor.close()
     assert monitor._writer.failures == 0
     result = daemons.wait_for_series(vm.url, f'training_steps_total{{run="{run}"}} == 12', 60)

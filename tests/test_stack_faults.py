@@ -49,4 +49,4 @@ def test_alertmanager_down_then_up_delivers_the_pending_alert(tmp_path, start_se
 
         pipeline.alertmanager.start()
         _, alert = webhook_receiver.wait_for_alert("TrainingLossNonFinite", run=run.run, timeout=30)
-    assert f"since step {run.nan_step}" in alert["annotations"]["description"]
+    assert f"from step {run.nan_step} (batch" in alert["annotations"]["description"]
