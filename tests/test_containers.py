@@ -280,9 +280,10 @@ def test_the_janitor_and_the_exporter_run_as_different_users_without_passwords_i
 
 
 def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a_co_tenant(stack):
-    """The training container has its own PID namespace: its hook reports pid 1 there, NVML the host
-    PID. The exporter (pid: host, serving as uid 10001 with no capability) reads the process's namespace and PID in
-    it, and the rules join it to its run: no co_tenant. A host process put on that GPU (root's
+    """The training container has its own PID namespace: its hook reports pid 1 there and its start time,
+    NVML the host PID. The exporter (pid: host, serving as uid 10001 with no capability, so the
+    namespace link of root's container is closed to it) reads the process's PID in its namespace and its
+    start time, and the rules join it to its run: no co_tenant. A host process put on that GPU (root's
     `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
     named co_tenant by the rules and by explain's query."""
     from dualtrack.explain import co_tenants
@@ -294,11 +295,12 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     assert namespace != str(os.stat("/proc/self/ns/pid").st_ino)
     stack.list_gpu_processes(trainer)
     uuid = simulated_uuid(0)
-    joined = (f'nvml_gpu_process_memory_used_bytes{{uuid="{uuid}"}} * on (pid_namespace, namespace_pid) group_left (run) '
+    started = Path(f"/proc/{trainer}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22
+    joined = (f'nvml_gpu_process_memory_used_bytes{{uuid="{uuid}"}} * on (namespace_pid, start_time) group_left (run) '
               f'label_join(training_process_info{{run="{PIDNS_RUN}"}}, "namespace_pid", "", "pid")')
     [process] = wait_until(lambda: stack.query(joined), 150, interval=1, what="the training's GPU process joined to its run")
-    assert (process["metric"]["pid"], process["metric"]["pid_namespace"], process["metric"]["namespace_pid"]) == (
-        str(trainer), namespace, "1")
+    assert (process["metric"]["pid"], process["metric"]["namespace_pid"], process["metric"]["start_time"]) == (
+        str(trainer), "1", started)
     seen = time.time()
     wait_until(lambda: evaluated_since(stack.get(9090, "/api/v1/rules"), "dualtrack-explain.rules", seen), 60, interval=1,
                what="an evaluation of the explain rules with the joined process")
@@ -326,14 +328,16 @@ def test_no_container_restarted(stack):
 
 def test_down_then_up_keeps_prometheus_data_and_pushgateway_groups(stack):
     group = "/metrics/job/containers-persist/run/kept"
-    pushed = requests.put(stack.url(9091) + group, data="containers_persisted 42\n", verify=stack.ca,
+    # a hook's series name: the Pushgateway job keeps training_* alone
+    pushed = requests.put(stack.url(9091) + group, data="training_step 42\n", verify=stack.ca,
                           auth=("hook", stack.password("hook")), timeout=10)
     assert pushed.status_code == 200, pushed.text  # accepted after the consistency check (202: unchecked)
-    wait_until(lambda: stack.query("containers_persisted"), 60, interval=1, what="the pushed series scraped")
+    persisted = 'training_step{job="containers-persist"}'
+    wait_until(lambda: stack.query(persisted), 60, interval=1, what="the pushed series scraped")
     before = time.time()
     stack.compose("down", timeout=300)  # no -v: the named volumes stay
     stack.compose("up", "-d", *SERVICES)
     wait_until(lambda: stack.health("prometheus") == "healthy", 150, interval=1, what="prometheus healthy again")
     groups = stack.get(9091, "/api/v1/metrics").json()["data"]
     assert any(g["labels"].get("job") == "containers-persist" for g in groups), "the Pushgateway lost its groups"
-    assert stack.query("containers_persisted", at=before), "Prometheus lost its data"
+    assert stack.query(persisted, at=before), "Prometheus lost its data"
