@@ -19,7 +19,7 @@ from tests import daemons
 from tests.hook_support import pushed_value, run_id
 from tests.test_distributed import finish
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ddp]
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 #: Seconds as shipped -> as run here: the hang window (240), a rank's push silence (60), the pause

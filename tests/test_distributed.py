@@ -274,6 +274,7 @@ def test_under_ddp_the_hung_rank_and_the_straggler_are_the_ranks_the_others_wait
 
 
 @pytest.mark.slow
+@pytest.mark.ddp
 def test_under_ddp_a_rank_stuck_computing_is_the_one_the_hang_alert_names(tmp_path, start_service):
     """Three DDP ranks (gloo) at the same step; rank 1 blocks in its own code before its forward
     while ranks 0 and 2 wait in the all-reduce: TrainingRankHung names rank 1 alone, computing."""
