@@ -329,8 +329,8 @@ def test_no_container_restarted(stack):
 def test_down_then_up_keeps_prometheus_data_and_pushgateway_groups(stack):
     group = "/metrics/job/containers-persist/run/kept"
     # a hook's series name: the Pushgateway job keeps training_* alone
-    pushed = requests.put(stack.url(9091) + group, data="training_step 42\n", verify=stack.ca,
-                          auth=("hook", stack.password("hook")), timeout=10)
+    pushed = requests.put(stack.url(9091) + group, data="# TYPE training_step gauge\ntraining_step 42\n",
+                          verify=stack.ca, auth=("hook", stack.password("hook")), timeout=10)
     assert pushed.status_code == 200, pushed.text  # accepted after the consistency check (202: unchecked)
     persisted = 'training_step{job="containers-persist"}'
     wait_until(lambda: stack.query(persisted), 60, interval=1, what="the pushed series scraped")
