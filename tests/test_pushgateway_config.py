@@ -2,7 +2,7 @@
 with its consistency check (no --push.disable-consistency-check), so a push whose metric type conflicts
 with what the gateway holds is refused with 400 and every other run's series stay scrapeable. Without
 the check Pushgateway 1.5.1 takes that push (202) and answers 500 on /metrics for every group until the
-bad group is deleted. The check limits one gateway to about 250 ranks (docs/scaling.md); beyond that the
+bad group is deleted. The check limits one gateway to 170 ranks (docs/scaling.md); beyond that the
 hook writes to a remote-write store instead."""
 from __future__ import annotations
 
