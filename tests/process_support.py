@@ -56,14 +56,17 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def runnable_as(uid: int) -> str | None:
-    """Why this interpreter cannot run as `uid` (a checkout or environment under a folder only root may
-    enter, such as a clone in /root or a `mktemp -d`), or None when it can."""
+def runnable_as(uid: int, *imports: str) -> str | None:
+    """Why this interpreter, with the packages `imports` names, cannot run as `uid` (a checkout or
+    environment under a folder only root may enter, such as a clone in /root or a `mktemp -d`), or None
+    when it can."""
     done = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-                           sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+                           sys.executable, "-c", "".join(f"import {name};" for name in imports) or "pass"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
     if done.returncode == 0:
         return None
-    return f"{sys.executable} cannot run as uid {uid} (a checkout only root may enter): {done.stderr.strip()[-200:]}"
+    return (f"{sys.executable} or its packages cannot be used by uid {uid} (a checkout only root may enter): "
+            f"{done.stderr.strip()[-200:]}")
 
 
 @contextlib.contextmanager

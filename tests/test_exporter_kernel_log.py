@@ -195,7 +195,7 @@ def test_the_deployments_rights_are_what_reading_dev_kmsg_takes(tmp_path, start_
               "systemd": [*unprivileged, "--inh-caps=+syslog", "--ambient-caps=+syslog", "--bounding-set=-all,+syslog"],
               # compose: uid 0 with CAP_SYSLOG, CAP_SETUID and CAP_SETGID (cap_drop ALL), serving as 10001
               "compose": ["--inh-caps=-all", "--bounding-set=-all,+syslog,+setuid,+setgid"]}
-    if reason := runnable_as(10001):
+    if reason := runnable_as(10001, "pynvml"):  # the exporter's one dependency
         pytest.skip(reason)
     with readable_copy("exporter") as code:  # uid 10001 may not enter the checkout (a clone in /root)
         for name, rights in grants.items():
