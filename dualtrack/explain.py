@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from exporter import xids
 from trainer_hook.text import one_line
@@ -412,6 +412,19 @@ def _sustained(values: list[tuple[float, float]], bad: Callable[[int], bool], st
     return None
 
 
+def _episodes(values: list[tuple[float, float]], onset: Callable[[int], bool], held: Callable[[int], bool],
+              duration: float) -> Iterator[tuple[int, int]]:
+    """(first, end) indices of each episode: `onset` holds from `first` for `duration` seconds, and the
+    episode lasts while `held` holds (`end`: the first point where it no longer does)."""
+    i = 0
+    while (first := _sustained(values, onset, i, duration)) is not None:
+        end = first
+        while end < len(values) and held(end):
+            end += 1
+        yield first, end
+        i = end
+
+
 def _rate_window(reader: Reader) -> float:
     """The window of step rates: the rules' 5 min, at least 4 points at coarse resolution."""
     return max(limits.RATE_WINDOW, 4 * reader.res)
@@ -455,17 +468,12 @@ def slowdowns(reader: Reader) -> list[Event]:
         medians = dict(median)
         for rank, values in rates.items():
             share = [(t, v / medians[t] if medians.get(t) else 1.0) for t, v in values]
-            i = 0
-            while (found := _sustained(share, lambda k: share[k][1] < limits.STRAGGLER_SHARE and values[k][1] > 0, i,
-                                       limits.STRAGGLER_FOR)) is not None:
-                k = found
-                while k < len(share) and share[k][1] < limits.STRAGGLER_RECOVERED:
-                    k += 1
+            for found, k in _episodes(share, lambda k: share[k][1] < limits.STRAGGLER_SHARE and values[k][1] > 0,
+                                      lambda k: share[k][1] < limits.STRAGGLER_RECOVERED, limits.STRAGGLER_FOR):
                 at = share[found][0]
                 low = statistics.median(s for _, s in share[found:k])
                 events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
                                     f"stepped at {low:.0%} of the run's median rate"))
-                i = k
     return events
 
 
@@ -486,17 +494,12 @@ def lockstep_stragglers(reader: Reader) -> list[Event]:
     for rank, values in shares.items():
         gap = [(at, max(by_time[at].values()) - value) for at, value in values
                if math.isfinite(value) and len(by_time[at]) >= 2]
-        i = 0
-        while (found := _sustained(gap, lambda k: gap[k][1] >= limits.STRAGGLER_WAIT_GAP, i,
-                                   limits.STRAGGLER_WAIT_FOR)) is not None:
-            k = found
-            while k < len(gap) and gap[k][1] >= limits.STRAGGLER_WAIT_GAP / 2:
-                k += 1
+        for found, k in _episodes(gap, lambda k: gap[k][1] >= limits.STRAGGLER_WAIT_GAP,
+                                  lambda k: gap[k][1] >= limits.STRAGGLER_WAIT_GAP / 2, limits.STRAGGLER_WAIT_FOR):
             at = gap[found][0]
             lost = statistics.median(g for _, g in gap[found:k])
             events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
                                 f"the other ranks waited for it in the collectives ({lost:.0%} of each step)"))
-            i = k
     return events
 
 
@@ -506,15 +509,10 @@ def starvation(reader: Reader) -> list[Event]:
     window = f"{int(max(300, reader.res))}s"
     hits = []
     for rank, values in reader.by_rank(f"rate(training_data_wait_seconds_total{{SEL}}[{window}])").items():
-        i = 0
-        while (found := _sustained(values, lambda k: values[k][1] > limits.STARVATION_SHARE, i,
-                                   limits.STARVATION_FOR)) is not None:
-            k = found
-            while k < len(values) and values[k][1] > limits.STARVATION_SHARE / 2:
-                k += 1
+        for found, _ in _episodes(values, lambda k: values[k][1] > limits.STARVATION_SHARE,
+                                  lambda k: values[k][1] > limits.STARVATION_SHARE / 2, limits.STARVATION_FOR):
             at = values[found][0]
             hits.append((at, rank, reader.step_at(rank, at), "steps starved of data"))
-            i = k
     return _group(hits, "data_starvation", WINDOW)
 
 
