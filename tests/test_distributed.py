@@ -245,14 +245,10 @@ def test_under_ddp_the_hung_rank_and_the_straggler_are_the_ranks_the_others_wait
     pgw, prom = stack_with(tmp_path, start_service, shortened_straggler_rules(tmp_path),
                            shortened_hang_rules(tmp_path))
     run = run_id("lockstep")
-    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
     proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
     try:
         # Healthy: Prometheus has seen every rank's wait share, and its steps, for longer than the windows.
-        daemons.wait_for_series(
-            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 15',
-            timeout=120, predicate=lambda r: len(r) == 3)
-        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        alerts = quiet_lockstep(prom.url, run, evaluations=15, timeout=120)
         hang_names_rank_1(prom.url, run, tmp_path, "loader", "in its data loader", "batches (distributed_worker.py:")
         (tmp_path / "slow").touch()
         firing = daemons.wait_for_series(prom.url, alerts.replace("}", ',alertstate="firing"}'), timeout=90)
@@ -299,13 +295,10 @@ def test_under_ddp_the_shipped_rules_name_the_straggler_within_10_minutes(stack,
     takes 45 ms more before its forward, and TrainingStragglerRank names rank 1 alone within 10 min."""
     pgw, prom = stack
     run = run_id("lockstep-long")
-    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
     proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
     try:
-        daemons.wait_for_series(  # 2.5 min of wait shares (one evaluation a second)
-            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 150',
-            timeout=300, predicate=lambda r: len(r) == 3)
-        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        # 2.5 min of wait shares (one evaluation a second)
+        alerts = quiet_lockstep(prom.url, run, evaluations=150, timeout=300)
         (tmp_path / "slow").touch()
         onset = time.time()
         firing = daemons.wait_for_series(prom.url, alerts.replace("}", ',alertstate="firing"}'), timeout=600)
@@ -323,16 +316,24 @@ def test_a_healthy_ddp_run_raises_no_straggler_nor_hang_in_20_minutes(stack, tmp
     nor TrainingRankHung, not even pending."""
     pgw, prom = stack
     run = run_id("lockstep-healthy")
-    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
     proc = torchrun("sync", tmp_path, run, pgw.url, ranks=3)
     try:
-        daemons.wait_for_series(
-            prom.url, f'count_over_time(job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}[1h]) > 1200',
-            timeout=1500, predicate=lambda r: len(r) == 3)
-        assert daemons.query(prom.url, f"count_over_time({alerts}[1h])") == []
+        quiet_lockstep(prom.url, run, evaluations=1200, timeout=1500)
     finally:
         (tmp_path / "stop").touch()
     finish(proc, tmp_path)
+
+
+def quiet_lockstep(prometheus: str, run: str, evaluations: int, timeout: float) -> str:
+    """Wait until Prometheus evaluated each of the run's 3 ranks' collective-wait share more than
+    `evaluations` times, and check that neither TrainingStragglerRank nor TrainingRankHung was ever
+    pending or firing for it; returns the selector of those alerts."""
+    alerts = f'ALERTS{{alertname=~"TrainingStragglerRank|TrainingRankHung",run="{run}"}}'
+    shares = f'job_run_rank:training_collective_wait:ratio2m{{run="{run}"}}'
+    daemons.wait_for_series(prometheus, f"count_over_time({shares}[1h]) > {evaluations}", timeout=timeout,
+                            predicate=lambda r: len(r) == 3)
+    assert daemons.query(prometheus, f"count_over_time({alerts}[1h])") == []
+    return alerts
 
 
 def hang_names_rank_1(prometheus: str, run: str, records: Path, where: str, phase: str, frame: str) -> None:
