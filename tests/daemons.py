@@ -3,7 +3,6 @@ PromQL queries through dualtrack's one Prometheus client, waiting for series, an
 remote-write engine (VictoriaMetrics, vmalert) that only the tests run."""
 from __future__ import annotations
 
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -56,17 +55,22 @@ def wait_for_series(prometheus_url: str, expr: str, timeout: float = 60.0,
     return wait_until(probe, timeout, interval=0.25, what=f"PromQL {expr!r}")
 
 
+def evaluated_since(rules: requests.Response, group: str | None, since: float) -> bool:
+    """Whether Prometheus evaluated rule group `group` (every group, for None) after `since` (Unix time,
+    to the second), by its answer to /api/v1/rules."""
+    groups = rules.json()["data"]["groups"]
+    if group is not None:
+        [last] = [g["lastEvaluation"] for g in groups if g["name"] == group]
+        times = [last]
+    else:
+        times = [g["lastEvaluation"] for g in groups]
+    return bool(times) and all(
+        datetime.strptime(last[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() > since + 1
+        for last in times)
+
+
 def wait_for_rule_evaluations(prometheus_url: str, after: float, auth: tuple[str, str] | None = None,
                               timeout: float = 60.0) -> None:
-    """Wait until Prometheus evaluated every rule group at a Unix time past `after`."""
-    def evaluated() -> bool:
-        groups = requests.get(f"{prometheus_url}/api/v1/rules", auth=auth, timeout=5).json()["data"]["groups"]
-        return all(_unix(group["lastEvaluation"]) > after for group in groups)
-
-    wait_until(evaluated, timeout, interval=0.5, what="every rule group to be evaluated")
-
-
-def _unix(rfc3339: str) -> float:
-    """Prometheus' RFC 3339 time (nanoseconds, Z) as a Unix time."""
-    whole, fraction = re.fullmatch(r"(.+T\d\d:\d\d:\d\d)(\.\d+)?Z", rfc3339).groups()
-    return datetime.fromisoformat(whole).replace(tzinfo=timezone.utc).timestamp() + float(fraction or 0)
+    """Wait until Prometheus evaluated every rule group after `after` (Unix time)."""
+    wait_until(lambda: evaluated_since(requests.get(f"{prometheus_url}/api/v1/rules", auth=auth, timeout=5), None,
+                                       after), timeout, interval=0.5, what="every rule group to be evaluated")

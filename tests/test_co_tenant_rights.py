@@ -32,7 +32,8 @@ from tests import daemons
 from tests import explain_support as support
 from tests.hook_support import run_id
 from tests.process_support import children
-from tests.test_pid_namespace_e2e import TRAIN, evaluated_since, live_stack
+from tests.daemons import evaluated_since
+from tests.test_pid_namespace_e2e import TRAIN, live_stack
 from tests.test_explain import infra_cause_rule
 
 pytestmark = [pytest.mark.e2e,

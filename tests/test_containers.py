@@ -287,7 +287,7 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
     named co_tenant by the rules and by explain's query."""
     from dualtrack.explain import co_tenants
-    from tests.test_pid_namespace_e2e import evaluated_since
+    from tests.daemons import evaluated_since
 
     stack.compose("up", "-d", "--no-deps", "training")
     trainer = stack.container("training")["State"]["Pid"]  # its PID 1, as the host numbers it

@@ -24,7 +24,7 @@ from stack.demo import sweep
 from stack.processes import REPO, wait_until
 from tests.daemons import query, wait_for_series
 from tests.process_support import alive, children, default_signal_actions
-from tests.test_pid_namespace_e2e import evaluated_since
+from tests.daemons import evaluated_since
 
 pytestmark = pytest.mark.e2e
 

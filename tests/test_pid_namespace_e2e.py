@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-from datetime import datetime, timezone
 
 import pytest
 import requests
@@ -34,14 +33,6 @@ while True:
     monitor.log({"loss": torch.tensor(1.0)})
     time.sleep(0.05)
 """
-
-
-def evaluated_since(rules: requests.Response, group: str, since: float) -> bool:
-    """Whether Prometheus evaluated rule group `group` after `since` (Unix time, to the second), by
-    its answer to /api/v1/rules."""
-    [last] = [g["lastEvaluation"] for g in rules.json()["data"]["groups"] if g["name"] == group]
-    at = datetime.strptime(last[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
-    return at > since + 1
 
 
 def live_stack(tmp_path, start_service, listing, rights: tuple[str, ...] = ()) -> tuple[Service, Service, str]:
@@ -86,8 +77,8 @@ def check_the_join(prom_url: str, start_service, listing, tmp_path, run: str, uu
     daemons.wait_for_series(prom_url, f'nvml_gpu_process_memory_used_bytes{{pid="{trainer}",'
                                         f'pid_namespace="{namespace}",namespace_pid="1"}}', 30)
     both_seen = time.time()
-    processes.wait_until(lambda: evaluated_since(requests.get(prom_url + "/api/v1/rules", timeout=5),
-                                                 "dualtrack-explain.rules", both_seen), 30,
+    processes.wait_until(lambda: daemons.evaluated_since(requests.get(prom_url + "/api/v1/rules", timeout=5),
+                                                         "dualtrack-explain.rules", both_seen), 30,
                          what="an evaluation of the explain rules with both series")
     assert daemons.query(prom_url, f'job_run_rank:training_infra_cause:score{{run="{run}"}}') == []
     assert daemons.query(prom_url, co_tenants(f'uuid="{uuid}"', "1m")) == []  # explain's join
