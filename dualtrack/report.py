@@ -20,10 +20,9 @@ from .summary import utc
 
 HELP = "write a self-contained HTML post-mortem (record + optional Prometheus) of one run or several"
 warn = warner("report")
-_EXPORTER = f"{{job={prometheus.quote(prometheus.EXPORTER_JOB)}}}"
-GPU_QUERIES = {"gpu_utilization": f"nvml_gpu_utilization_ratio{_EXPORTER}",
-               "gpu_memory": f"nvml_gpu_memory_used_bytes{_EXPORTER}",
-               "gpu_power": f"nvml_gpu_power_usage_watts{_EXPORTER}"}
+GPU_QUERIES = {panel: prometheus.exporter_only(series) for panel, series in (
+    ("gpu_utilization", "nvml_gpu_utilization_ratio"), ("gpu_memory", "nvml_gpu_memory_used_bytes"),
+    ("gpu_power", "nvml_gpu_power_usage_watts"))}
 MAX_QUERY_POINTS = 1000
 STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}table{border-collapse:collapse;margin:.5em 0}
