@@ -86,6 +86,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
 def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
@@ -98,7 +102,7 @@ def forbidden_edges(path: Path) -> list[str]:
         target = name.split(".")[0]
         if target not in ALLOWED or target == own:
             continue
-        where = f"{path.relative_to(REPO)} imports {name}"
+        where = f"{relative(path)} imports {name}"
         if target not in ALLOWED[own]:
             found.append(f"{where} (edge {own} -> {target} is not allowed)")
         elif (own, target) in THROUGH and not any(_under(name, entry) for entry in THROUGH[own, target]):
@@ -150,30 +154,29 @@ def test_the_allowed_edges_form_no_cycle() -> None:
 
 
 def _marked(path: Path) -> Path | object:
-    reason = PENDING.get(str(path.relative_to(REPO)))
+    reason = PENDING.get(relative(path))
     return path if reason is None else pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
-@pytest.mark.parametrize("path", [_marked(p) for package in ALLOWED for p in modules(package)], ids=str)
+@pytest.mark.parametrize("path", [_marked(p) for package in ALLOWED for p in modules(package)], ids=relative)
 def test_every_import_follows_an_allowed_edge(path: Path) -> None:
     found = forbidden_edges(path)
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("path", [p for package in CLI for p in modules(package)], ids=str)
+@pytest.mark.parametrize("path", [p for package, cli in CLI.items() for p in modules(package)
+                                  if module_name(p) not in (cli, f"{package}.__main__")], ids=relative)
 def test_nothing_below_the_command_line_imports_it(path: Path) -> None:
     package = path.relative_to(REPO).parts[0]
-    if module_name(path) in (CLI[package], f"{package}.__main__"):
-        return
     offending = sorted(name for name in imports(path) if _under(name, CLI[package]))
-    assert not offending, f"{path.relative_to(REPO)} imports {', '.join(offending)} (below {CLI[package]})"
+    assert not offending, f"{relative(path)} imports {', '.join(offending)} (below {CLI[package]})"
 
 
-@pytest.mark.parametrize("path", [p for package in TORCH_FREE for p in modules(package)], ids=str)
+@pytest.mark.parametrize("path", [p for package in TORCH_FREE for p in modules(package)], ids=relative)
 def test_torch_free_packages_never_reach_torch(path: Path) -> None:
     """The static side of tests/test_contract.py's runs of `dualtrack` (which check sys.modules)."""
     found = reached(path)
     chain = ["torch"]
     while chain[-1] in found and found[chain[-1]]:
         chain.append(found[chain[-1]])
-    assert "torch" not in found, f"{path.relative_to(REPO)} loads torch: {' -> '.join(reversed(chain))}"
+    assert "torch" not in found, f"{relative(path)} loads torch: {' -> '.join(reversed(chain))}"
