@@ -24,7 +24,7 @@ from trainer_hook.text import one_line
 from . import prometheus
 from . import thresholds as limits
 from .summary import utc
-from .text import duration, fail, warner
+from .console import duration, fail, warner
 
 HELP = "explain a run: its model-track events (NaN, slowdowns, stragglers, OOM...) and the GPU evidence before each"
 warn = warner("explain")

@@ -34,7 +34,7 @@ from trainer_hook.connection import allow_insecure, check_transport, opener, pus
 from trainer_hook.settings import ENV_PUSHGATEWAY
 from trainer_hook.text import one_line
 
-from .text import duration
+from .console import duration
 
 HELP = "delete the Pushgateway groups of finished or dead training runs after a retention"
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"

@@ -36,7 +36,7 @@ from trainer_hook.connection import (Endpoint, allow_insecure, check_transport, 
                                        shown)
 from trainer_hook.text import one_line
 
-from .text import duration
+from .console import duration
 
 ENV_URL = "DUALTRACK_PROMETHEUS"
 #: Seconds one query may take in all, unless --prometheus-timeout says otherwise.

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .text import fail
+from .console import fail
 from .manifest import Coverage, ManifestError, install
 from .records import InputError, Reader, launches, select_launches
 from .workspace import Interrupted, remove_stale, workspace

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import prometheus
-from .text import fail, warner
+from .console import fail, warner
 from .summary import utc
 
 HELP = "write a self-contained HTML post-mortem (record + optional Prometheus) of one run or several"

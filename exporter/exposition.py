@@ -1,6 +1,6 @@
 """The scrape side: what the telemetry path serves, from the sampler's latest snapshot.
 
-A scrape never calls NVML and never waits for a sampler: it reads one immutable Snapshot reference
+A scrape never calls NVML and never waits for a sampler: it reads one immutable GpuSnapshot reference
 and the counters. The exposition is written by the exporter itself (`textformat`), byte for byte as
 prometheus_client 0.26 writes the same families, which the daemon never imports for an ordinary scrape:
 - each GPU's sample lines are rendered once, by its sampler thread when the sample is taken
@@ -10,7 +10,7 @@ prometheus_client 0.26 writes the same families, which the daemon never imports 
 - a rendered body (and its gzip) is reused by the scrapes that ask for the same format while the
   snapshot is the same, for at most REUSE_SECONDS: the self-metrics (snapshot and sample ages) and
   process_* of such a scrape are those of the moment the body was rendered;
-- `SnapshotCollector`, a prometheus_client collector over the same families, is the reference, and
+- `GpuSnapshotCollector`, a prometheus_client collector over the same families, is the reference, and
   prometheus_client (imported then) serves what is rare: `name[]`-filtered scrapes, `escaping=dots`
   (which renames every metric) and, should rendering fail, the fallback.
 Sample lines are the same in the Prometheus text format 0.0.4 and OpenMetrics 1.0 (gauges, and
@@ -40,7 +40,7 @@ from exporter.textformat import EOF, compress, gpu_series, header, line, negotia
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from exporter.sampler import GpuSample, Sampler, Snapshot
+    from exporter.sampler import GpuSample, GpuSnapshot, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def metric(family: Family) -> Metric:
     """A family as a prometheus_client metric family (imported here: only the rare paths need it)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     spec = family.spec
+    out: Metric
     if spec.type == COUNTER:
         out = CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=list(family.labels))
     else:
@@ -81,12 +82,13 @@ def render_registry(registry, accept: str | None, names: Sequence[str] = (),
     # Every name here is a legacy name, which "values" leaves as it is; prometheus_client 0.26's OpenMetrics
     # writer gives each sample name a U__ prefix under "values" (not its family's): "underscores" is that text.
     escaping = "underscores" if fmt.escaping == "values" else fmt.escaping
+    encoder: Callable[[object], bytes]
     if fmt.openmetrics:
-        from prometheus_client.openmetrics.exposition import generate_latest
-        encoder = functools.partial(generate_latest, escaping=escaping, version="1.0.0")
+        from prometheus_client.openmetrics import exposition as openmetrics_exposition
+        encoder = functools.partial(openmetrics_exposition.generate_latest, escaping=escaping, version="1.0.0")
     else:
-        from prometheus_client.exposition import generate_latest
-        encoder = functools.partial(generate_latest, escaping=escaping)
+        from prometheus_client import exposition as text_exposition
+        encoder = functools.partial(text_exposition.generate_latest, escaping=escaping)
     if names and hasattr(registry, "restricted_registry"):
         registry = registry.restricted_registry(names)
     body = encoder(registry)
@@ -113,12 +115,12 @@ def installed_version(distribution: str) -> str:
 class _View:
     """What one scrape serves: the snapshot, the time, and the samples not yet stale."""
 
-    snapshot: Snapshot
+    snapshot: GpuSnapshot
     now: float
     fresh: list[GpuSample]
 
 
-class SnapshotCollector:
+class GpuSnapshotCollector:
     """Serves `sampler.store.current`; `clock` must be the sampler's clock. A prometheus_client collector
     (`collect`), and the families the scrape path writes itself (`head`, `gpu_families`, `tail`)."""
 
@@ -139,7 +141,7 @@ class SnapshotCollector:
             families = self.tail((), self.clock())
         yield from map(metric, families)
 
-    def view(self, snapshot: Snapshot | None = None) -> _View:
+    def view(self, snapshot: GpuSnapshot | None = None) -> _View:
         snapshot = self.sampler.store.current if snapshot is None else snapshot
         now = self.clock()
         stale_after = self.sampler.hang_after
@@ -194,7 +196,7 @@ _OWN_SPECS = (UP, DRIVER_INFO, BUILD_INFO, GPU_LOST, *GPU_METRICS, COLLECTOR_SUC
 
 
 class _Rendered(NamedTuple):
-    snapshot: Snapshot
+    snapshot: GpuSnapshot
     at: float
     body: bytes
 
@@ -210,7 +212,7 @@ class Exposition:
     """
 
     def __init__(self, sampler: Sampler, clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
-        self.collector = SnapshotCollector(sampler, clock)
+        self.collector = GpuSnapshotCollector(sampler, clock)
         self.process = ProcessMetrics(proc)
         self._proc = proc
         self._registry = None
@@ -261,7 +263,7 @@ class Exposition:
         body = self._reusable(fmt.openmetrics, gzipped, self.collector.sampler.store.current, self.collector.clock())
         return None if body is None else (body, fmt.content_type)
 
-    def _reusable(self, openmetrics: bool, gzipped: bool, snapshot: Snapshot, now: float) -> bytes | None:
+    def _reusable(self, openmetrics: bool, gzipped: bool, snapshot: GpuSnapshot, now: float) -> bytes | None:
         """The body rendered in this format for `snapshot` less than REUSE_SECONDS before `now`, if any."""
         rendered = self._rendered.get((openmetrics, gzipped))
         if rendered is not None and rendered.snapshot is snapshot and 0 <= now - rendered.at < REUSE_SECONDS:

@@ -10,7 +10,7 @@ import platform
 
 from exporter.metrics import PROCESS_METRICS, PYTHON_INFO, MetricSpec
 
-Series = list[tuple[tuple[str, ...], float]]  # (label values in the spec's label order, value)
+Samples = list[tuple[tuple[str, ...], float]]  # (label values in the spec's label order, value)
 _VIRTUAL, _RESIDENT, _START, _CPU, _OPEN_FDS, _MAX_FDS = PROCESS_METRICS
 
 
@@ -25,8 +25,8 @@ class ProcessMetrics:
         major, minor, patchlevel = platform.python_version_tuple()
         self._python = (platform.python_implementation(), major, minor, patchlevel, platform.python_version())
 
-    def families(self) -> list[tuple[MetricSpec, Series]]:
-        out: list[tuple[MetricSpec, Series]] = []
+    def families(self) -> list[tuple[MetricSpec, Samples]]:
+        out: list[tuple[MetricSpec, Samples]] = []
         if self._boot_time:
             try:
                 with open(os.path.join(self._self, "stat"), "rb") as stat:

@@ -4,6 +4,9 @@ order, for a caller that knows the few fields it reads and skips the rest (a new
 Bounded by the input: every length is checked against what is left, a varint is at most 10 bytes, and
 anything else (a field number 0, a group, an unknown wire type, a string that is not UTF-8) raises
 MalformedMessage; the reader never raises anything else.
+
+Not trainer_hook.protobuf (the protobuf library, for remote write): the exporter imports no other
+package, its image installs no protobuf, and the kubelet's answer needs three fields read, not messages.
 """
 from __future__ import annotations
 

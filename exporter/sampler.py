@@ -44,7 +44,7 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class GpuSnapshot:
     """The latest sample of every GPU, and which GPUs are lost."""
 
     samples: tuple[GpuSample, ...] = ()
@@ -76,12 +76,12 @@ class Stats:
             return dict(self._lost)
 
 
-class SnapshotStore:
-    """Holds the current Snapshot; publishing swaps in a new one (readers never lock)."""
+class GpuSnapshotStore:
+    """Holds the current GpuSnapshot; publishing swaps in a new one (readers never lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.current = Snapshot()
+        self.current = GpuSnapshot()
         self._samples: dict[int, GpuSample] = {}  # what `current` holds, by GPU index in index order
 
     def publish(self, index: int, sample: GpuSample | None) -> None:
@@ -96,7 +96,7 @@ class SnapshotStore:
             else:
                 self._samples = dict(sorted({**self._samples, index: sample}.items()))
                 lost = lost - {index}
-            self.current = Snapshot(tuple(self._samples.values()), lost)
+            self.current = GpuSnapshot(tuple(self._samples.values()), lost)
 
 
 def samples_per_period(period: float, interval: float) -> int:
@@ -108,7 +108,7 @@ def samples_per_period(period: float, interval: float) -> int:
 class GpuSampler:
     """Samples one GPU every interval with the enabled collectors."""
 
-    def __init__(self, device: Device, collectors: list[Collector], store: SnapshotStore, stats: Stats, *,
+    def __init__(self, device: Device, collectors: list[Collector], store: GpuSnapshotStore, stats: Stats, *,
                  interval: float, simulated: bool = False, clock: Callable[[], float] = time.monotonic,
                  on_return: Callable[[Device], None] = lambda device: None) -> None:
         self.device = device
@@ -256,7 +256,7 @@ class Sampler:
     proc_root: str = "/proc"
     xid_kernel_log: str = ""
     clock: Callable[[], float] = time.monotonic
-    store: SnapshotStore = field(default_factory=SnapshotStore)
+    store: GpuSnapshotStore = field(default_factory=GpuSnapshotStore)
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors import ALL
-from exporter.exposition import SnapshotCollector
+from exporter.exposition import GpuSnapshotCollector
 from exporter.nvml import Nvml
 from exporter.sampler import Sampler
 from exporter.simulated import DeviceTraits
@@ -49,7 +49,7 @@ class Rig:
         self.sampler = Sampler(self.nvml, collectors or EVERY_COLLECTOR, interval=interval, simulated=True,
                                proc_root=proc_root, clock=self.clock, xid_kernel_log=xid_kernel_log)
         self.registry = CollectorRegistry()
-        self.registry.register(SnapshotCollector(self.sampler, clock=self.clock))
+        self.registry.register(GpuSnapshotCollector(self.sampler, clock=self.clock))
 
     def step(self, seconds: float | None = None) -> None:
         """Advance the clock by one interval (or `seconds`) and sample every GPU once."""

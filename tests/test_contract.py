@@ -28,7 +28,7 @@ from tests.test_hook_watch import Fp16Run
 from trainer_hook import TrainingMonitor, remote_write
 from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, SERIES_BY_NAME, Dropped, ProcessIdentity,
                                    Series, Snapshot, label_value, metric_suffix)
-from trainer_hook.exposition import families
+from trainer_hook.families import families
 from trainer_hook.text import one_line
 
 #: Declared series a record does not hold, so replay cannot rebuild them, and why.

@@ -22,7 +22,7 @@ from .aggregate import Aggregator, Entry
 from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
 from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
                        config_labels, merge_maxima, metric_suffix, pause_reason)
-from .exposition import registry_for
+from .families import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
 from .identity import own_pid_namespace, own_start_time

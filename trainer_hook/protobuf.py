@@ -1,6 +1,10 @@
 """Protocol-buffer message classes built at run time from a small schema, without generated code (no
-protoc in the build): the exporter's kubelet pod-resources client and the hook's remote write use it.
-Needs the `protobuf` package (imported here, so a missing one raises ImportError from `messages`)."""
+protoc in the build), for the hook's remote write. Needs the `protobuf` package (the `remote-write`
+extra; imported in `messages`, so a missing one raises ImportError from there).
+
+The exporter reads the kubelet's answer with its own wire reader (exporter/protowire.py) instead: it
+imports no other package and adds no protobuf to the daemon, and it reads three fields of untrusted
+bytes. The hook writes whole messages, which the protobuf library encodes as Prometheus decodes them."""
 from __future__ import annotations
 
 # FieldDescriptorProto.TYPE_*

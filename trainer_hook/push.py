@@ -18,7 +18,7 @@ from prometheus_client import delete_from_gateway, push_to_gateway
 
 from .connection import Endpoint, mix_up, push_handler
 from .contract import Snapshot, merge_maxima
-from .exposition import registry_for
+from .families import registry_for
 from .settings import PUSHGATEWAY_MAX_RANKS, Settings
 
 log = logging.getLogger("trainer_hook")

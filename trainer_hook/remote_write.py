@@ -42,7 +42,7 @@ from prometheus_client.utils import floatToGoString
 from . import protobuf
 from .connection import Endpoint, opener, shown
 from .contract import Snapshot
-from .exposition import families
+from .families import families
 from .protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
 from .push import cancel_deletion, schedule_deletion
 from .settings import Settings

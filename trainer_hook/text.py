@@ -2,6 +2,8 @@
 
 The one rule for control characters, C0, DEL and C1 (newlines, terminal escapes), shared by the
 hook's label values and the `dualtrack` command's messages, logs and figures. Standard library only.
+(The exporter rewrites no control characters: exporter.textformat.escape is the exposition format's own escaping of
+backslash, newline and quote, as prometheus_client writes label values.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The `dualtrack` subcommands' text in and out: one-line errors and warnings on stderr (control
-characters escaped), and the durations their flags take."""
+"""The `dualtrack` subcommands' console: one-line errors and warnings on stderr (control characters
+escaped by trainer_hook.text, the one rule for them), and the durations their flags take."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,5 @@
-"""Prometheus metric families for a published Snapshot (used by push, pull mode and remote write): one per
-series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
+"""prometheus_client metric families for a published Snapshot (used by push, pull mode and remote write): one
+per series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -15,6 +15,7 @@ _KINDS: dict[str, type] = {"gauge": GaugeMetricFamily, "counter": CounterMetricF
                            "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}
 #: A series' rows: (its label values, the arguments of add_metric after them); None: not exported.
 Rows = Optional[list[tuple[tuple[str, ...], tuple[Any, ...]]]]
+_BOUNDS = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 
 def _one(value: float) -> Rows:
@@ -94,7 +95,6 @@ _ROWS: dict[str, Callable[[Snapshot, str], Rows]] = {
     "rank_phase": lambda snap, _: [((name,), (float(name == snap.phase),)) for name in PHASES],
     "rank_frame_info": lambda snap, _: [((snap.frame,), (1,))] if snap.frame else None,
 }
-_BOUNDS = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 
 def _family(series: Series, const: dict[str, str], rows: Rows, extra: tuple[str, ...] = ()) -> Metric:
