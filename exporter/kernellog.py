@@ -123,7 +123,7 @@ class KernelLogReader:
     """Follows `path` in a thread and reports each XID record of a known GPU as
     `report(gpu index, code, gpu_instance)`."""
 
-    def __init__(self, path: str, gpus: Iterable[tuple[int, str]], report: Callable[[int, int, str], None],
+    def __init__(self, path: str, gpus: Iterable[tuple[int, str]], report: Callable[[int, int, str], object],
                  on_error: Callable[[str], None]) -> None:
         self.path = path
         self.report = report
@@ -148,7 +148,9 @@ class KernelLogReader:
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop and join the thread (it never blocks in a read), then close the file; False if it is still running."""
         self._stop.set()
-        running = self._thread is not None and (self._thread.join(timeout) or self._thread.is_alive())
+        if self._thread is not None:
+            self._thread.join(timeout)
+        running = self._thread is not None and self._thread.is_alive()
         if not running:
             self._close()
         return not running
@@ -199,8 +201,10 @@ class KernelLogReader:
                     self._stop.wait(RETRY)
                     continue
                 at_end = True
+            fd = self._fd
+            assert fd is not None  # opened just above
             try:
-                data = os.read(self._fd, READ_SIZE)
+                data = os.read(fd, READ_SIZE)
             except BlockingIOError:  # /dev/kmsg: no new record
                 data = b""
             except OSError as exc:
@@ -222,7 +226,8 @@ class KernelLogReader:
         """After a read error: go on from the end of what is open (the privilege it was opened with may be
         gone), never from its start (the ring buffer's XIDs were counted); if that fails, reopen it at its end."""
         try:
-            os.lseek(self._fd, 0, os.SEEK_END)
+            if self._fd is not None:
+                os.lseek(self._fd, 0, os.SEEK_END)
         except OSError:
             self._close()
         self._pending = b""
@@ -245,14 +250,17 @@ class KernelLogReader:
     def _replaced(self) -> bool:
         """True (and the file closed, to be reopened from its start) if a regular file was truncated or
         replaced at its path; a character device (/dev/kmsg) never is."""
-        mode = os.fstat(self._fd)
+        if self._fd is None:
+            return False
+        fd = self._fd
+        mode = os.fstat(fd)
         if not stat.S_ISREG(mode.st_mode):
             return False
         try:
             current = os.stat(self.path)
         except OSError:
             return False  # removed: keep reading the old one until a new one appears
-        if current.st_ino != mode.st_ino or mode.st_size < os.lseek(self._fd, 0, os.SEEK_CUR):
+        if current.st_ino != mode.st_ino or mode.st_size < os.lseek(fd, 0, os.SEEK_CUR):
             self._close()
             return True
         return False

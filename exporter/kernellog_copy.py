@@ -44,6 +44,7 @@ class XidCopier(KernelLogReader):
         self._out = os.open(self.target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def _xid(self, line: bytes, found: XidRecord) -> None:
+        assert self._out is not None, "open_target() comes first"
         os.write(self._out, line + b"\n")
         if os.fstat(self._out).st_size >= self.max_bytes:
             self._new_file()
@@ -53,7 +54,8 @@ class XidCopier(KernelLogReader):
         fresh = f"{self.target}.new"
         out = os.open(fresh, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         os.replace(fresh, self.target)
-        os.close(self._out)
+        if self._out is not None:
+            os.close(self._out)
         self._out = out
 
 

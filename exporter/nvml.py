@@ -162,7 +162,8 @@ class Nvml:
 
     def error_name(self, exc: BaseException) -> str:
         value = getattr(exc, "value", None)
-        return self._names.get(value, type(exc).__name__.lower())
+        fallback = type(exc).__name__.lower()
+        return self._names.get(value, fallback) if isinstance(value, int) else fallback
 
     def classify(self, exc: BaseException) -> Exception:
         """The exporter exception for an NVML exception (see the module docstring), before any probe."""
@@ -387,11 +388,11 @@ def _absent_key(function: str, args: Sequence[Any]) -> tuple:
     return function, tuple(args[:1]) if args and isinstance(args[0], (int, str)) else ()
 
 
-#: NVML_VALUE_TYPE_* name -> the C type of that c_nvmlValue_t member, and whether it is unsigned
-_VALUE_TYPES = {"DOUBLE": (ctypes.c_double, False), "UNSIGNED_INT": (ctypes.c_uint, True),
-                "UNSIGNED_LONG": (ctypes.c_ulong, True), "UNSIGNED_LONG_LONG": (ctypes.c_ulonglong, True),
-                "SIGNED_LONG_LONG": (ctypes.c_longlong, False), "SIGNED_INT": (ctypes.c_int, False),
-                "UNSIGNED_SHORT": (ctypes.c_ushort, True)}
+#: NVML_VALUE_TYPE_* name -> the struct format of that c_nvmlValue_t member (native sizes, as ctypes'
+#: c_double, c_uint, c_ulong, ... have), and whether it is unsigned
+_VALUE_TYPES = {"DOUBLE": ("d", False), "UNSIGNED_INT": ("I", True), "UNSIGNED_LONG": ("L", True),
+                "UNSIGNED_LONG_LONG": ("Q", True), "SIGNED_LONG_LONG": ("q", False), "SIGNED_INT": ("i", False),
+                "UNSIGNED_SHORT": ("H", True)}
 
 
 class FieldValue(NamedTuple):  # a tuple, not a frozen dataclass: built ~20 times per GPU and sample, 4 times faster
@@ -404,8 +405,8 @@ class FieldValue(NamedTuple):  # a tuple, not a frozen dataclass: built ~20 time
 def value_types(lib: ModuleType) -> dict[int, tuple[struct.Struct, int | None]]:
     """NVML_VALUE_TYPE_* tag -> (layout of the union member holding it, unsigned width in bits or None)."""
     return {constant(lib, f"NVML_VALUE_TYPE_{kind}"):
-            (struct.Struct(ctype._type_), 8 * ctypes.sizeof(ctype) if unsigned else None)
-            for kind, (ctype, unsigned) in _VALUE_TYPES.items()}
+            (struct.Struct(layout), 8 * struct.calcsize(layout) if unsigned else None)
+            for kind, (layout, unsigned) in _VALUE_TYPES.items()}
 
 
 _UNKNOWN_TYPE = (struct.Struct(ctypes.c_ulonglong._type_), 64)  # a tag this binding does not know: the widest

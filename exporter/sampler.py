@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidCounts, XidWatcher
 from exporter.collectors.base import Values
@@ -280,11 +280,11 @@ class Sampler:
             log.warning("not in the host PID namespace: NVML lists only the GPU processes of this PID namespace, "
                         "no other container's (run with the host PID namespace: docker --pid=host, "
                         "Kubernetes hostPID: true)")
-        options = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_counts": self.xid_counts,
+        options: dict[str, Any] = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_counts": self.xid_counts,
                    "proc_root": self.proc_root}
         on_return = self.xid.register if self.xid else (lambda device: None)
-        self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated)] +
-                                [BY_NAME[name](device, **options) for name in self.collectors],
+        self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated),
+                                         *(BY_NAME[name](device, **options) for name in self.collectors)],
                                 self.store, self.stats, interval=self.interval, simulated=self.simulated,
                                 clock=self.clock, on_return=on_return)
                      for device in self.devices]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .miguuid import normalised_mig_uuid
 
@@ -11,7 +12,7 @@ except ImportError:  # pragma: no cover - exercised only without the `torch` ext
     torch = None  # type: ignore[assignment]
 
 #: The tensor type for isinstance checks; an empty tuple matches nothing without torch.
-TENSOR_TYPES: tuple[type, ...] = (torch.Tensor,) if torch is not None else ()
+TENSOR_TYPES: tuple[type[Any], ...] = (torch.Tensor,) if torch is not None else ()
 
 
 def cuda_ready() -> bool:

@@ -24,7 +24,8 @@ def normalised_mig_uuid(entry: str, nvml: Any = None) -> str:
     parent_uuid, instance, compute = match.group(1), int(match.group(2)), int(match.group(3))
     try:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+            nvml = pynvml
         nvml.nvmlInit()
         try:
             parent = nvml.nvmlDeviceGetHandleByUUID(parent_uuid.encode())

@@ -135,7 +135,7 @@ class Record:
                 self._file = os.fdopen(_open_file(path.name, self._folder), "ab")
                 self._size = os.fstat(self._file.fileno()).st_size
                 if self._size:
-                    self._cut_partial_line()
+                    self._cut_partial_line(self._file)
             except (OSError, Unsafe) as exc:
                 self.close()
                 self.failures += 1
@@ -143,16 +143,16 @@ class Record:
                 reason = exc if isinstance(exc, Unsafe) else (exc.strerror or exc)
                 log.warning("no local record: %s: %s; training continues", path, reason)
 
-    def _cut_partial_line(self) -> None:
+    def _cut_partial_line(self, file: BinaryIO) -> None:
         """A previous writer that crashed mid-line left a tail without a newline: drop it."""
         start = max(0, self._size - 65536)
-        tail = os.pread(self._file.fileno(), self._size - start, start)
+        tail = os.pread(file.fileno(), self._size - start, start)
         if tail.endswith(b"\n"):
             return
         cut = tail.rfind(b"\n")
         keep = start + cut + 1 if cut >= 0 else (0 if start == 0 else self._size)
         if keep != self._size:
-            self._file.truncate(keep)
+            file.truncate(keep)
             self._size = keep
 
     def write(self, lines: Iterable[dict[str, Any]], sync: bool = False) -> None:
@@ -177,7 +177,7 @@ class Record:
                 size += len(data)
             self._append(chunk)
             if sync:
-                os.fsync(self._file.fileno())
+                os.fsync(self._current().fileno())
         except (OSError, ValueError) as exc:
             self.failures += 1
             if not self._warned:
@@ -185,11 +185,17 @@ class Record:
                 log.warning("cannot write the record file %s: %s; training continues", self.path, exc)
 
     def _append(self, chunk: list[bytes]) -> None:
+        file = self._current()
         if chunk:
             data = b"".join(chunk)
-            self._file.write(data)
+            file.write(data)
             self._size += len(data)
-        self._file.flush()
+        file.flush()
+
+    def _current(self) -> BinaryIO:
+        """The file being written; only called while it is open (write() returns early otherwise)."""
+        assert self._file is not None
+        return self._file
 
     def _rotate(self) -> None:
         """Rename the full file to the next <stem>.<n>.jsonl and continue in a fresh <stem>.jsonl.
@@ -198,20 +204,22 @@ class Record:
         leaves no empty or headless <stem>.jsonl (at worst a <stem>.jsonl.<random>.tmp with the start
         line). It is created with O_EXCL under a random name: nothing planted is written through.
         """
-        os.fsync(self._file.fileno())
-        self._file.close()
+        file, path, folder = self._current(), self.path, self._folder
+        assert path is not None and folder is not None  # an open file has both
+        os.fsync(file.fileno())
+        file.close()
         self._file = None
         header = b"" if self._start is None else (json.dumps(
             {**self._start, "continued": True}, default=str, ensure_ascii=False) + "\n").encode("utf-8")
-        fresh = f"{self.path.name}.{secrets.token_hex(8)}.tmp"
+        fresh = f"{path.name}.{secrets.token_hex(8)}.tmp"
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        handle = os.fdopen(os.open(fresh, flags, 0o600, dir_fd=self._folder), "ab")
+        handle = os.fdopen(os.open(fresh, flags, 0o600, dir_fd=folder), "ab")
         handle.write(header)
         handle.flush()
-        numbers = rotated_numbers(self.path, self._folder)
-        os.replace(self.path.name, rotated_path(self.path, numbers[-1] + 1 if numbers else 1).name,
-                   src_dir_fd=self._folder, dst_dir_fd=self._folder)
-        os.replace(fresh, self.path.name, src_dir_fd=self._folder, dst_dir_fd=self._folder)
+        numbers = rotated_numbers(path, folder)
+        os.replace(path.name, rotated_path(path, numbers[-1] + 1 if numbers else 1).name,
+                   src_dir_fd=folder, dst_dir_fd=folder)
+        os.replace(fresh, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         self._file = handle
         self._size = self._header = len(header)
 

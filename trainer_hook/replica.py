@@ -99,7 +99,8 @@ class ReplicaCheck:
             step, norm = item
             keys = [f"{self._prefix}{step}/{rank}" for rank in range(self._size)]
             try:
-                self._store.set(keys[self._me], _VALUE.pack(step, norm))
+                # torch's stub says str; the store takes bytes as well (and get() answers bytes)
+                self._store.set(keys[self._me], _VALUE.pack(step, norm))  # type: ignore[arg-type]
                 written.append(keys[self._me])
                 self._store.wait(keys, TIMEOUT)
                 norms = [_VALUE.unpack(self._store.get(key))[1] for key in keys]

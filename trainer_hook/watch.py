@@ -103,7 +103,7 @@ def whole_grad_norm(params: list[Any], optimizer: Any = None,
     return (None, why) if why else (grad_norm(params), None)
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[Any] | None:
     distributed = getattr(torch, "distributed", None)
     if distributed is None or not distributed.is_available():
         return None
@@ -111,7 +111,7 @@ def _dtensor_type() -> type | None:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.4: the private path
         try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+            from torch.distributed._tensor import DTensor
         except ImportError:
             return None
     return DTensor

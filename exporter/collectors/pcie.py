@@ -71,8 +71,8 @@ class PcieCollector(Collector):
         self.previous[direction] = (total, now)
         if previous is None or now <= previous[1]:
             return None
-        delta = total - previous[0]
-        if delta < 0:
+        delta: float | None = total - previous[0]
+        if delta is not None and delta < 0:
             delta = _wrapped(previous[0], total, bits)
         return None if delta is None else delta / (now - previous[1])
 

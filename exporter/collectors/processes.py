@@ -124,7 +124,8 @@ def identify(pid: int, proc_root: Path, own_namespace: str = "") -> ProcessIdent
     cgroup_paths = [line.split(":", 2)[-1] for line in _text(base / "cgroup").splitlines()]
     for path in cgroup_paths:
         pod = pod or _pod(path)
-        job = job or (_SLURM_JOB.search(path).group(1) if _SLURM_JOB.search(path) else "")
+        slurm = _SLURM_JOB.search(path)
+        job = job or (slurm.group(1) if slurm else "")
         for part in path.split("/"):
             match = _CONTAINER.search(part)
             container = container or (match.group(1) if match else "")

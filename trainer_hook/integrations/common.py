@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, Callable
 
 from .._torch import TENSOR_TYPES
@@ -44,7 +44,7 @@ def batch_size(batch: Any) -> int | None:
 def calling_instance(cls: type) -> Any:
     """The nearest `self` up the call stack that is a `cls` (a framework calling its callbacks
     passes no reference to itself), or None."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, cls):
@@ -109,6 +109,8 @@ class DeferredMonitor:
     def log_step(self, step: int, epoch: Any, loss: Any, grad_norm: Any, learning_rate: Any,
                  **counts: Any) -> None:
         """One optimizer step to the monitor; values the framework did not give are left out."""
+        if self.monitor is None:  # not started (rank_zero_only on another rank)
+            return
         values = {"epoch": epoch}
         for key, value in (("loss", loss), ("grad_norm", grad_norm), ("learning_rate", learning_rate)):
             if value is not None:

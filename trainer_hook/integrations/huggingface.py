@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..watch import whole_grad_norm
 from .common import DeferredMonitor, batch_size, calling_instance, engine_grad_norm, require
 
-transformers = require("huggingface", "huggingface", "transformers")
+transformers: Any = require("huggingface", "huggingface", "transformers")
 
 #: TrainingArguments fields exported as hyper-parameters (training_run_info labels).
 CONFIG_KEYS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -38,8 +38,13 @@ class DualtrackCallback(transformers.TrainerCallback, DeferredMonitor):
         self._step_reset()
 
     def _step_reset(self) -> None:
-        self._loss = self._grad_norm = self._lr = self._samples = self._tokens = self._wait = None
-        self._batch_id = None
+        self._loss: Any = None  # tensors or numbers, as the Trainer gives them
+        self._grad_norm: Any = None
+        self._lr: Any = None
+        self._samples: int | None = None
+        self._tokens: Any = None
+        self._wait: float | None = None
+        self._batch_id: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- start and end
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

@@ -54,7 +54,11 @@ class DualtrackCallback(*_callback_bases(), DeferredMonitor):  # type: ignore[mi
         self._step_reset()
 
     def _step_reset(self) -> None:
-        self._loss = self._grad_norm = self._lr = self._samples = self._batch_id = None
+        self._loss: Any = None  # tensors or numbers, as Lightning gives them
+        self._grad_norm: Any = None
+        self._lr: Any = None
+        self._samples: int | None = None
+        self._batch_id: dict[str, Any] | None = None
         self._wait = 0.0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
