@@ -2,7 +2,11 @@
 
 Meanings are NVIDIA's, from its XID catalog (https://docs.nvidia.com/deploy/xid-errors/). This one
 table serves the exporter's log lines, `dualtrack explain`, the XID selectors in rules/ and the XID
-table in docs/metrics.md, GPUXidError's descriptions (rules/alerts.yml) and their table in docs/alerts.md
+table in docs/metrics.md, GPUXidError's descriptions (rules/alerts.yml) and their table in docs/alerts.md.
+Those three files' catalogue parts are written from it, in the repository's root:
+
+    python -m exporter.xids
+
 (tests/test_xids.py fails when any of them disagrees with it).
 
 It imports nothing, so `dualtrack` (the CLI, the top layer) reads it without loading the exporter:
@@ -56,6 +60,8 @@ CATALOGUE: tuple[Xid, ...] = (
 )
 BY_CODE: dict[int, Xid] = {xid.code: xid for xid in CATALOGUE}
 UNKNOWN_MEANING = "see NVIDIA's XID catalog"
+#: The files whose catalogue parts `python -m exporter.xids` writes (paths from the repository's root).
+GENERATED = ("rules/alerts.yml", "docs/alerts.md", "docs/metrics.md")
 
 
 def meaning(code: int) -> str:
@@ -97,3 +103,43 @@ def alert_table() -> str:
     rows += [f"| {'critical' if x.hardware else 'warning'} | {x.code} | {alert_text(x.code)} |"
              for x in sorted(CATALOGUE, key=lambda x: not x.hardware)]
     return "\n".join([*rows, f"| warning | any other | {UNKNOWN_MEANING} |"]) + "\n"
+
+
+def alert_marker(hardware: bool) -> str:
+    """The template comment in GPUXidError's description before its chain of XIDs (critical: hardware)."""
+    return f"{{{{/* {'hardware' if hardware else 'other'} XIDs, written by python -m exporter.xids */}}}}"
+
+
+def alert_branches(hardware: bool, indent: str) -> str:
+    """GPUXidError's description of each XID of its severity (critical: hardware), one template branch a line."""
+    branches = [f'{{{{- else if eq $labels.xid "{x.code}" }}}}{alert_text(x.code)}'
+                for x in CATALOGUE if x.hardware == hardware]
+    branches[0] = branches[0].replace("{{- else if", "{{ if", 1)
+    return f"\n{indent}".join([*branches, f"{{{{- else }}}}{UNKNOWN_MEANING}{{{{ end }}}}"])
+
+
+def regenerate(text: str) -> str:
+    """`text` (a file of GENERATED) with its catalogue parts written anew: the chains after each
+    alert_marker up to their `{{ end }}`, and the tables from their header line up to a blank line."""
+    for hardware in (True, False):
+        marker = alert_marker(hardware)
+        start = text.find(marker)
+        if start >= 0:
+            end = text.index("{{ end }}", start) + len("{{ end }}")
+            indent = " " * (start - text.rfind("\n", 0, start) - 1)
+            text = text[:start] + marker + alert_branches(hardware, indent) + text[end:]
+    for table in (markdown_table(), alert_table()):
+        start = text.find(table.split("\n", 1)[0] + "\n")
+        if start >= 0:
+            end = text.index("\n\n", start) + 1
+            text = text[:start] + table + text[end:]
+    return text
+
+
+if __name__ == "__main__":
+    for path in GENERATED:
+        with open(path, encoding="utf-8") as source:
+            before = source.read()
+        if regenerate(before) != before:
+            with open(path, "w", encoding="utf-8") as target:
+                target.write(regenerate(before))
