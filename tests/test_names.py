@@ -19,10 +19,10 @@ import io
 import json
 import re
 import tokenize
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import pytest
 import yaml
@@ -89,7 +89,7 @@ def rule_files() -> list[Path]:
     return sorted((ROOT / "rules").rglob("*.yml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def recording_rules() -> dict[str, tuple[Rule, ...]]:
     """Every name the rules in rules/ record -> the rules that record it."""
     rules: dict[str, list[Rule]] = {}
@@ -251,8 +251,8 @@ class PromQL:
         for label in labels:
             name = label.text.strip("\"'`")
             if value.labels is not None and not value.scalar and name and name not in value.labels:
-                self.problems.append((label.at, f"{how} label {name!r}: not on the series it acts on "
-                                                f"(they have {', '.join(sorted(value.labels)) or 'none'})"))
+                have = ", ".join(sorted(value.labels)) or "none"
+                self.problems.append((label.at, f"{how} label {name!r}: not on the series it acts on (they have {have})"))
 
     # grammar
     def _expr(self, lowest: int) -> Value:
@@ -378,7 +378,7 @@ class PromQL:
         vectors = [value for _, value in arguments if not value.scalar]
         value = vectors[0] if vectors else Value(frozenset())
         if name in ("label_replace", "label_join"):
-            sources = [token for token, _ in arguments[3 if name == "label_replace" else 3:]]
+            sources = [token for token, _ in arguments[3:]]  # label_replace's 4th argument, label_join's rest
             self._need(sources[:1] if name == "label_replace" else sources, value, name)
             target = arguments[1][0].text.strip("\"'`")
             return value | Value(frozenset({target}))
@@ -418,8 +418,8 @@ def promql_texts(path: Path) -> Iterator[tuple[int, str]]:
         for _, expr, line, _ in _rule_nodes(text):
             yield line, expr
     elif path.suffix == ".json":
-        for number, line in enumerate(text.splitlines(), 1):
-            if match := re.fullmatch(r'\s*"(?:expr|query)": (".*"),?', line):
+        for number, row in enumerate(text.splitlines(), 1):
+            if match := re.fullmatch(r'\s*"(?:expr|query)": (".*"),?', row):
                 yield number, json.loads(match.group(1))
     elif path.suffix == ".md":
         for block in re.finditer(r"^ *```promql\n(.*?)^ *```", text, re.MULTILINE | re.DOTALL):

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 SELECTOR = re.compile(r'nvml_gpu_xid_errors_total\{[^{}]*?\bxid(=~|!~)"([^"]*)"[^{}]*\}')
 
 
-def rules() -> dict[tuple[str, str], dict]:
+def rules() -> dict[tuple[str, str, str], dict]:
     """Every rule of rules/*.yml by (file name, alert or record name, severity)."""
     found = {}
     for path in sorted((REPO / "rules").glob("*.yml")):
@@ -52,12 +52,12 @@ def test_every_xid_selector_in_the_rules_is_the_catalogues():
 
 
 @pytest.mark.parametrize("path", xids.GENERATED)
-def test_the_catalogue_parts_are_what_the_generator_writes(path):
+def test_the_catalogue_parts_are_what_the_generator_writes(path: str) -> None:
     text = (REPO / path).read_text()
     assert xids.regenerate(text) == text, f"{path} disagrees with exporter/xids.py: run python -m exporter.xids"
 
 
-def test_the_generator_finds_every_part():
+def test_the_generator_finds_every_part() -> None:
     alerts, docs = (REPO / "rules" / "alerts.yml").read_text(), (REPO / "docs" / "alerts.md").read_text()
     for severity, hardware in (("critical", True), ("warning", False)):
         description = rules()[("alerts.yml", "GPUXidError", severity)]["annotations"]["description"]
@@ -78,7 +78,7 @@ def test_explain_scores_exactly_the_rules_causes_high():
         assert f"XID {xid.code} ({xid.meaning})" in cause.evidence
 
 
-def test_explains_doc_lists_the_disruptive_xids():
+def test_explains_doc_lists_the_disruptive_xids() -> None:
     explain = (REPO / "docs" / "explain.md").read_text()
-    listed = re.search(r"hardware XIDs \(([\d,\s]+);", explain).group(1)
-    assert [int(code) for code in listed.split(",")] == [int(c) for c in xids.regex(disruptive=True).split("|")]
+    listed = re.search(r"hardware XIDs \(([\d,\s]+);", explain)
+    assert listed and [int(code) for code in listed.group(1).split(",")] == [int(c) for c in xids.regex(disruptive=True).split("|")]
