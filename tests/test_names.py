@@ -102,7 +102,7 @@ def recording_rules() -> dict[str, tuple[Rule, ...]]:
 
 def _rule_nodes(text: str) -> Iterator[tuple[str | None, str, int, tuple[str, ...]]]:
     """(record or None for an alert, expr, the expr's first line, the rule's label names) of a rule file."""
-    for node in _mappings(yaml.compose(text)):
+    for node in (found for document in yaml.compose_all(text) for found in _mappings(document)):
         fields = {key.value: value for key, value in node.value}
         expr = fields.get("expr")
         if not isinstance(expr, yaml.ScalarNode) or not ({"record", "alert"} & set(fields)):
@@ -319,7 +319,7 @@ class PromQL:
         if token.kind in ("string", "number"):
             return SCALAR
         if token.text == "{":
-            self._matchers()
+            self._matchers("")
             return Value(None)
         if token.kind != "name":
             raise PromQLError(f"unexpected {token.text!r} at {token.at} in {self.text!r}")
@@ -327,15 +327,19 @@ class PromQL:
             return self._aggregation(token.text)
         if self._peek().text == "(":
             return self._call(token.text)
+        labels = self.labels_of(token.text)
         if self._peek().text == "{":
             self._next()
-            self._matchers()
-        return Value(self.labels_of(token.text))
+            self._matchers(token.text)
+        return Value(labels)
 
-    def _matchers(self) -> None:
-        """Skips a selector's matchers: every selector's labels are checked on the text itself (misused_labels)."""
-        while self._next().text != "}":
-            pass
+    def _matchers(self, name: str) -> None:
+        """Reads a selector's matchers, noting each label that series `name` (if ours) lacks."""
+        labels = self.labels_of(name) if ours(name) else None
+        while (token := self._next()).text != "}":
+            if (token.kind == "name" and self._peek().text in ("=", "!=", "=~", "!~") and labels is not None
+                    and token.text not in labels | {"__name__"}):
+                self.problems.append((token.at, missing_label(name, token.text, labels)))
 
     def _arguments(self) -> list[tuple[Token, Value]]:
         self._expect("(")
@@ -434,6 +438,11 @@ SELECTOR = re.compile(r"(?<![\w:])([A-Za-z_]\w*(?::\w+)*)\{([^{}]*)\}")
 MATCHER = re.compile(r"""(?:^|,)\s*([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)\s*(?:"|'|`|%q|\$)""")
 
 
+def missing_label(name: str, label: str, labels: frozenset[str]) -> str:
+    """What is wrong with a selector of series `name`, whose labels are `labels`, matching on `label`."""
+    return f"{name} has no label {label!r} (it has {', '.join(sorted(labels))})"
+
+
 def ours(name: str) -> bool:
     """A hook, exporter or recorded name of ours: training_*, nvml_*, or level:training_…:operations."""
     return any(part.startswith(PREFIXES) for part in name.split(":"))
@@ -458,10 +467,9 @@ def misused_labels(declared: Declarations) -> Iterator[str]:
         for number, line in text_lines(path):
             for selector in SELECTOR.finditer(line):
                 labels = declared.labels(selector.group(1)) if ours(selector.group(1)) else None
-                used = set(MATCHER.findall(selector.group(2))) - {"__name__"}
-                if labels is not None and used - labels:
-                    yield (f"{where}:{number}: {selector.group(1)} has no label {', '.join(sorted(used - labels))} "
-                           f"(it has {', '.join(sorted(labels))})")
+                for label in sorted(set(MATCHER.findall(selector.group(2))) - {"__name__"}):
+                    if labels is not None and label not in labels:
+                        yield f"{where}:{number}: {missing_label(selector.group(1), label, labels)}"
         for first, expr in promql_texts(path):
             try:
                 reader = PromQL(expr, declared.labels)
@@ -470,7 +478,7 @@ def misused_labels(declared: Declarations) -> Iterator[str]:
                 yield f"{where}:{first}: cannot read {error}"
                 continue
             for at, problem in reader.problems:
-                yield f"{where}:{first + expr.count(chr(10), 0, at)}: {problem} in {expr.strip()[:80]!r}"
+                yield f"{where}:{first + expr.count(chr(10), 0, at)}: {problem}"
 
 
 def example_records() -> frozenset[str]:
@@ -506,6 +514,7 @@ def test_every_recorded_series_has_known_labels(declared: Declarations) -> None:
     ("nvml_gpu_info * on (uuid) group_left (pod) nvml_gpu_lost", "group_left (...) label 'pod'"),
     ("training_gpu_info and on (job, uuid) nvml_up", "on (...) label 'uuid'"),
     ('label_replace(nvml_up, "a", "$1", "uuid", "(.*)")', "label_replace label 'uuid'"),
+    ('rate(training_steps_total{\n  job="a",\n  uuid="x"}[5m])', "training_steps_total has no label 'uuid'"),
     ("sum(nvml_gpu_info) by (name) / on (gpu) sum by (gpu) (nvml_gpu_lost)", "on (...) label 'gpu'"),
 ])
 def test_the_reader_finds_a_misused_label(declared: Declarations, expr: str, problem: str) -> None:
