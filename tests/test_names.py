@@ -8,7 +8,8 @@ prometheus.yml and the Kubernetes monitors) are allowed on every declared series
 
 Read: rules/ (rules/dcgm too), the dashboard generator and the dashboards, every module under dualtrack/,
 docs/*.md, README.md and the Kubernetes manifests. Every name must be declared (a name ending in `_`
-is a prefix: some declared name must start with it); a selector `name{label=...}` must use the
+is a prefix: some declared name must start with it; a counter's or histogram's family name may be
+written, but no PromQL selects it); a selector `name{label=...}` must use the
 labels of `name`'s declaration. The PromQL of the rules, the dashboards' queries and the docs'
 ```promql blocks is parsed: its `by`/`without`, `on`/`ignoring`, `group_left`/`group_right` and
 label_replace/label_join/label_values labels must be on the series they act on.
@@ -47,11 +48,17 @@ def hook_series() -> dict[str, frozenset[str] | None]:
     own = contract.RESERVED_LABELS - {"le", "quantile"} | {openmetrics.REPLAY_LABEL}
     names: dict[str, frozenset[str] | None] = {}
     for series in (*contract.SERIES, *map(contract.logged_series, (*contract.KNOWN_KEYS, *READ_KEYS))):
-        for sample in series.sample_names():
+        samples = series.sample_names()  # the family name first: a counter's or histogram's is no series
+        for sample in samples if series.type == "gauge" else samples[1:]:
             extra = {"le"} if sample.endswith("_bucket") else set()
             names[contract.PREFIX + sample] = own | set(series.labels) | extra
     names[contract.PREFIX + "run_info"] = None
     return names
+
+
+def hook_families() -> frozenset[str]:
+    """The hook's family names that are no series' name (a counter's without _total, a histogram's)."""
+    return frozenset(contract.PREFIX + series.name for series in contract.SERIES if series.type != "gauge")
 
 
 def exporter_series() -> dict[str, frozenset[str]]:
@@ -77,15 +84,14 @@ def target_labels() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class Rule:
-    """A recording rule: where it is and what it records."""
+    """A recording rule: its expression and the labels it sets."""
 
-    path: Path
-    line: int
     expr: str
     labels: frozenset[str]
 
 
 def rule_files() -> list[Path]:
+    """Every rule file: rules/*.yml and rules/dcgm/*.yml."""
     return sorted((ROOT / "rules").rglob("*.yml"))
 
 
@@ -94,9 +100,9 @@ def recording_rules() -> dict[str, tuple[Rule, ...]]:
     """Every name the rules in rules/ record -> the rules that record it."""
     rules: dict[str, list[Rule]] = {}
     for path in rule_files():
-        for record, expr, line, extra in _rule_nodes(path.read_text()):
+        for record, expr, _, extra in _rule_nodes(path.read_text()):
             if record is not None:
-                rules.setdefault(record, []).append(Rule(path, line, expr, frozenset(extra)))
+                rules.setdefault(record, []).append(Rule(expr, frozenset(extra)))
     return {name: tuple(found) for name, found in rules.items()}
 
 
@@ -130,6 +136,7 @@ class Declarations:
         scraped = target_labels()
         series: dict[str, frozenset[str] | None] = {**hook_series(), **exporter_series()}
         self.series = {name: None if labels is None else labels | scraped for name, labels in series.items()}
+        self.families = hook_families()
         self.rules = recording_rules()
         self._recorded: dict[str, frozenset[str] | None] = {}
 
@@ -211,6 +218,7 @@ class PromQL:
         self.tokens.append(Token("end", "", len(text)))
         self.index = 0
         self.problems: list[tuple[int, str]] = []  # (offset in text, what is wrong)
+        self.selectors: list[tuple[int, str]] = []  # (offset in text, series name)
 
     def parse(self) -> Value:
         value = self._expr(0)
@@ -328,6 +336,7 @@ class PromQL:
         if self._peek().text == "(":
             return self._call(token.text)
         labels = self.labels_of(token.text)
+        self.selectors.append((token.at, token.text))
         if self._peek().text == "{":
             self._next()
             self._matchers(token.text)
@@ -454,7 +463,7 @@ def undeclared_names(declared: Declarations, examples: frozenset[str]) -> Iterat
     for path in sources():
         for number, line in text_lines(path):
             for name in {m.group() for m in NAME.finditer(line) if ours(m.group())}:
-                known = (name in declared or name in examples
+                known = (name in declared or name in declared.families or name in examples
                          or name.endswith("_") and any(other.startswith(name) for other in every))
                 if not known:
                     yield f"{path.relative_to(ROOT)}:{number}: {name} is not declared"
@@ -477,6 +486,9 @@ def misused_labels(declared: Declarations) -> Iterator[str]:
             except PromQLError as error:
                 yield f"{where}:{first}: cannot read {error}"
                 continue
+            for at, name in reader.selectors:
+                if name in declared.families:
+                    yield f"{where}:{first + expr.count(chr(10), 0, at)}: {name} is a family name, no series has it"
             for at, problem in reader.problems:
                 yield f"{where}:{first + expr.count(chr(10), 0, at)}: {problem}"
 
