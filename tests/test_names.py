@@ -10,7 +10,7 @@ Read: rules/ (rules/dcgm too), the dashboard generator and the dashboards, every
 docs/*.md, README.md and the Kubernetes manifests. Every name must be declared (a name ending in `_`
 is a prefix: some declared name must start with it; a counter's or histogram's family name may be
 written, but no PromQL selects it); a selector `name{label=...}` must use the
-labels of `name`'s declaration. The PromQL of the rules, the dashboards' queries and the docs'
+labels of `name`'s declaration (so must the docs' `name{label,...}`). The PromQL of the rules, the dashboards' queries and the docs'
 ```promql blocks is parsed: its `by`/`without`, `on`/`ignoring`, `group_left`/`group_right` and
 label_replace/label_join/label_values labels must be on the series they act on.
 """
@@ -444,7 +444,16 @@ def promql_texts(path: Path) -> Iterator[tuple[int, str]]:
 PLACEHOLDER = re.compile(r"<[A-Za-z][^<>\n]*>")
 NAME = re.compile(r"(?<![\w/.:-])[A-Za-z_]\w*(?::\w+)*(?![\w:]|\.[a-z])")
 SELECTOR = re.compile(r"(?<![\w:])([A-Za-z_]\w*(?::\w+)*)\{([^{}]*)\}")
+BARE_LABELS = re.compile(r"\s*\w+(?:\s*,\s*\w+)*\s*")
 MATCHER = re.compile(r"""(?:^|,)\s*([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)\s*(?:"|'|`|%q|\$)""")
+
+
+def selector_labels(braces: str, python: bool) -> set[str]:
+    """The labels named in a selector's braces: its matchers' or, outside Python (where `{name}` is an
+    f-string's field), a bare list as the docs write one (`nvml_gpu_clock_hertz{gpu,uuid,clock}`)."""
+    if not python and BARE_LABELS.fullmatch(braces):
+        return {label.strip() for label in braces.split(",")}
+    return set(MATCHER.findall(braces))
 
 
 def missing_label(name: str, label: str, labels: frozenset[str]) -> str:
@@ -476,7 +485,7 @@ def misused_labels(declared: Declarations) -> Iterator[str]:
         for number, line in text_lines(path):
             for selector in SELECTOR.finditer(line):
                 labels = declared.labels(selector.group(1)) if ours(selector.group(1)) else None
-                for label in sorted(set(MATCHER.findall(selector.group(2))) - {"__name__"}):
+                for label in sorted(selector_labels(selector.group(2), path.suffix == ".py") - {"__name__"}):
                     if labels is not None and label not in labels:
                         yield f"{where}:{number}: {missing_label(selector.group(1), label, labels)}"
         for first, expr in promql_texts(path):
