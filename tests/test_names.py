@@ -12,7 +12,8 @@ is a prefix: some declared name must start with it; a counter's or histogram's f
 written, but no PromQL selects it); a selector `name{label=...}` must use the
 labels of `name`'s declaration (so must the docs' `name{label,...}`). The PromQL of the rules, the dashboards' queries and the docs'
 ```promql blocks is parsed: its `by`/`without`, `on`/`ignoring`, `group_left`/`group_right` and
-label_replace/label_join/label_values labels must be on the series they act on.
+label_replace/label_join/label_values labels must be on the series they act on, and a panel's legend
+may only name labels its query's series carry.
 """
 from __future__ import annotations
 
@@ -424,21 +425,27 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield token.start[0] + offset, line
 
 
-def promql_texts(path: Path) -> Iterator[tuple[int, str]]:
-    """(first line, expression) of the PromQL in `path`: rules' exprs, dashboards' queries, ```promql blocks."""
+def promql_texts(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(first line, expression, its legend) of the PromQL in `path`: rules' exprs, dashboards' queries (each
+    with the legendFormat of its target), ```promql blocks."""
     text = path.read_text()
     if path.suffix == ".yml" or path.name.startswith("prometheusrule"):
         for _, expr, line, _ in _rule_nodes(text):
-            yield line, expr
+            yield line, expr, ""
     elif path.suffix == ".json":
+        queries: list[tuple[int, str, str]] = []
         for number, row in enumerate(text.splitlines(), 1):
-            if match := re.fullmatch(r'\s*"(?:expr|query)": (".*"),?', row):
-                yield number, json.loads(match.group(1))
+            if match := re.fullmatch(r'\s*"(expr|query|legendFormat)": (".*"),?', row):
+                if match.group(1) == "legendFormat":  # a target's keys: expr first
+                    queries[-1] = (*queries[-1][:2], json.loads(match.group(2)))
+                else:
+                    queries.append((number, json.loads(match.group(2)), ""))
+        yield from queries
     elif path.suffix == ".md":
         for block in re.finditer(r"^ *```promql\n(.*?)^ *```", text, re.MULTILINE | re.DOTALL):
             for part in re.finditer(r"(?:.+\n)+", block.group(1)):  # expressions apart, blank lines between
                 # `<what it is>` stands for an expression the text describes: a series of unknown labels
-                yield text.count("\n", 0, block.start(1) + part.start()) + 1, PLACEHOLDER.sub("_", part.group())
+                yield text.count("\n", 0, block.start(1) + part.start()) + 1, PLACEHOLDER.sub("_", part.group()), ""
 
 
 PLACEHOLDER = re.compile(r"<[A-Za-z][^<>\n]*>")
@@ -488,13 +495,16 @@ def misused_labels(declared: Declarations) -> Iterator[str]:
                 for label in sorted(selector_labels(selector.group(2), path.suffix == ".py") - {"__name__"}):
                     if labels is not None and label not in labels:
                         yield f"{where}:{number}: {missing_label(selector.group(1), label, labels)}"
-        for first, expr in promql_texts(path):
+        for first, expr, legend in promql_texts(path):
             try:
                 reader = PromQL(expr, declared.labels)
-                reader.parse()
+                value = reader.parse()
             except PromQLError as error:
                 yield f"{where}:{first}: cannot read {error}"
                 continue
+            for label in sorted(set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend)) - {"__name__"}):
+                if value.labels is not None and label not in value.labels:
+                    yield f"{where}:{first}: legend {{{{{label}}}}}: not a label of the query's series"
             for at, name in reader.selectors:
                 if name in declared.families:
                     yield f"{where}:{first + expr.count(chr(10), 0, at)}: {name} is a family name, no series has it"
