@@ -534,8 +534,9 @@ def training_run() -> dashboard.Dashboard:
         graph("Step rate across ranks: min, median, max", "Steps per second of each run's slowest, median and fastest "
               "rank (5 min rates). A min far below the median is a straggler: the whole run waits for it at every "
               "synchronisation.", "none",
-              [(f"{{{{run}}}} {name}", f"job_run:training_steps:rate5m_{name}{{{JOB_RUN}}}")
-               for name in ("min", "median", "max")], width=8),
+              [(f"{{{{run}}}} {name.rsplit('_', 1)[1]}", f"{name}{{{JOB_RUN}}}") for name in (
+                  "job_run:training_steps:rate5m_min", "job_run:training_steps:rate5m_median",
+                  "job_run:training_steps:rate5m_max")], width=8),
         runs_table(),
         alerts("Alerts of these runs", "Alerts Prometheus evaluates for the selected runs (with Run = All, the GPU "
                "alerts too; their orange markers are on the graphs), with summary, description and runbook link: "

@@ -21,48 +21,15 @@ import yaml
 
 from stack.processes import REPO, RULES_DIR
 from tests.test_compose import bind_mounts, services
+from tests.test_names import exporter_series, hook_series
 
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 PROVISIONING = REPO / "grafana" / "provisioning"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "grafana-dashboard.jsonschema.json"
 
-# The metric contract (the brief's list, plus what the exporter adds): what the exporter and hook export.
-EXPORTER_METRICS = {
-    "nvml_up", "nvml_driver_info", "nvml_gpu_info", "nvml_exporter_build_info",
-    "nvml_gpu_utilization_ratio", "nvml_gpu_memory_controller_utilization_ratio",
-    "nvml_gpu_busy_seconds_total", "nvml_gpu_idle_seconds_total", "nvml_gpu_memory_used_bytes",
-    "nvml_gpu_memory_total_bytes", "nvml_gpu_memory_free_bytes", "nvml_gpu_temperature_celsius",
-    "nvml_gpu_power_usage_watts", "nvml_gpu_power_limit_watts", "nvml_gpu_energy_joules_total",
-    "nvml_gpu_clock_hertz", "nvml_gpu_clock_max_hertz", "nvml_gpu_performance_state",
-    "nvml_gpu_fan_speed_ratio", "nvml_gpu_pcie_throughput_bytes_per_second",
-    "nvml_gpu_nvlink_data_bytes_total", "nvml_gpu_throttle_active", "nvml_gpu_throttle_seconds_total",
-    "nvml_gpu_ecc_errors_total", "nvml_gpu_retired_pages_total", "nvml_gpu_remapped_rows_total",
-    "nvml_gpu_xid_errors_total", "nvml_gpu_process_memory_used_bytes", "nvml_gpu_process_sm_utilization_ratio",
-    "nvml_gpu_sm_active_ratio", "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio", "nvml_gpu_lost",
-    "nvml_exporter_collector_success", "nvml_exporter_collector_duration_seconds",
-    "nvml_exporter_errors_total", "nvml_exporter_snapshot_age_seconds", "nvml_exporter_gpu_lost_total",
-    "nvml_gpu_memory_temperature_celsius",  # added by the exporter (docs/metrics.md)
-    "nvml_gpu_mig_info", "nvml_gpu_mig_memory_used_bytes", "nvml_gpu_mig_memory_total_bytes",
-    "nvml_gpu_mig_utilization_ratio", "nvml_gpu_mig_sm_active_ratio", "nvml_gpu_mig_tensor_active_ratio",
-    "nvml_gpu_mig_dram_active_ratio",  # MIG GPU instances (docs/metrics.md)
-}
-HOOK_METRICS = {
-    "training_step", "training_epoch", "training_loss", "training_loss_max", "training_learning_rate",
-    "training_grad_norm", "training_grad_norm_max", "training_steps_total", "training_samples_total",
-    "training_tokens_total", "training_step_duration_seconds_bucket",
-    "training_step_duration_seconds_sum", "training_step_duration_seconds_count",
-    "training_data_wait_seconds_total", "training_nonfinite_steps_total",
-    "training_last_nonfinite_step", "training_last_nonfinite_batch_id",
-    "training_cuda_memory_allocated_bytes", "training_cuda_memory_reserved_bytes",
-    "training_cuda_alloc_retries_total", "training_cuda_ooms_total", "training_run_info",
-    "training_gpu_info", "training_dropped_values_total", "training_push_failures_total",
-    "training_last_update_timestamp_seconds", "training_run_state", "training_start_timestamp_seconds",
-    # Shared names of the run-level work (the contract); pushed once that work is merged.
-    "training_logged_value_sum", "training_logged_value_count", "training_first_nonfinite_step",
-    "training_grad_norm_max_step", "training_loss_scale", "training_skipped_steps_total",
-    "training_process_info", "training_world_size", "training_last_push_timestamp_seconds",
-    "training_replica_divergent_steps_total",
-}
+# What the exporter and the hook export, from their declarations (exporter.metrics, trainer_hook.contract).
+EXPORTER_METRICS = frozenset(exporter_series())
+HOOK_METRICS = frozenset(hook_series())
 # From Prometheus itself (scrape health, alert state).
 PROMETHEUS_METRICS = {"up", "ALERTS"}
 
