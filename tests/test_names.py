@@ -37,9 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFIXES = ("training_", "nvml_")
 #: Labels Prometheus itself gives every scraped series (the target's), before any relabeling.
 SCRAPE_LABELS = frozenset({"job", "instance"})
-#: Logged keys whose gauge (training_<key>) rules/goodput.yml and `dualtrack explain` read, which
-#: contract.KNOWN_KEYS does not declare yet.
-READ_KEYS = ("max_steps", "batch_size")
 
 
 # ---------------------------------------------------------------------- the declarations
@@ -48,7 +45,7 @@ def hook_series() -> dict[str, frozenset[str] | None]:
     # job, run, rank, instance: the hook's own; `dualtrack replay` marks the series it writes
     own = contract.RESERVED_LABELS - {"le", "quantile"} | {openmetrics.REPLAY_LABEL}
     names: dict[str, frozenset[str] | None] = {}
-    for series in (*contract.SERIES, *map(contract.logged_series, (*contract.KNOWN_KEYS, *READ_KEYS))):
+    for series in (*contract.SERIES, *map(contract.logged_series, contract.KNOWN_KEYS)):
         samples = series.sample_names()  # the family name first: a counter's or histogram's is no series
         for sample in samples if series.type == "gauge" else samples[1:]:
             extra = {"le"} if sample.endswith("_bucket") else set()

@@ -180,6 +180,8 @@ KNOWN_KEYS = {
     "grad_norm": "Total L2 gradient norm at the last logged step.",
     "epoch": "Epoch at the last logged step.",
     "loss_scale": "Loss scale of the watched GradScaler after the last logged step.",
+    "max_steps": "Optimizer steps the run plans, when logged (the ETA rules read it).",
+    "batch_size": "Batch size at the last logged step, when logged (explain's hyperparameter cause reads it).",
 }
 
 
