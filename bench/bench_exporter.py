@@ -195,8 +195,8 @@ def in_process_sampling(samples: int = 60) -> dict[str, float]:
 
 
 def naive_calls_per_gpu() -> float:
-    from exporter.simulated import SimulatedNVML
-    lib = SimulatedNVML("healthy", GPUS)
+    from tests.nvml_faults import FaultyNVML  # counts the calls it answers
+    lib = FaultyNVML("healthy", GPUS)
     lib.nvmlInit()
     collector = NaiveCollector(lib)
     before = sum(lib.calls_by_gpu.values())

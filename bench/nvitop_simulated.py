@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pynvml
 
 from exporter.simulated import NVML_H, SimulatedNVML
+from tests.nvml_faults import FaultyNVML
 
 
 def simulated_pynvml(lib: SimulatedNVML) -> types.ModuleType:
@@ -64,16 +66,18 @@ def main() -> int:
                                                   "NVML calls per GPU per refresh, then exit")
     parser.add_argument("exporter_args", nargs="*", help="nvitop-exporter's own arguments (after --)")
     args = parser.parse_args()
-    lib = SimulatedNVML("healthy", args.gpus, call_cost=0.0 if args.count else args.call_cost)
-    sys.modules["pynvml"] = simulated_pynvml(lib)
     if args.count:
-        return count_calls(lib, args.gpus, args.count)
+        counted = FaultyNVML("healthy", args.gpus)  # the simulator as the tests drive it: it counts its calls
+        sys.modules["pynvml"] = simulated_pynvml(counted)
+        return count_calls(counted, args.gpus, args.count)
+    lib = SimulatedNVML("healthy", args.gpus, call_cost=args.call_cost)
+    sys.modules["pynvml"] = simulated_pynvml(lib)
     from nvitop_exporter.cli import main as exporter_main
     sys.argv = ["nvitop-exporter", *args.exporter_args]
     return exporter_main()
 
 
-def count_calls(lib: SimulatedNVML, gpus: int, refreshes: int) -> int:
+def count_calls(lib: FaultyNVML, gpus: int, refreshes: int) -> int:
     """NVML calls per GPU per refresh of nvitop-exporter's update_device, after one warm-up refresh."""
     from nvitop import Device
     from nvitop_exporter.exporter import PrometheusExporter

@@ -232,12 +232,12 @@ def test_the_sweep_gpus_each_run_their_runs_scenario() -> None:
     from stack.demo import sweep
     runs = sweep(150)
     args = parse_args(["--simulate=" + ",".join(run.scenario for run in runs), f"--simulate.gpus={len(runs)}"])
-    nvml = SimulatedNVML(args.simulate, args.simulate_gpus, clock=lambda: 0.0)
+    workload = SimulatedNVML(args.simulate, args.simulate_gpus).workload
     assert [run.scenario for run in runs] == ["healthy", "input-bound", "healthy", "memory-leak"]
-    assert {nvml.utilization(1, t) for t in (0.5, 2.5)} == {0.0, 1.0}
-    assert min(nvml.utilization(gpu, t) for gpu in (0, 2) for t in (0.5, 2.5)) > 0.8
-    assert nvml.memory_used(3, 600) > nvml.memory_used(3, 0)
-    assert nvml.memory_used(0, 600) == nvml.memory_used(0, 0)
+    assert {workload.utilization(1, t) for t in (0.5, 2.5)} == {0.0, 1.0}
+    assert min(workload.utilization(gpu, t) for gpu in (0, 2) for t in (0.5, 2.5)) > 0.8
+    assert workload.memory_used(3, 600) > workload.memory_used(3, 0)
+    assert workload.memory_used(0, 600) == workload.memory_used(0, 0)
     assert main(["--simulate=healthy,melting"]) == 2
 
 

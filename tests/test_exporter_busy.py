@@ -105,10 +105,10 @@ def test_one_short_gap_between_two_samples_does_not_bias_what_follows():
     rig.lib.nvmlDeviceGetSamples = with_a_sample_1ms_after_another
     for _ in range(10):
         rig.step()
-    busy0, truth0 = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid), rig.lib.busy_seconds(0, rig.lib._t())
+    busy0, truth0 = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid), rig.lib.workload.busy_seconds(0, rig.lib._t())
     for _ in range(30):
         rig.step()
-    truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0
+    truth = rig.lib.workload.busy_seconds(0, rig.lib._t()) - truth0
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) - busy0 == pytest.approx(truth, rel=0.01)
 
 
@@ -118,10 +118,10 @@ def test_the_first_poll_credits_nothing_from_before_the_exporter_started():
     rig.step(15.0)  # the driver's buffer already holds the last ~12 s of a busy GPU
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) == 0
     assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) == 0
-    truth0 = rig.lib.busy_seconds(0, rig.lib._t())
+    truth0 = rig.lib.workload.busy_seconds(0, rig.lib._t())
     for _ in range(5):
         rig.step()
-    truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0
+    truth = rig.lib.workload.busy_seconds(0, rig.lib._t()) - truth0
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) == pytest.approx(truth, abs=0.15)
 
 
@@ -136,10 +136,10 @@ def test_a_busy_gpu_reads_busy_whatever_the_jitter_and_period_of_the_drivers_sam
         rig.step()
     busy0, idle0, truth0 = (rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid),
                             rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid),
-                            rig.lib.busy_seconds(0, rig.lib._t()))
+                            rig.lib.workload.busy_seconds(0, rig.lib._t()))
     for _ in range(60):
         rig.step()
-    truth = rig.lib.busy_seconds(0, rig.lib._t()) - truth0  # ~93 % of 60 s
+    truth = rig.lib.workload.busy_seconds(0, rig.lib._t()) - truth0  # ~93 % of 60 s
     assert rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid) - busy0 == pytest.approx(truth, rel=rel)
     assert rig.value("nvml_gpu_idle_seconds_total", gpu="0", uuid=uuid) - idle0 == 0
 

@@ -384,7 +384,7 @@ def test_nvlink_reads_the_all_links_aggregate_in_two_fields():
     # two fields per sample, not two per possible link (the first sample also asks NVLink5's, found absent)
     assert len(requested) == 4 + 2 + 2
     uuid = rig.sampler.devices[0].uuid
-    busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
+    busy = rig.lib.workload.busy_seconds(0, rig.clock() - rig.lib.start)
     assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=uuid, direction="tx") == \
         pytest.approx(20e9 * busy, rel=1e-6)
 

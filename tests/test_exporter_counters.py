@@ -23,7 +23,7 @@ def test_pcie_counters_answered_at_32_bits_give_the_true_rate_not_an_aliased_one
     rig = Rig(gpus=1, collectors=["pcie"], devices={0: DeviceTraits(gpm=gpm, field_types=PCIE_32_BIT)})
     for _ in range(4):
         rig.step()
-    busy = rig.lib.utilization(0, rig.clock() - rig.lib.start)
+    busy = rig.lib.workload.utilization(0, rig.clock() - rig.lib.start)
     assert pcie(rig, "rx") == pytest.approx(PCIE_RX_RATE + PCIE_RX_BUSY_RATE * busy, rel=0.02)
     assert pcie(rig, "tx") == pytest.approx(PCIE_TX_RATE, rel=0.01)
     assert (rig.lib.calls["nvmlDeviceGetPcieThroughput"] > 0) is not gpm  # GPM first where the GPU has it
@@ -61,7 +61,7 @@ def test_nvlink5_counters_are_read_where_the_older_fields_are_unsupported():
     rig = Rig(gpus=1, collectors=["nvlink"], devices={0: DeviceTraits(name="NVIDIA B200", nvlink5=True)})
     for _ in range(3):
         rig.step()
-    busy = rig.lib.busy_seconds(0, rig.clock() - rig.lib.start)
+    busy = rig.lib.workload.busy_seconds(0, rig.clock() - rig.lib.start)
     for direction in ("tx", "rx"):
         assert rig.value("nvml_gpu_nvlink_data_bytes_total", gpu="0", uuid=rig.sampler.devices[0].uuid,
                          direction=direction) == pytest.approx(20e9 * busy, rel=1e-6)
@@ -127,5 +127,5 @@ def test_a_fault_plan_answers_pcie_counters_at_32_bits(tmp_path):
     rig = Rig(gpus=1, collectors=["pcie"], devices=devices)
     for _ in range(3):
         rig.step()
-    busy = rig.lib.utilization(0, rig.clock() - rig.lib.start)
+    busy = rig.lib.workload.utilization(0, rig.clock() - rig.lib.start)
     assert pcie(rig, "rx") == pytest.approx(PCIE_RX_RATE + PCIE_RX_BUSY_RATE * busy, rel=0.02)

@@ -23,7 +23,7 @@ from tests.exporter_support import FakeClock, Rig
 from tests.nvml_faults import Fault
 from tests.process_support import readable_copy, runnable_as
 
-# the simulated GPUs' bus ids (exporter.simulated._BUS_IDS), as the kernel writes them
+# the simulated GPUs' bus ids (exporter.simulated.identity._BUS_IDS), as the kernel writes them
 KERNEL_BUS = {0: "0000:18:00", 1: "0000:2a:00"}
 
 

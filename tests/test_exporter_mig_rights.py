@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 
 from exporter.collectors.identity import MIG_MODE_SECONDS
-from exporter.simulated import DeviceTraits, SimulatedNVML
+from exporter.simulated import DeviceTraits
 from tests.exporter_support import Rig
-from tests.nvml_faults import Fault
+from tests.nvml_faults import Fault, FaultyNVML
 
 
 def test_the_simulator_refuses_a_mig_gpus_parent_memory_and_processes_unless_privileged():
     for privileged in (False, True):
-        lib = SimulatedNVML("healthy", 2, devices={1: DeviceTraits(mig=True)}, privileged=privileged)
+        lib = FaultyNVML("healthy", 2, devices={1: DeviceTraits(mig=True)}, privileged=privileged)
         lib.nvmlInit()
         whole, mig = (lib.nvmlDeviceGetHandleByIndex(i) for i in range(2))
         assert lib.nvmlDeviceGetMemoryInfo(whole).total > 0 and lib.nvmlDeviceGetComputeRunningProcesses(whole)

@@ -8,36 +8,36 @@ import pytest
 
 from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
 from stack.processes import wait_until
-from tests.nvml_faults import FaultPlanError, load_fault_plan
+from tests.nvml_faults import FaultPlanError, FaultyNVML, load_fault_plan
 from tests.exporter_support import FakeClock
 
 
 def test_input_bound_swings_two_seconds_busy_two_idle_and_power_follows():
     lib = SimulatedNVML("input-bound", 1)
-    assert [lib.utilization(0, t) for t in (0.5, 1.5, 2.5, 3.5, 4.5)] == [1, 1, 0, 0, 1]
-    assert lib.power_mw(0, 0.5) > 600_000 > 100_000 > lib.power_mw(0, 2.5)
+    assert [lib.workload.utilization(0, t) for t in (0.5, 1.5, 2.5, 3.5, 4.5)] == [1, 1, 0, 0, 1]
+    assert lib.workload.power_mw(0, 0.5) > 600_000 > 100_000 > lib.workload.power_mw(0, 2.5)
 
 
 def test_memory_leak_climbs_in_steps_until_full_within_the_configured_minutes():
     lib = SimulatedNVML("memory-leak", 1, leak_minutes=30)
     total = lib.traits[0].memory_total
-    used = [lib.memory_used(0, minute * 60.0) for minute in range(0, 32)]
+    used = [lib.workload.memory_used(0, minute * 60.0) for minute in range(0, 32)]
     assert used == sorted(used) and used[0] < total / 2
-    assert lib.memory_used(0, 10.0) == lib.memory_used(0, 20.0)  # steps, not a ramp
+    assert lib.workload.memory_used(0, 10.0) == lib.workload.memory_used(0, 20.0)  # steps, not a ramp
     assert used[30] >= total - GIB
 
 
 def test_demo_cycles_healthy_input_bound_memory_leak():
     lib = SimulatedNVML("demo", 1, phase_seconds=100)
-    assert lib.utilization(0, 50.5) > 0.85 and lib.utilization(0, 50.6) > 0.85          # healthy
-    assert {lib.utilization(0, 100.5), lib.utilization(0, 102.5)} == {1.0, 0.0}         # input-bound
-    assert lib.memory_used(0, 290.0) > lib.memory_used(0, 210.0)                       # memory leak
-    assert lib.utilization(0, 350.5) > 0.85                                            # healthy again
+    assert lib.workload.utilization(0, 50.5) > 0.85 and lib.workload.utilization(0, 50.6) > 0.85          # healthy
+    assert {lib.workload.utilization(0, 100.5), lib.workload.utilization(0, 102.5)} == {1.0, 0.0}         # input-bound
+    assert lib.workload.memory_used(0, 290.0) > lib.workload.memory_used(0, 210.0)                       # memory leak
+    assert lib.workload.utilization(0, 350.5) > 0.85                                            # healthy again
 
 
 def test_structs_and_errors_are_pynvmls_own():
     clock = FakeClock()
-    lib = SimulatedNVML("healthy", 1, clock=clock)
+    lib = FaultyNVML("healthy", 1, clock=clock)
     lib.nvmlInit()
     handle = lib.nvmlDeviceGetHandleByIndex(0)
     assert isinstance(lib.nvmlDeviceGetMemoryInfo(handle, pynvml.nvmlMemory_v2), pynvml.c_nvmlMemory_v2_t)
@@ -71,7 +71,7 @@ def test_every_simulated_function_has_pynvmls_signature():
     import inspect
     lib = SimulatedNVML("healthy", 1)
     lib.nvmlInit()
-    simulated = [name for name in dir(type(lib)) if getattr(getattr(type(lib), name), "simulated_api", False)]
+    simulated = [name for name in dir(type(lib)) if name.startswith("nvml") and callable(getattr(type(lib), name))]
     assert len(simulated) > 30
     for name in simulated:
         if not hasattr(pynvml, name):  # newer than the installed nvidia-ml-py
@@ -135,15 +135,15 @@ def test_an_event_wait_with_no_xid_to_come_blocks_instead_of_polling_and_shutdow
 
 def test_the_sample_buffer_read_from_a_timestamp_computes_only_the_newer_entries():
     clock = FakeClock()
-    lib = SimulatedNVML("healthy", 1, clock=clock)
+    lib = FaultyNVML("healthy", 1, clock=clock)
     lib.nvmlInit()
     handle = lib.nvmlDeviceGetHandleByIndex(0)
     clock.advance(20)
     _, everything = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, 0)
     since = everything[-11].timeStamp
     computed = []
-    utilization = lib.utilization
-    lib.utilization = lambda gpu, t: computed.append(t) or utilization(gpu, t)
+    utilization = lib.workload.utilization
+    lib.workload.utilization = lambda gpu, t: computed.append(t) or utilization(gpu, t)
     _, newer = lib.nvmlDeviceGetSamples(handle, H.NVML_GPU_UTILIZATION_SAMPLES, since)
     assert [s.timeStamp for s in newer] == [s.timeStamp for s in everything[-10:]]
     assert len(computed) <= 15  # not the whole buffer (120 entries)
@@ -154,7 +154,7 @@ def test_a_field_batch_reads_through_the_bindings_own_members_in_the_type_each_f
     traits = DeviceTraits(power=False, field_types={temp: H.NVML_VALUE_TYPE_DOUBLE,
                                                     pcie: H.NVML_VALUE_TYPE_UNSIGNED_INT})
     clock = FakeClock()
-    lib = SimulatedNVML("healthy", 1, devices={0: traits}, clock=clock)
+    lib = FaultyNVML("healthy", 1, devices={0: traits}, clock=clock)
     lib.nvmlInit()
     clock.advance(3.0)
     entries = lib.nvmlDeviceGetFieldValues(lib.nvmlDeviceGetHandleByIndex(0), [temp, (pcie, 0), power])
@@ -164,4 +164,4 @@ def test_a_field_batch_reads_through_the_bindings_own_members_in_the_type_each_f
     assert entries[0].valueType == H.NVML_VALUE_TYPE_DOUBLE and 40 <= entries[0].value.dVal <= 60
     # the 64-bit counter, answered as a 32-bit one, wraps at 2**32 as the driver's does
     assert entries[1].valueType == H.NVML_VALUE_TYPE_UNSIGNED_INT
-    assert entries[1].value.uiVal == lib._field(0, pcie, 0, 3.0, lib.busy_seconds(0, 3.0)) % 2**32
+    assert entries[1].value.uiVal == lib._field(0, pcie, 0, 3.0, lib.workload.busy_seconds(0, 3.0)) % 2**32

@@ -12,7 +12,8 @@ from tests.exporter_support import Rig
 def watched(rig: Rig, gpu: int) -> bool:
     """True when `gpu` is registered on the watcher's event set and the simulated driver delivers on it."""
     address = ctypes.cast(rig.sampler.xid._event_set, ctypes.c_void_p).value
-    return gpu in rig.lib._event_sets.get(address, ()) and address not in rig.lib._lost_on_set
+    event_set = rig.lib._event_sets.get(address)
+    return event_set is not None and gpu in event_set.gpus and event_set.error is None
 
 
 def test_stop_joins_the_xid_thread_and_frees_the_event_set_before_nvml_shuts_down():

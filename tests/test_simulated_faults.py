@@ -5,8 +5,9 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
+from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, DeviceTraits, H, SimulatedNVML
 from tests.exporter_support import FakeClock, Rig
+from tests.nvml_faults import Fault, FaultyNVML
 
 
 def test_thermal_throttle_slows_the_clock_and_counts_thermal_seconds():
@@ -42,8 +43,8 @@ def test_the_co_tenant_computes_and_per_process_samples_come_as_from_a_driver():
     none is newer; NOT_SUPPORTED in MIG mode and on boards without it. The co-tenant takes 40 % of
     the SMs once its fault starts."""
     clock = FakeClock()
-    lib = SimulatedNVML(["co-tenant", "healthy", "healthy"], 3, pid=1000, clock=clock,
-                        devices={1: DeviceTraits(mig=True), 2: DeviceTraits(process_utilization=False)})
+    lib = FaultyNVML(["co-tenant", "healthy", "healthy"], 3, pid=1000, clock=clock,
+                     devices={1: DeviceTraits(mig=True), 2: DeviceTraits(process_utilization=False)})
     lib.nvmlInit()
     gpu0, gpu1, gpu2 = (lib.nvmlDeviceGetHandleByIndex(i) for i in range(3))
     for handle in (gpu1, gpu2):
@@ -70,7 +71,7 @@ def test_the_co_tenant_computes_and_per_process_samples_come_as_from_a_driver():
 
 def test_xid_scenario_sends_one_xid_79_after_the_healthy_start():
     clock = FakeClock()
-    lib = SimulatedNVML(["xid", "healthy"], 2, clock=clock)
+    lib = FaultyNVML(["xid", "healthy"], 2, clock=clock)
     lib.nvmlInit()
     events = lib.nvmlEventSetCreate()
     for gpu in range(2):
@@ -82,6 +83,34 @@ def test_xid_scenario_sends_one_xid_79_after_the_healthy_start():
     assert event.eventData == 79 and lib._gpu_of(event.device) == 0
     with pytest.raises(pynvml.NVMLError_Timeout):  # once, not a storm
         lib.nvmlEventSetWait(events, 0)
+    lib.nvmlShutdown()
+
+
+def test_a_gpu_off_the_bus_fails_every_wait_on_its_event_sets_and_restarts_its_gpm_counters():
+    clock = FakeClock()
+    lib = FaultyNVML("healthy", 2, clock=clock, faults=[Fault(gpu=1, function="*", error="GpuIsLost", at=5, until=6)])
+    lib.nvmlInit()
+    gpus = [lib.nvmlDeviceGetHandleByIndex(gpu) for gpu in range(2)]
+    events = lib.nvmlEventSetCreate()
+    for handle in gpus:
+        lib.nvmlDeviceRegisterEvents(handle, lib.nvmlEventTypeXidCriticalError, events)
+    before, after = lib.nvmlGpmSampleAlloc(), lib.nvmlGpmSampleAlloc()
+    clock.advance(4)
+    lib.nvmlGpmSampleGet(gpus[1], before)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        lib.nvmlEventSetWait(events, 0)
+    clock.advance(1)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        lib.nvmlDeviceGetTemperatureV(gpus[1], pynvml.NVML_TEMPERATURE_GPU)
+    clock.advance(2)  # back on the bus; GPU 0 never left, and the set still answers for GPU 1
+    lib.nvmlGpmSampleGet(gpus[1], after)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        lib.nvmlEventSetWait(events, 0)
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version, request.numMetrics = H.NVML_GPM_METRICS_GET_VERSION, 1
+    request.sample1, request.sample2 = before, after
+    request.metrics[0].metricId = H.NVML_GPM_METRIC_SM_UTIL
+    assert lib.nvmlGpmMetricsGet(request).metrics[0].value < 0  # across the restart, garbage, as from a driver
     lib.nvmlShutdown()
 
 
