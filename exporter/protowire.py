@@ -66,6 +66,15 @@ def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
         pos += size
 
 
+
+def length_delimited(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """The LEN fields of the message `data` (strings, bytes, nested messages) as (number, bytes); fields
+    of other wire types are skipped. Raises MalformedMessage."""
+    for number, wire_type, value in fields(data):
+        if wire_type == LEN and isinstance(value, bytes):
+            yield number, value
+
+
 def string(value: bytes) -> str:
     """A string field's text; raises MalformedMessage unless it is UTF-8."""
     try:

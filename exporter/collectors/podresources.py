@@ -96,17 +96,15 @@ class Pod:
 def pods(response: bytes) -> Iterator[Pod]:
     """The pods of a serialized ListPodResourcesResponse, read one at a time; raises
     protowire.MalformedMessage."""
-    for number, wire_type, value in protowire.fields(response):
-        if number == 1 and wire_type == protowire.LEN:
+    for number, value in protowire.length_delimited(response):
+        if number == 1:
             yield _pod(value)
 
 
 def _pod(message: bytes) -> Pod:
     name = namespace = ""
     containers = []
-    for number, wire_type, value in protowire.fields(message):
-        if wire_type != protowire.LEN:
-            continue
+    for number, value in protowire.length_delimited(message):
         if number == 1:
             name = protowire.string(value)
         elif number == 2:
@@ -117,15 +115,14 @@ def _pod(message: bytes) -> Pod:
 
 
 def _container(message: bytes) -> tuple[str, tuple[str, ...]]:
-    name, device_ids = "", []
-    for number, wire_type, value in protowire.fields(message):
-        if wire_type != protowire.LEN:
-            continue
+    name = ""
+    device_ids: list[str] = []
+    for number, value in protowire.length_delimited(message):
         if number == 1:
             name = protowire.string(value)
         elif number == 2:  # ContainerDevices: resource_name = 1 (not read), device_ids = 2
-            device_ids.extend(protowire.string(device_id) for device_number, device_type, device_id
-                              in protowire.fields(value) if device_number == 2 and device_type == protowire.LEN)
+            device_ids.extend(protowire.string(device_id) for device_number, device_id
+                              in protowire.length_delimited(value) if device_number == 2)
     return name, tuple(device_ids)
 
 
