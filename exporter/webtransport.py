@@ -9,12 +9,15 @@ reading a handful of header lines). What it serves:
   are answered in order. Every reply carries `Server`, `Date`, `Content-Type`, `Content-Length` and the
   web config's extra headers (a reply to HEAD no body, whatever its status; one kept alive for HTTP/1.0
   says `Connection: keep-alive`); errors close the connection (`Connection: close`).
-- As Go's net/http (exporter-toolkit v0.17.1 serves with it): a request line that is not
-  `METHOD TARGET HTTP/x.y` is 400 (HTTP/0.9's two-word lines included), an HTTP major version other
-  than 1 is 505, a header line without a colon or folded onto the previous one, or a header value with a
-  control character other than a tab, is 400, and a
-  plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.". As
-  `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
+- Request heads are parsed by h11 (sans-I/O; this module does the I/O, deadlines and byte budgets),
+  which refuses, as Go's net/http does (exporter-toolkit v0.17.1 serves with it), with 400: a request
+  line that is not `METHOD TARGET HTTP/d.d` (HTTP/0.9's two-word lines included), a target with a
+  byte outside visible ASCII, a header line without a colon, an HTTP/1.1 request without exactly one
+  `Host`, a Content-Length that is not one number; a Transfer-Encoding other than chunked is 501.
+  On top of h11, as Go: an HTTP major version other than 1 is 505, a header folded onto the previous
+  line (which h11 would unfold) or a header value with a control character other than a tab is 400,
+  and a plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.".
+  As `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
   or more than 100 headers is 431. Leading empty lines before a request line are skipped.
 Hostile clients are bounded:
 - a connection must deliver a complete request head within HEADER_TIMEOUT seconds in total, counted
@@ -47,6 +50,8 @@ from collections import Counter
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
 
+import h11
+
 if TYPE_CHECKING:
     import ssl
 
@@ -66,8 +71,8 @@ _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", 
 # malloc arena (a head is a few hundred bytes; Python's http.server read through an 8 KiB buffer too).
 _READ_BYTES = 8192
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: all but HTAB (RFC 9110 5.5)
-_VERSION = re.compile(r"HTTP/(\d+)\.(\d+)")
+_FOLDED = re.compile(rb"\n[ \t]")  # obs-fold (RFC 9112 5.2): a line of the head starting with white space
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: all but HTAB (RFC 9110 5.5)
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
@@ -134,29 +139,31 @@ def http_date(seconds: float | None = None) -> str:
 
 
 def parse_head(head: bytes) -> Request:
-    """A request head (up to its empty line) as a Request; raises _Refused with the status to answer."""
-    lines = head.decode("iso-8859-1").split("\n")
-    lines = [text[:-1] if text.endswith("\r") else text for text in lines]  # (no empty line first: _read_head)
-    if len(lines[0]) > MAX_LINE_BYTES:
-        raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
-    words = lines[0].split()
-    if len(words) != 3 or not (version := _VERSION.fullmatch(words[2])):
+    """A request head (up to its empty line, none before it) parsed by h11, as a Request; raises _Refused
+    with the status to answer."""
+    if _FOLDED.search(head):
         raise _Refused(HTTPStatus.BAD_REQUEST)
-    if version.group(1) != "1" or len(version.group(2)) > 1:
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    parser.receive_data(head)
+    try:
+        event = parser.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise _Refused(HTTPStatus(exc.error_status_hint)) from None
+    if not isinstance(event, h11.Request):  # a whole head is one Request: never NEED_DATA here
+        raise _Refused(HTTPStatus.BAD_REQUEST)
+    if not event.http_version.startswith(b"1."):
         raise _Refused(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
-    fields = [text for text in lines[1:] if text]
-    if len(fields) > MAX_HEADERS or any(len(text) > MAX_LINE_BYTES for text in fields):
+    if len(event.headers) > MAX_HEADERS or any(len(name) + len(value) > MAX_LINE_BYTES
+                                               for name, value in event.headers):
         raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
     headers: dict[str, str] = {}
-    for text in fields:
-        name, colon, value = text.partition(":")
-        if not colon or not name or name != name.strip() or text[0] in " \t":
-            raise _Refused(HTTPStatus.BAD_REQUEST)
-        name, value = name.lower(), value.strip(" \t")
+    for name, value in event.headers:  # names lower-cased by h11, values stripped of white space around
         if _CONTROL.search(value):
             raise _Refused(HTTPStatus.BAD_REQUEST)
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return Request(words[0], words[1], (1, int(version.group(2))), headers)
+        key, text = name.decode("ascii"), value.decode("iso-8859-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return Request(event.method.decode("ascii"), event.target.decode("ascii"), (1, int(event.http_version[2:])),
+                   headers)
 
 
 def _keeps_alive(request: Request) -> bool:
@@ -235,11 +242,11 @@ class BoundedHandler:
         while True:
             if self._buffer[:1] in (b"\r", b"\n"):  # empty lines before a request line are skipped (RFC 9112 2.2)
                 del self._buffer[:len(self._buffer) - len(self._buffer.lstrip(b"\r\n"))]
+            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
+                raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
             if end := _HEAD_END.search(self._buffer, searched):
                 break
             searched = max(0, len(self._buffer) - 3)
-            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
-                raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
             if len(self._buffer) >= MAX_HEADER_BYTES:
                 raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
             left = deadline - time.monotonic()

@@ -85,20 +85,23 @@ _RNG = random.Random(5)
 HOSTILE = {
     "unknown path": (b"GET /etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", {404}),
     "path traversal": (b"GET /../../../../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", {404}),
-    "64 KiB URI": (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", {414}),
-    "70 KiB header line": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", {431}),
-    "101 headers": (b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n", {431}),
+    "64 KiB URI": (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", {414}),
+    "70 KiB header line": (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", {431}),
+    "101 headers": (
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n",
+        {431}),
     "120 KiB of headers in 60 lines": (
-        b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 2000) for i in range(60)) + b"\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 2000) for i in range(60)) + b"\r\n",
         {431}),
     "no version": (b"GET\r\n\r\n", {400}),
     "too many words": (b"GET /metrics HTTP/1.1 extra\r\n\r\n", {400}),
     "HTTP/9.9": (b"GET /metrics HTTP/9.9\r\n\r\n", {505}),
     "bad version": (b"GET /metrics HTTQ/1.1\r\n\r\n", {400}),
-    "CONNECT": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n", {405}),
-    "lowercase method": (b"get /metrics HTTP/1.1\r\n\r\n", {405}),
-    "negative content length": (b"POST /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", {405}),
-    "NUL bytes": (b"GET /\x00\x00 HTTP/1.1\r\n\r\n", {404}),
+    "CONNECT": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: x\r\n\r\n", {405}),
+    "lowercase method": (b"get /metrics HTTP/1.1\r\nHost: x\r\n\r\n", {405}),
+    "negative content length": (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", {400}),
+    "NUL bytes": (b"GET /\x00\x00 HTTP/1.1\r\nHost: x\r\n\r\n", {400}),
     "binary garbage": (_RNG.randbytes(8192), {400, None}),
     "TLS hello to the HTTP port": (bytes.fromhex("160301020001"), {400, None}),
     "only line breaks": (b"\r\n" * 5000, {400, None}),
@@ -315,7 +318,7 @@ def test_connections_serving_a_request_keep_their_slots():
             probe.start()
         for _ in probes:
             assert entered.acquire(timeout=30)
-        assert exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""
+        assert exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n") == b""
         gate.set()
         for probe in probes:
             probe.join(30)

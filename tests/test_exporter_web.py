@@ -350,11 +350,12 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
         assert status == "HTTP/1.1 200 OK" and body == b"Healthy\n" and "connection" not in headers
         assert headers["server"] == "dualtrack-exporter" and headers["date"].endswith(" GMT")
         assert head_status == "HTTP/1.1 200 OK" and head_body == b"" and int(head_headers["content-length"]) > 0
-        sock.sendall(b"GET /nope HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_replies(sock, 1)[0][0] == "HTTP/1.1 404 Not Found"
         assert not closed(sock)  # kept alive
-    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n", b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\n",
-                    b"GET /-/healthy HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"):  # a body is never read
+    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n",
+                    b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                    b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"):  # a body is never read
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(request)
             (status, headers, _), = read_replies(sock, 1)
@@ -364,7 +365,7 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
         (status, headers, _), = read_replies(sock, 1)
         assert status == "HTTP/1.1 200 OK" and headers["connection"] == "keep-alive" and not closed(sock)
     with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:  # empty lines before a request line
-        sock.sendall(b"\r\n\r\n\r\nGET /-/healthy HTTP/1.1\r\n\r\n")
+        sock.sendall(b"\r\n\r\n\r\nGET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK"
 
 
@@ -397,13 +398,21 @@ def test_a_kept_alive_connection_waits_past_the_head_timeout_for_its_next_reques
     (b"GET /\r\n\r\n", "400 Bad Request"),  # HTTP/0.9: refused, as Go does
     (b"GET / HTTP/2.0\r\n\r\n", "505 HTTP Version Not Supported"),
     (b"GET / HTTP/0.9\r\n\r\n", "505 HTTP Version Not Supported"),
-    (b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nAccept: text/plain\rSet-Cookie: x=1\r\n\r\n", "400 Bad Request"),  # a bare CR
-    (b"GET / HTTP/1.1\r\nX-A: 1\x002\r\n\r\n", "400 Bad Request"),
-    (b"GET http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),  # no URL
-    (b"HEAD http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.10\r\nHost: x\r\n\r\n", "400 Bad Request"),  # one digit each side, as Go
+    (b"GET / HTTP/1.1\r\n\r\n", "400 Bad Request"),  # HTTP/1.1 needs one Host (RFC 9112 3.2), as Go
+    (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nAccept: text/plain\rSet-Cookie: x=1\r\n\r\n", "400 Bad Request"),  # a bare CR
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\x002\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\x1b[31m2\r\n\r\n", "400 Bad Request"),  # a control character
+    (b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),  # a target byte outside visible ASCII
+    (b"GET http://[/metrics HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),  # no URL
+    (b"HEAD http://[/metrics HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1, 2\r\n\r\nab", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", "501 Not Implemented"),
 ])
 def test_malformed_request_heads_get_an_error_and_close(serve, request_head, status):
     port = int(serve().rsplit(":", 1)[1])
