@@ -63,7 +63,7 @@ class _Renderer:
         with self._lock:
             call = self._calls.get(key)
             leader = call is None
-            if leader:
+            if call is None:
                 call = self._calls[key] = self._Call()
         if leader:
             try:

@@ -48,7 +48,7 @@ import threading
 import time
 from collections import Counter
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple, TypeVar
 
 import h11
 
@@ -77,6 +77,7 @@ _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 log = logging.getLogger("exporter.web")
+_S = TypeVar("_S", bound="Server")
 
 
 class Request(NamedTuple):
@@ -237,7 +238,8 @@ class BoundedHandler:
         KEEPALIVE_TIMEOUT for the request's first byte; the head's deadline runs from then."""
         kept_alive = self.served and not self._buffer
         timeout = self.server.keepalive_timeout if kept_alive else self.server.header_timeout
-        deadline = self.slot.waiting_since + timeout
+        since = self.slot.waiting_since  # set while a head is awaited; None only while serving
+        deadline = (time.monotonic() if since is None else since) + timeout
         searched = 0
         while True:
             if self._buffer[:1] in (b"\r", b"\n"):  # empty lines before a request line are skipped (RFC 9112 2.2)
@@ -378,22 +380,24 @@ class Server(socketserver.TCPServer):
                         self._max_per_client)
 
     def process_request_thread(self, request: socket.socket, client_address, connection: _Connection) -> None:
+        sock: socket.socket | None = request  # None once a failed handshake has closed it
         try:
             # headers and body go out in separate writes: without NODELAY, Nagle and delayed ACKs add 40 ms
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
-                request = self._handshake(request, connection)
-            if request is not None:
-                request.settimeout(self.header_timeout)
-                self.RequestHandlerClass(request, client_address, self, connection)
+                sock = self._handshake(request, connection, self.ssl_context)
+            if sock is not None:
+                sock.settimeout(self.header_timeout)
+                self.RequestHandlerClass(sock, client_address, self, connection)
         except Exception:  # noqa: BLE001 - one connection's failure must never reach the server
-            self.handle_error(request, client_address)
+            self.handle_error(sock, client_address)
         finally:
-            if request is not None:
-                self.shutdown_request(request)
+            if sock is not None:
+                self.shutdown_request(sock)
             self._release(connection)
 
-    def _handshake(self, sock: socket.socket, connection: _Connection) -> ssl.SSLSocket | None:
+    def _handshake(self, sock: socket.socket, connection: _Connection, context: ssl.SSLContext
+                   ) -> ssl.SSLSocket | None:
         """TLS handshake in this connection's thread; plain HTTP gets Go's 400 answer, then close.
 
         The head's deadline, counted from accept, bounds it: the socket timeout is the handshake's
@@ -408,10 +412,10 @@ class Server(socketserver.TCPServer):
                              b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
                 self.shutdown_request(sock)
                 return None
-            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.do_handshake()
-            return sock
+            sock = tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)  # (closed below)
+            tls.settimeout(max(0.001, deadline - time.monotonic()))
+            tls.do_handshake()
+            return tls
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             log.debug("TLS handshake failed: %s", exc)
             self.shutdown_request(sock)
@@ -457,7 +461,7 @@ def _drain(sock: socket.socket, limit: int = 65536, seconds: float = 1.0) -> Non
         limit -= len(chunk)
 
 
-def bind(host: str, port: int, make: Callable[[tuple[str, int], int], Server]) -> Server:
+def bind(host: str, port: int, make: Callable[[tuple[str, int], int], _S]) -> _S:
     """`make(address, family)` bound and listening; an empty host means "::" (IPv4 and IPv6), or all
     IPv4 addresses where IPv6 is off. Raises OSError when no candidate address can be bound."""
     if host:
@@ -486,4 +490,4 @@ def _resolve(host: str, port: int) -> tuple[int, tuple[str, int]]:
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve listen host {host!r}: {exc.strerror}") from None
     family, _, _, _, sockaddr = infos[0]
-    return family, sockaddr[:2]
+    return family, (str(sockaddr[0]), int(sockaddr[1]))
