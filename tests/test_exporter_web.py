@@ -399,6 +399,7 @@ def test_a_kept_alive_connection_waits_past_the_head_timeout_for_its_next_reques
     (b"GET / HTTP/2.0\r\n\r\n", "505 HTTP Version Not Supported"),
     (b"GET / HTTP/0.9\r\n\r\n", "505 HTTP Version Not Supported"),
     (b"GET / HTTP/1.10\r\nHost: x\r\n\r\n", "400 Bad Request"),  # one digit each side, as Go
+    (b"GET / HTTP/1." + b"1" * 5000 + b"\r\nHost: x\r\n\r\n", "400 Bad Request"),  # (int() refuses 4,300 digits)
     (b"GET / HTTP/1.1\r\n\r\n", "400 Bad Request"),  # HTTP/1.1 needs one Host (RFC 9112 3.2), as Go
     (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "400 Bad Request"),
     (b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", "400 Bad Request"),
