@@ -35,11 +35,11 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_exporter import cpu_seconds, daemon_flags, installed_copy, start  # noqa: E402
-from exporter.web import WebServer  # noqa: E402
-from exporter.webconfig import load_web_config  # noqa: E402
-from stack.processes import free_port  # noqa: E402
-from tests.certs import bcrypt_hash, make_pki  # noqa: E402
+from bench.bench_exporter import cpu_seconds, daemon_flags, installed_copy, start
+from exporter.web import WebServer
+from exporter.webconfig import load_web_config
+from stack.processes import free_port
+from tests.certs import bcrypt_hash, make_pki
 
 PASSWORD = "bench-password"
 

@@ -48,7 +48,8 @@ import threading
 import time
 from collections import Counter
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator, Mapping
 
 import h11
 
@@ -180,10 +181,10 @@ class BoundedHandler:
     """Serves one connection: reads request heads under a total deadline and a byte budget, hands each to
     `respond` (defined by a subclass, which answers with `reply`), and closes after an error."""
 
-    server: "Server"
+    server: Server
     server_version = "dualtrack-exporter"
 
-    def __init__(self, sock: socket.socket, client_address, server: "Server", connection: _Connection) -> None:
+    def __init__(self, sock: socket.socket, client_address, server: Server, connection: _Connection) -> None:
         self.connection = sock
         self.client_address = client_address
         self.server = server
@@ -301,7 +302,9 @@ class Server(socketserver.TCPServer):
                  max_connections: int, max_connections_per_client: int,
                  keepalive_timeout: float = KEEPALIVE_TIMEOUT) -> None:
         self.address_family = family
-        super().__init__(address, handler, bind_and_activate=False)
+        # socketserver's handler class stays unused: process_request starts `handler` with the connection's slot
+        super().__init__(address, socketserver.BaseRequestHandler, bind_and_activate=False)
+        self.handler = handler
         self.ssl_context = ssl_context
         self.extra_headers = dict(extra_headers)
         self.header_timeout = header_timeout
@@ -317,13 +320,14 @@ class Server(socketserver.TCPServer):
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # ":port" = IPv4 and IPv6
         super().server_bind()
 
-    def process_request(self, request: socket.socket, client_address) -> None:
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override] # TCP: a socket
         try:
             connection = self._admit(client_address[0], request)
         except OSError:  # no descriptor left for the connection's handle
             connection = None
         if connection is None:
-            self._log_full(f"no slot free (each is serving a request): closing a new connection from {client_address[0]}")
+            self._log_full("no slot free (each is serving a request): closing a new connection from "
+                           f"{client_address[0]}")
             self.close_request(request)  # at once: draining here would stall the accept loop
             return
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address, connection),
@@ -388,7 +392,7 @@ class Server(socketserver.TCPServer):
                 sock = self._handshake(request, connection, self.ssl_context)
             if sock is not None:
                 sock.settimeout(self.header_timeout)
-                self.RequestHandlerClass(sock, client_address, self, connection)
+                self.handler(sock, client_address, self, connection)
         except Exception:  # noqa: BLE001 - one connection's failure must never reach the server
             self.handle_error(sock, client_address)
         finally:
@@ -433,7 +437,7 @@ class Server(socketserver.TCPServer):
         for connection in waiting:
             connection.evict()
 
-    def shutdown_request(self, request: socket.socket) -> None:
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override] # TCP: a socket
         """Lingering close: half-close, read what the client still sends (bounded), then close.
 
         Closing a socket with unread input makes the kernel send a reset, which can destroy an error

@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 import pytest
@@ -143,7 +143,8 @@ def test_slow_clients_are_cut_off_and_others_served_meanwhile(daemon):
     finally:
         for sock in sockets:
             sock.close()
-    print(f"\nslowloris: {count} sockets cut after {min(closed_after.values()):.1f}-{max(closed_after.values()):.1f} s; "
+    print(f"\nslowloris: {count} sockets cut after "
+          f"{min(closed_after.values()):.1f}-{max(closed_after.values()):.1f} s; "
           f"{len(latencies)} scrapes meanwhile, max {max(latencies) * 1000:.1f} ms")
     assert len(closed_after) == count, "the daemon must cut every slow client"
     assert max(closed_after.values()) < HEADER_TIMEOUT + 3
@@ -311,7 +312,8 @@ def test_connections_serving_a_request_keep_their_slots():
     server.start()
     port = server.server_address[1]
     results: list[int] = []
-    probes = [threading.Thread(target=lambda source=source: results.append(get_from(source, port, "/-/ready").status_code))
+    probes = [threading.Thread(target=lambda source=source: results.append(
+                  get_from(source, port, "/-/ready").status_code))
               for source in ["127.0.0.1"] * 4 + ["127.0.0.3"] * 4]
     try:
         for probe in probes:

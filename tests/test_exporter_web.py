@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 import pytest
@@ -125,7 +125,8 @@ def test_openmetrics_and_gzip_are_negotiated_like_client_python(serve):
     assert response.text.endswith("# EOF\n")  # requests decompressed it
     raw = requests.get(url + "/metrics", timeout=5, stream=True, headers={"Accept-Encoding": "gzip"}).raw.read()
     assert b"nvml_up 1.0" in gzip.decompress(raw)
-    assert raw[8] == 4  # the gzip header's XFL: compressed at the fastest level (a scrape's CPU matters more than bytes)
+    # the gzip header's XFL: compressed at the fastest level (a scrape's CPU matters more than bytes)
+    assert raw[8] == 4
     plain = requests.get(url + "/metrics", timeout=5, headers={"Accept-Encoding": "identity"})
     assert "Content-Encoding" not in plain.headers and "nvml_up 1.0" in plain.text
     for reply in (response, plain):  # a cache between scraper and exporter keeps the two apart
@@ -206,7 +207,8 @@ def test_openssl_s_client_sees_the_min_version(serve, pki, tmp_path):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 def test_curl_with_tls_and_basic_auth(serve, pki, tmp_path, password_hash):
-    url = serve(load_web_config(write_config(tmp_path, tls_config(pki) + f"basic_auth_users:\n  prom: '{password_hash}'\n")))
+    users = f"basic_auth_users:\n  prom: '{password_hash}'\n"
+    url = serve(load_web_config(write_config(tmp_path, tls_config(pki) + users)))
 
     def curl(*flags: str) -> str:
         return subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(pki.ca_cert),
@@ -314,7 +316,8 @@ def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_pat
 # --- the HTTP/1.1 transport ----------------------------------------------------------------------
 
 
-def read_replies(sock: socket.socket, count: int, head_request: int | None = None) -> list[tuple[str, dict[str, str], bytes]]:
+def read_replies(sock: socket.socket, count: int, head_request: int | None = None
+                 ) -> list[tuple[str, dict[str, str], bytes]]:
     """`count` replies read off a raw connection: (status line, headers by lower-case name, body);
     `head_request`: the index of the one that answers a HEAD request (no body)."""
     data, replies = b"", []
