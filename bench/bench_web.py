@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import http.client
+import shutil
 import statistics
 import subprocess
 import sys
@@ -152,6 +153,7 @@ def against(revision: str, minutes: float) -> None:
         for _, proc, _ in daemons:
             proc.terminate()
             proc.wait(30)
+        shutil.rmtree(workdir)
     print(f"{'exporter/ of':<16}{'VmRSS MB':>10}{'VmHWM MB':>10}{'CPU ms/scrape':>15}"
           f"   ({scrapes} scrapes each, one a second)")
     for name, (rss, hwm, cpu) in figures.items():
