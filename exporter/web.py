@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 from http import HTTPStatus
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from exporter.exposition import render_registry
@@ -63,7 +63,7 @@ class _Renderer:
         with self._lock:
             call = self._calls.get(key)
             leader = call is None
-            if leader:
+            if call is None:
                 call = self._calls[key] = self._Call()
         if leader:
             try:
@@ -85,7 +85,7 @@ class _Renderer:
 
 
 class _Handler(BoundedHandler):
-    server: "_Server"
+    server: _Server
 
     def respond(self, request: Request) -> None:
         if not self._authorized(request):
@@ -107,7 +107,8 @@ class _Handler(BoundedHandler):
             self.reply(HTTPStatus.OK, b"Healthy\n")
         elif path == "/-/ready":
             ready = self.server.is_ready()
-            self.reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, b"Ready\n" if ready else b"Not ready\n")
+            self.reply(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
+                       b"Ready\n" if ready else b"Not ready\n")
         elif path == "/":
             self.reply(HTTPStatus.OK, self.server.landing_page, "text/html; charset=utf-8")
         else:
@@ -166,7 +167,7 @@ class _Server(Server):
     def is_ready(self) -> bool:
         try:
             return bool(self.ready())
-        except Exception:  # noqa: BLE001 - a failing readiness callback means not ready
+        except Exception:  # a failing readiness callback means not ready
             log.exception("readiness check failed")
             return False
 
@@ -197,10 +198,10 @@ class WebServer:
             check_telemetry_path(telemetry_path)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
-        self._options = dict(registry=registry, render=render, reused=reused, telemetry_path=telemetry_path,
-                             web_config=web_config, ready=ready, header_timeout=header_timeout,
-                             max_connections=max_connections, max_connections_per_client=max_connections_per_client,
-                             auth_cache=auth_cache)
+        self._options = {"registry": registry, "render": render, "reused": reused, "telemetry_path": telemetry_path,
+                         "web_config": web_config, "ready": ready, "header_timeout": header_timeout,
+                         "max_connections": max_connections, "max_connections_per_client": max_connections_per_client,
+                         "auth_cache": auth_cache}
         self._server: _Server | None = None
 
     def start(self, before_serving: Callable[[], None] = lambda: None) -> None:

@@ -35,7 +35,8 @@ def parse_listen_address(value: str) -> tuple[str, int]:
 def check_telemetry_path(value: str) -> str:
     """Check a telemetry path (argparse type); return it unchanged."""
     if not value.startswith("/") or value in ("/", *PROBE_PATHS) or any(c in value for c in "?# \t\r\n"):
-        raise argparse.ArgumentTypeError(f"telemetry path {value!r} must be a path like /metrics (not /, /-/healthy or /-/ready)")
+        raise argparse.ArgumentTypeError(
+            f"telemetry path {value!r} must be a path like /metrics (not /, /-/healthy or /-/ready)")
     return value
 
 
@@ -45,7 +46,8 @@ def add_web_arguments(parser: argparse.ArgumentParser) -> None:
                         type=check_listen_address, default=DEFAULT_LISTEN_ADDRESS,
                         help="address to serve metrics on; an empty host means all interfaces (default %(default)s)")
     parser.add_argument("--web.telemetry-path", dest="web_telemetry_path", metavar="PATH", type=check_telemetry_path,
-                        default=DEFAULT_TELEMETRY_PATH, help="path under which metrics are served (default %(default)s)")
+                        default=DEFAULT_TELEMETRY_PATH,
+                        help="path under which metrics are served (default %(default)s)")
     parser.add_argument("--web.config.file", dest="web_config_file", metavar="FILE", default=None,
                         help="exporter-toolkit web config (TLS, basic auth); see docs/security.md")
 

@@ -9,12 +9,15 @@ reading a handful of header lines). What it serves:
   are answered in order. Every reply carries `Server`, `Date`, `Content-Type`, `Content-Length` and the
   web config's extra headers (a reply to HEAD no body, whatever its status; one kept alive for HTTP/1.0
   says `Connection: keep-alive`); errors close the connection (`Connection: close`).
-- As Go's net/http (exporter-toolkit v0.17.1 serves with it): a request line that is not
-  `METHOD TARGET HTTP/x.y` is 400 (HTTP/0.9's two-word lines included), an HTTP major version other
-  than 1 is 505, a header line without a colon or folded onto the previous one, or a header value with a
-  control character other than a tab, is 400, and a
-  plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.". As
-  `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
+- Request heads are parsed by h11 (sans-I/O; this module does the I/O, deadlines and byte budgets),
+  which refuses, as Go's net/http does (exporter-toolkit v0.17.1 serves with it), with 400: a request
+  line that is not `METHOD TARGET HTTP/d.d` (HTTP/0.9's two-word lines included), a target with a
+  byte outside visible ASCII, a header line without a colon, an HTTP/1.1 request without exactly one
+  `Host`, a Content-Length that is not one number; a Transfer-Encoding other than chunked is 501.
+  On top of h11, as Go: an HTTP major version other than 1 is 505, a header folded onto the previous
+  line (which h11 would unfold) or a header value with a control character other than a tab is 400,
+  and a plain-HTTP request to the TLS port gets 400 "Client sent an HTTP request to an HTTPS server.".
+  As `http.server` (which served before): a request line over 64 KiB is 414, a header line over 64 KiB
   or more than 100 headers is 431. Leading empty lines before a request line are skipped.
 Hostile clients are bounded:
 - a connection must deliver a complete request head within HEADER_TIMEOUT seconds in total, counted
@@ -45,7 +48,10 @@ import threading
 import time
 from collections import Counter
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+
+import h11
 
 if TYPE_CHECKING:
     import ssl
@@ -66,12 +72,13 @@ _HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", 
 # malloc arena (a head is a few hundred bytes; Python's http.server read through an 8 KiB buffer too).
 _READ_BYTES = 8192
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: all but HTAB (RFC 9110 5.5)
-_VERSION = re.compile(r"HTTP/(\d+)\.(\d+)")
+_FOLDED = re.compile(rb"\n[ \t]")  # obs-fold (RFC 9112 5.2): a line of the head starting with white space
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: all but HTAB (RFC 9110 5.5)
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 log = logging.getLogger("exporter.web")
+_S = TypeVar("_S", bound="Server")
 
 
 class Request(NamedTuple):
@@ -134,29 +141,31 @@ def http_date(seconds: float | None = None) -> str:
 
 
 def parse_head(head: bytes) -> Request:
-    """A request head (up to its empty line) as a Request; raises _Refused with the status to answer."""
-    lines = head.decode("iso-8859-1").split("\n")
-    lines = [text[:-1] if text.endswith("\r") else text for text in lines]  # (no empty line first: _read_head)
-    if len(lines[0]) > MAX_LINE_BYTES:
-        raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
-    words = lines[0].split()
-    if len(words) != 3 or not (version := _VERSION.fullmatch(words[2])):
+    """A request head (up to its empty line, none before it) parsed by h11, as a Request; raises _Refused
+    with the status to answer."""
+    if _FOLDED.search(head):
         raise _Refused(HTTPStatus.BAD_REQUEST)
-    if version.group(1) != "1" or len(version.group(2)) > 1:
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    parser.receive_data(head)
+    try:
+        event = parser.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise _Refused(HTTPStatus(exc.error_status_hint)) from None
+    if not isinstance(event, h11.Request):  # a whole head is one Request: never NEED_DATA here
+        raise _Refused(HTTPStatus.BAD_REQUEST)
+    if not event.http_version.startswith(b"1."):
         raise _Refused(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED)
-    fields = [text for text in lines[1:] if text]
-    if len(fields) > MAX_HEADERS or any(len(text) > MAX_LINE_BYTES for text in fields):
+    if len(event.headers) > MAX_HEADERS or any(len(name) + len(value) > MAX_LINE_BYTES
+                                               for name, value in event.headers):
         raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
     headers: dict[str, str] = {}
-    for text in fields:
-        name, colon, value = text.partition(":")
-        if not colon or not name or name != name.strip() or text[0] in " \t":
-            raise _Refused(HTTPStatus.BAD_REQUEST)
-        name, value = name.lower(), value.strip(" \t")
+    for name, value in event.headers:  # names lower-cased by h11, values stripped of white space around
         if _CONTROL.search(value):
             raise _Refused(HTTPStatus.BAD_REQUEST)
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return Request(words[0], words[1], (1, int(version.group(2))), headers)
+        key, text = name.decode("ascii"), value.decode("iso-8859-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return Request(event.method.decode("ascii"), event.target.decode("ascii"), (1, int(event.http_version[2:])),
+                   headers)
 
 
 def _keeps_alive(request: Request) -> bool:
@@ -172,10 +181,10 @@ class BoundedHandler:
     """Serves one connection: reads request heads under a total deadline and a byte budget, hands each to
     `respond` (defined by a subclass, which answers with `reply`), and closes after an error."""
 
-    server: "Server"
+    server: Server
     server_version = "dualtrack-exporter"
 
-    def __init__(self, sock: socket.socket, client_address, server: "Server", connection: _Connection) -> None:
+    def __init__(self, sock: socket.socket, client_address, server: Server, connection: _Connection) -> None:
         self.connection = sock
         self.client_address = client_address
         self.server = server
@@ -230,16 +239,17 @@ class BoundedHandler:
         KEEPALIVE_TIMEOUT for the request's first byte; the head's deadline runs from then."""
         kept_alive = self.served and not self._buffer
         timeout = self.server.keepalive_timeout if kept_alive else self.server.header_timeout
-        deadline = self.slot.waiting_since + timeout
+        since = self.slot.waiting_since  # set while a head is awaited; None only while serving
+        deadline = (time.monotonic() if since is None else since) + timeout
         searched = 0
         while True:
             if self._buffer[:1] in (b"\r", b"\n"):  # empty lines before a request line are skipped (RFC 9112 2.2)
                 del self._buffer[:len(self._buffer) - len(self._buffer.lstrip(b"\r\n"))]
+            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
+                raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
             if end := _HEAD_END.search(self._buffer, searched):
                 break
             searched = max(0, len(self._buffer) - 3)
-            if len(self._buffer) > MAX_LINE_BYTES and self._buffer.find(b"\n", 0, MAX_LINE_BYTES + 1) < 0:
-                raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG)
             if len(self._buffer) >= MAX_HEADER_BYTES:
                 raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
             left = deadline - time.monotonic()
@@ -292,7 +302,9 @@ class Server(socketserver.TCPServer):
                  max_connections: int, max_connections_per_client: int,
                  keepalive_timeout: float = KEEPALIVE_TIMEOUT) -> None:
         self.address_family = family
-        super().__init__(address, handler, bind_and_activate=False)
+        # socketserver's handler class stays unused: process_request starts `handler` with the connection's slot
+        super().__init__(address, socketserver.BaseRequestHandler, bind_and_activate=False)
+        self.handler = handler
         self.ssl_context = ssl_context
         self.extra_headers = dict(extra_headers)
         self.header_timeout = header_timeout
@@ -308,13 +320,14 @@ class Server(socketserver.TCPServer):
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # ":port" = IPv4 and IPv6
         super().server_bind()
 
-    def process_request(self, request: socket.socket, client_address) -> None:
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override] # TCP: a socket
         try:
             connection = self._admit(client_address[0], request)
         except OSError:  # no descriptor left for the connection's handle
             connection = None
         if connection is None:
-            self._log_full(f"no slot free (each is serving a request): closing a new connection from {client_address[0]}")
+            self._log_full("no slot free (each is serving a request): closing a new connection from "
+                           f"{client_address[0]}")
             self.close_request(request)  # at once: draining here would stall the accept loop
             return
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address, connection),
@@ -371,22 +384,24 @@ class Server(socketserver.TCPServer):
                         self._max_per_client)
 
     def process_request_thread(self, request: socket.socket, client_address, connection: _Connection) -> None:
+        sock: socket.socket | None = request  # None once a failed handshake has closed it
         try:
             # headers and body go out in separate writes: without NODELAY, Nagle and delayed ACKs add 40 ms
             request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
-                request = self._handshake(request, connection)
-            if request is not None:
-                request.settimeout(self.header_timeout)
-                self.RequestHandlerClass(request, client_address, self, connection)
+                sock = self._handshake(request, connection, self.ssl_context)
+            if sock is not None:
+                sock.settimeout(self.header_timeout)
+                self.handler(sock, client_address, self, connection)
         except Exception:  # noqa: BLE001 - one connection's failure must never reach the server
-            self.handle_error(request, client_address)
+            self.handle_error(sock, client_address)
         finally:
-            if request is not None:
-                self.shutdown_request(request)
+            if sock is not None:
+                self.shutdown_request(sock)
             self._release(connection)
 
-    def _handshake(self, sock: socket.socket, connection: _Connection) -> ssl.SSLSocket | None:
+    def _handshake(self, sock: socket.socket, connection: _Connection, context: ssl.SSLContext
+                   ) -> ssl.SSLSocket | None:
         """TLS handshake in this connection's thread; plain HTTP gets Go's 400 answer, then close.
 
         The head's deadline, counted from accept, bounds it: the socket timeout is the handshake's
@@ -401,10 +416,10 @@ class Server(socketserver.TCPServer):
                              b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
                 self.shutdown_request(sock)
                 return None
-            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.do_handshake()
-            return sock
+            sock = tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)  # (closed below)
+            tls.settimeout(max(0.001, deadline - time.monotonic()))
+            tls.do_handshake()
+            return tls
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             log.debug("TLS handshake failed: %s", exc)
             self.shutdown_request(sock)
@@ -422,7 +437,7 @@ class Server(socketserver.TCPServer):
         for connection in waiting:
             connection.evict()
 
-    def shutdown_request(self, request: socket.socket) -> None:
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override] # TCP: a socket
         """Lingering close: half-close, read what the client still sends (bounded), then close.
 
         Closing a socket with unread input makes the kernel send a reset, which can destroy an error
@@ -450,7 +465,7 @@ def _drain(sock: socket.socket, limit: int = 65536, seconds: float = 1.0) -> Non
         limit -= len(chunk)
 
 
-def bind(host: str, port: int, make: Callable[[tuple[str, int], int], Server]) -> Server:
+def bind(host: str, port: int, make: Callable[[tuple[str, int], int], _S]) -> _S:
     """`make(address, family)` bound and listening; an empty host means "::" (IPv4 and IPv6), or all
     IPv4 addresses where IPv6 is off. Raises OSError when no candidate address can be bound."""
     if host:
@@ -479,4 +494,4 @@ def _resolve(host: str, port: int) -> tuple[int, tuple[str, int]]:
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve listen host {host!r}: {exc.strerror}") from None
     family, _, _, _, sockaddr = infos[0]
-    return family, sockaddr[:2]
+    return family, (str(sockaddr[0]), int(sockaddr[1]))

@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 import pytest
@@ -85,20 +85,23 @@ _RNG = random.Random(5)
 HOSTILE = {
     "unknown path": (b"GET /etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", {404}),
     "path traversal": (b"GET /../../../../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n", {404}),
-    "64 KiB URI": (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", {414}),
-    "70 KiB header line": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", {431}),
-    "101 headers": (b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n", {431}),
+    "64 KiB URI": (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", {414}),
+    "70 KiB header line": (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", {431}),
+    "101 headers": (
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n",
+        {431}),
     "120 KiB of headers in 60 lines": (
-        b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 2000) for i in range(60)) + b"\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 2000) for i in range(60)) + b"\r\n",
         {431}),
     "no version": (b"GET\r\n\r\n", {400}),
     "too many words": (b"GET /metrics HTTP/1.1 extra\r\n\r\n", {400}),
     "HTTP/9.9": (b"GET /metrics HTTP/9.9\r\n\r\n", {505}),
     "bad version": (b"GET /metrics HTTQ/1.1\r\n\r\n", {400}),
-    "CONNECT": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\n\r\n", {405}),
-    "lowercase method": (b"get /metrics HTTP/1.1\r\n\r\n", {405}),
-    "negative content length": (b"POST /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", {405}),
-    "NUL bytes": (b"GET /\x00\x00 HTTP/1.1\r\n\r\n", {404}),
+    "CONNECT": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: x\r\n\r\n", {405}),
+    "lowercase method": (b"get /metrics HTTP/1.1\r\nHost: x\r\n\r\n", {405}),
+    "negative content length": (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", {400}),
+    "NUL bytes": (b"GET /\x00\x00 HTTP/1.1\r\nHost: x\r\n\r\n", {400}),
     "binary garbage": (_RNG.randbytes(8192), {400, None}),
     "TLS hello to the HTTP port": (bytes.fromhex("160301020001"), {400, None}),
     "only line breaks": (b"\r\n" * 5000, {400, None}),
@@ -140,7 +143,8 @@ def test_slow_clients_are_cut_off_and_others_served_meanwhile(daemon):
     finally:
         for sock in sockets:
             sock.close()
-    print(f"\nslowloris: {count} sockets cut after {min(closed_after.values()):.1f}-{max(closed_after.values()):.1f} s; "
+    print(f"\nslowloris: {count} sockets cut after "
+          f"{min(closed_after.values()):.1f}-{max(closed_after.values()):.1f} s; "
           f"{len(latencies)} scrapes meanwhile, max {max(latencies) * 1000:.1f} ms")
     assert len(closed_after) == count, "the daemon must cut every slow client"
     assert max(closed_after.values()) < HEADER_TIMEOUT + 3
@@ -308,14 +312,15 @@ def test_connections_serving_a_request_keep_their_slots():
     server.start()
     port = server.server_address[1]
     results: list[int] = []
-    probes = [threading.Thread(target=lambda source=source: results.append(get_from(source, port, "/-/ready").status_code))
+    probes = [threading.Thread(target=lambda source=source: results.append(
+                  get_from(source, port, "/-/ready").status_code))
               for source in ["127.0.0.1"] * 4 + ["127.0.0.3"] * 4]
     try:
         for probe in probes:
             probe.start()
         for _ in probes:
             assert entered.acquire(timeout=30)
-        assert exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""
+        assert exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n") == b""
         gate.set()
         for probe in probes:
             probe.join(30)

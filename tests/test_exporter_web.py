@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 import pytest
@@ -125,7 +125,8 @@ def test_openmetrics_and_gzip_are_negotiated_like_client_python(serve):
     assert response.text.endswith("# EOF\n")  # requests decompressed it
     raw = requests.get(url + "/metrics", timeout=5, stream=True, headers={"Accept-Encoding": "gzip"}).raw.read()
     assert b"nvml_up 1.0" in gzip.decompress(raw)
-    assert raw[8] == 4  # the gzip header's XFL: compressed at the fastest level (a scrape's CPU matters more than bytes)
+    # the gzip header's XFL: compressed at the fastest level (a scrape's CPU matters more than bytes)
+    assert raw[8] == 4
     plain = requests.get(url + "/metrics", timeout=5, headers={"Accept-Encoding": "identity"})
     assert "Content-Encoding" not in plain.headers and "nvml_up 1.0" in plain.text
     for reply in (response, plain):  # a cache between scraper and exporter keeps the two apart
@@ -206,7 +207,8 @@ def test_openssl_s_client_sees_the_min_version(serve, pki, tmp_path):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 def test_curl_with_tls_and_basic_auth(serve, pki, tmp_path, password_hash):
-    url = serve(load_web_config(write_config(tmp_path, tls_config(pki) + f"basic_auth_users:\n  prom: '{password_hash}'\n")))
+    users = f"basic_auth_users:\n  prom: '{password_hash}'\n"
+    url = serve(load_web_config(write_config(tmp_path, tls_config(pki) + users)))
 
     def curl(*flags: str) -> str:
         return subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(pki.ca_cert),
@@ -314,7 +316,8 @@ def test_web_config_loads_inline_pem_relative_paths_and_empty_files(pki, tmp_pat
 # --- the HTTP/1.1 transport ----------------------------------------------------------------------
 
 
-def read_replies(sock: socket.socket, count: int, head_request: int | None = None) -> list[tuple[str, dict[str, str], bytes]]:
+def read_replies(sock: socket.socket, count: int, head_request: int | None = None
+                 ) -> list[tuple[str, dict[str, str], bytes]]:
     """`count` replies read off a raw connection: (status line, headers by lower-case name, body);
     `head_request`: the index of the one that answers a HEAD request (no body)."""
     data, replies = b"", []
@@ -350,11 +353,12 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
         assert status == "HTTP/1.1 200 OK" and body == b"Healthy\n" and "connection" not in headers
         assert headers["server"] == "dualtrack-exporter" and headers["date"].endswith(" GMT")
         assert head_status == "HTTP/1.1 200 OK" and head_body == b"" and int(head_headers["content-length"]) > 0
-        sock.sendall(b"GET /nope HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_replies(sock, 1)[0][0] == "HTTP/1.1 404 Not Found"
         assert not closed(sock)  # kept alive
-    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n", b"GET /-/healthy HTTP/1.1\r\nConnection: close\r\n\r\n",
-                    b"GET /-/healthy HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"):  # a body is never read
+    for request in (b"GET /-/healthy HTTP/1.0\r\n\r\n",
+                    b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                    b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"):  # a body is never read
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(request)
             (status, headers, _), = read_replies(sock, 1)
@@ -364,7 +368,7 @@ def test_keep_alive_pipelining_and_close_as_http_1_1_and_1_0_ask(serve):
         (status, headers, _), = read_replies(sock, 1)
         assert status == "HTTP/1.1 200 OK" and headers["connection"] == "keep-alive" and not closed(sock)
     with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:  # empty lines before a request line
-        sock.sendall(b"\r\n\r\n\r\nGET /-/healthy HTTP/1.1\r\n\r\n")
+        sock.sendall(b"\r\n\r\n\r\nGET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_replies(sock, 1)[0][0] == "HTTP/1.1 200 OK"
 
 
@@ -397,13 +401,22 @@ def test_a_kept_alive_connection_waits_past_the_head_timeout_for_its_next_reques
     (b"GET /\r\n\r\n", "400 Bad Request"),  # HTTP/0.9: refused, as Go does
     (b"GET / HTTP/2.0\r\n\r\n", "505 HTTP Version Not Supported"),
     (b"GET / HTTP/0.9\r\n\r\n", "505 HTTP Version Not Supported"),
-    (b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
-    (b"GET / HTTP/1.1\r\nAccept: text/plain\rSet-Cookie: x=1\r\n\r\n", "400 Bad Request"),  # a bare CR
-    (b"GET / HTTP/1.1\r\nX-A: 1\x002\r\n\r\n", "400 Bad Request"),
-    (b"GET http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),  # no URL
-    (b"HEAD http://[/metrics HTTP/1.1\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.10\r\nHost: x\r\n\r\n", "400 Bad Request"),  # one digit each side, as Go
+    (b"GET / HTTP/1." + b"1" * 5000 + b"\r\nHost: x\r\n\r\n", "400 Bad Request"),  # (int() refuses 4,300 digits)
+    (b"GET / HTTP/1.1\r\n\r\n", "400 Bad Request"),  # HTTP/1.1 needs one Host (RFC 9112 3.2), as Go
+    (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n folded\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A : 1\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nAccept: text/plain\rSet-Cookie: x=1\r\n\r\n", "400 Bad Request"),  # a bare CR
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\x002\r\n\r\n", "400 Bad Request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\x1b[31m2\r\n\r\n", "400 Bad Request"),  # a control character
+    (b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),  # a target byte outside visible ASCII
+    (b"GET http://[/metrics HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),  # no URL
+    (b"HEAD http://[/metrics HTTP/1.1\r\nHost: x\r\n\r\n", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1, 2\r\n\r\nab", "400 Bad Request"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", "501 Not Implemented"),
 ])
 def test_malformed_request_heads_get_an_error_and_close(serve, request_head, status):
     port = int(serve().rsplit(":", 1)[1])
