@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from exporter.web import WebServer  # noqa: E402
 from exporter.webconfig import load_web_config  # noqa: E402
-from tests.certs import bcrypt_hash, make_pki  # noqa: E402
+from tests.support.certs import bcrypt_hash, make_pki  # noqa: E402
 
 PASSWORD = "bench-password"
 

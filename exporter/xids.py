@@ -2,7 +2,7 @@
 
 Meanings are NVIDIA's, from its XID catalog (https://docs.nvidia.com/deploy/xid-errors/). This one
 table serves the exporter's log lines, `dualtrack explain`, the XID selectors in rules/ and the XID
-table in docs/metrics.md (tests/test_xids.py fails when any of them disagrees with it).
+table in docs/metrics.md (tests/exporter/test_xids.py fails when any of them disagrees with it).
 
 It imports nothing, so `dualtrack` (the CLI, the top layer) reads it without loading the exporter:
 the exporter produces the `xid` label, and the CLI may import the layers below it, never the reverse.

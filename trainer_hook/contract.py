@@ -98,7 +98,8 @@ def window_series(key: str) -> tuple[Series, Series]:
 
 #: Every series the hook computes itself, in exposition order: the one declaration the live exposition
 #: (trainer_hook.exposition), remote write, replay (dualtrack.openmetrics), RESERVED and the docs' tables
-#: follow (tests/test_contract.py checks each). A logged key's own gauge (training_<key>) is logged_series().
+#: follow (tests/trainer_hook/test_contract.py checks each). A logged key's own gauge (training_<key>) is
+#: logged_series().
 SERIES: tuple[Series, ...] = (
     Series("step", "gauge", "Step passed to the last log() call."),
     *(series for key in WINDOW_MAX_KEYS for series in window_series(key)),

@@ -16,9 +16,10 @@ from dualtrack import explain as explain_module
 from dualtrack import thresholds
 from dualtrack.cli import main
 from stack import processes
-from tests import daemons
-from stack.processes import REPO
-from tests import explain_support as support
+from tests.support import daemons
+from tests.support import explain as support
+from tests.support.paths import REPO
+from tests.support.explain import infra_cause_rule
 
 pytestmark = pytest.mark.e2e
 
@@ -221,14 +222,6 @@ def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):
     assert scored == explained == {"0": 0.7, "1": 0.75}
 
 
-def infra_cause_rule() -> str:
-    """The expression of rules/explain.yml's job_run_rank:training_infra_cause:score."""
-    rules = yaml.safe_load((processes.REPO / "rules" / "explain.yml").read_text())
-    (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
-               if rule.get("record") == "job_run_rank:training_infra_cause:score"]
-    return expr
-
-
 def test_a_starving_data_loader(prometheus, capsys):
     events = timeline(prometheus, "starving", capsys)["events"]
     assert {e["kind"] for e in events} == {"data_starvation", "step_time_regression"}
@@ -247,7 +240,7 @@ def test_a_fine_tunes_spike_that_fires_the_alert_is_a_gradient_spike_event(prome
 
 def test_explain_uses_the_alerts_own_conditions():
     """One definition: explain's gradient spike is TrainingGradientExplosion's expression (its data
-    starvation and stragglers share the rules' numbers: tests/test_thresholds.py)."""
+    starvation and stragglers share the rules' numbers: tests/dualtrack/test_thresholds.py)."""
     from dualtrack import explain as module
     rules = {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
              for rule in group["rules"] if "alert" in rule}
@@ -406,5 +399,5 @@ def test_credentials_never_reach_the_output_and_torch_is_never_imported(tmp_path
     probe = ("import sys; from dualtrack.cli import build_parser; build_parser(); "
              "import dualtrack.explain, dualtrack.goodput; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                          cwd=processes.REPO, env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.stdout.strip() == "False", done.stderr

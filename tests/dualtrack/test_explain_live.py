@@ -10,8 +10,8 @@ import pytest
 
 from dualtrack.cli import main
 from stack import demo_training, processes
-from tests import daemons
-from tests.hook_support import live_stack, run_id
+from tests.support import daemons
+from tests.support.hook import live_stack, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e

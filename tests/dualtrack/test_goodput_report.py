@@ -9,8 +9,8 @@ import pytest
 
 from dualtrack.cli import main
 from stack import processes
-from tests import daemons
-from tests.hook_support import Trainer, run_id
+from tests.support import daemons
+from tests.support.hook import Trainer, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e

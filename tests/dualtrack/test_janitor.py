@@ -15,9 +15,10 @@ import yaml
 
 from dualtrack import cli
 from stack import processes
-from tests.hook_support import http_gateway, run_id
-from tests.test_hook_auth import PASSWORD, USER, secure_pgw  # noqa: F401 - the fixture
+from tests.support.hook import http_gateway, run_id
+from tests.support.certs import PASSWORD, USER
 from trainer_hook import TrainingMonitor
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -170,7 +171,7 @@ def test_daemon_keeps_running_while_the_pushgateway_is_down_and_then_cleans_up(t
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     result = subprocess.run([sys.executable, "-m", "dualtrack", "janitor", *args], capture_output=True, text=True,
-                            cwd=processes.REPO, timeout=60)
+                            cwd=REPO, timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
@@ -178,7 +179,7 @@ def test_bad_flags_exit_2_with_one_line(args, message):
 def test_the_janitor_never_imports_torch():
     code = ("import sys; from dualtrack.cli import main; "
             "assert main(['janitor', '--once', '--pushgateway=http://127.0.0.1:1']) == 1; print('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=processes.REPO,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             timeout=60)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
 
@@ -229,7 +230,7 @@ def test_pushed_label_values_are_logged_with_control_characters_escaped(pgw, cap
 
 
 def test_ships_in_compose_and_the_pushgateway_persists_on_a_volume():
-    services = yaml.safe_load((processes.REPO / "docker-compose.yml").read_text())["services"]
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
     janitor = services["janitor"]
     assert janitor["entrypoint"][:2] == ["dualtrack", "janitor"]
     assert janitor["environment"]["DUALTRACK_PUSHGATEWAY"] == "https://pushgateway:9091"  # TLS + basic auth

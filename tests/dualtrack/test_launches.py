@@ -10,7 +10,7 @@ import pytest
 
 from dualtrack.cli import main
 from dualtrack.records import LAUNCH_TIME_FORMAT
-from tests.hook_support import Trainer, run_id
+from tests.support.hook import Trainer, run_id
 from trainer_hook import TrainingMonitor
 
 

@@ -1,5 +1,5 @@
 """The Prometheus client of `dualtrack explain` and `report` against servers that misbehave on the
-wire (tests/hostile_http.py): the real commands, run as a user runs them, end with one line on
+wire (tests/support/hostile_http.py): the real commands, run as a user runs them, end with one line on
 stderr and no traceback, within the client's deadline; and goodput asks for the run it is given."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from dualtrack import goodput, prometheus
 from dualtrack.cli import build_parser, main
 from trainer_hook.connection import resolve
-from stack import processes
-from tests import hostile_http as hostile
+from tests.support import hostile_http as hostile
+from tests.support.paths import REPO
 
 #: server behaviour -> what the one error line names.
 FAULTS = {
@@ -35,7 +35,7 @@ def dualtrack(*argv: str) -> subprocess.CompletedProcess:
     """`dualtrack ARGV` as a user runs it (no Prometheus from the environment); a hang fails the test."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUALTRACK_")}
     return subprocess.run([sys.executable, "-m", "dualtrack", *argv], capture_output=True, text=True, env=env,
-                          cwd=processes.REPO, timeout=120)
+                          cwd=REPO, timeout=120)
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -1,7 +1,6 @@
 """`dualtrack replay` on bad input and bad flags: a count and one line, never a traceback."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,33 +8,8 @@ from pathlib import Path
 import pytest
 
 from dualtrack.cli import main
-from stack.processes import REPO
-
-START = {"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": "r1", "rank": 0,
-         "instance": "n1", "config": {"lr": "0.1", "job": "clash"}}
-
-
-def step(n: int, time: float, **extra) -> dict:
-    return {"time": time, "step": n, "batch_id": n, "samples": 4, "tokens": None,
-            "duration_seconds": 0.1, "data_wait_seconds": 0.02, "values": {"train/loss": 1.0 + n}, **extra}
-
-
-def write(path: Path, lines: list, tail: str = "") -> Path:
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines) + tail)
-    return path
-
-
-def dump(out: Path, metric: str) -> list[tuple[dict, str, int]]:
-    """(labels, value, ms) of every sample of `metric` in the blocks under `out`."""
-    (out / "wal").mkdir(exist_ok=True)
-    text = subprocess.run(["promtool", "tsdb", "dump", f"--match={{__name__=\"{metric}\"}}", str(out)],
-                          capture_output=True, text=True, check=True).stdout
-    samples = []
-    for line in text.splitlines():
-        labels, value, ms = line.rsplit(" ", 2)
-        pairs = (pair.split("=", 1) for pair in labels.strip("{}").split(", "))
-        samples.append(({k: v.strip('"') for k, v in pairs}, value, int(ms)))
-    return samples
+from tests.support.paths import REPO
+from tests.support.records import START, dump, step, write
 
 
 def test_bad_lines_are_counted_in_one_line_and_the_rest_is_replayed(tmp_path: Path, capsys) -> None:

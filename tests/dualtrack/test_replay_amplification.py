@@ -1,12 +1,11 @@
 """`dualtrack replay` on a record crafted to amplify: its output grows linearly with the record,
 its labels keep the hook's caps, and a total bound stops it with one line.
 
-`python -m tests.test_replay_amplification` prints the figures (record bytes, output bytes, ratio).
+`python -m tests.dualtrack.test_replay_amplification` prints the figures (record bytes, output bytes, ratio).
 """
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -15,20 +14,15 @@ import pytest
 
 from dualtrack.cli import main
 from dualtrack.records import Reader
-from dualtrack.replay import ReplayError, write_openmetrics
+from dualtrack.replay import write_openmetrics
 from trainer_hook.contract import MAX_CONFIG_LABELS, MAX_KEYS, MAX_LABEL_LENGTH
+from tests.support.records import LABEL, Counter, unescaped
 
 #: Output bytes per record byte that the crafted record below stays under: ~120 now (tiny step lines
 #: 15 s apart, each paying for its share of slow series; 256-character labels). A hook-written record
 #: makes ~12. Before the caps and the per-key streaming it grew with the square of the steps: 7,900
 #: per byte for a 178 kB version of it, 70,000 for 288 kB.
 RATIO = 200
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def unescaped(value: str) -> str:
-    """A label value as written in OpenMetrics text, unescaped (\\\\, \\", \\n)."""
-    return re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], value)
 
 
 def crafted(path: Path, steps: int = 12_000, keys: int = MAX_KEYS + 200) -> Path:
@@ -47,23 +41,6 @@ def crafted(path: Path, steps: int = 12_000, keys: int = MAX_KEYS + 200) -> Path
     return path
 
 
-class Counter:
-    """A BlockBuilder stand-in that keeps no text: counts it, and stops past `limit` bytes."""
-
-    def __init__(self, limit: float = float("inf"), keep: int = 0) -> None:
-        self.limit, self.keep = limit, keep
-        self.bytes = self.samples = 0
-        self.kept: list[str] = []
-
-    def write(self, text: str, samples: int) -> None:
-        self.bytes += len(text.encode())
-        self.samples += samples
-        if len(self.kept) < self.keep:
-            self.kept.append(text)
-        if self.bytes > self.limit:
-            raise ReplayError(f"more than {self.limit:.0f} bytes")
-
-
 def test_a_crafted_record_replays_to_output_linear_in_its_size_with_capped_labels(tmp_path: Path) -> None:
     record = crafted(tmp_path / "crafted.jsonl")
     size = record.stat().st_size
@@ -73,7 +50,7 @@ def test_a_crafted_record_replays_to_output_linear_in_its_size_with_capped_label
     assert counter.bytes <= RATIO * size and runs[0][0].steps > 12_000
     keys, longest = set(), 0
     for text in counter.kept:
-        for name, value in _LABEL.findall(text):
+        for name, value in LABEL.findall(text):
             longest = max(longest, len(unescaped(value)))
             if name == "key":
                 keys.add(value)
@@ -83,7 +60,7 @@ def test_a_crafted_record_replays_to_output_linear_in_its_size_with_capped_label
 
 def test_the_live_hook_applies_the_same_caps(tmp_path: Path) -> None:
     """One rule: the hook cuts job and instance like run, drops over-long keys, exports MAX_KEYS keys."""
-    from tests.hook_support import pull_monitor, pulled, wait_pulled
+    from tests.support.hook import pull_monitor, pulled, wait_pulled
 
     with pull_monitor(tmp_path, "j" * 4000, instance="i" * 4000) as monitor:
         assert len(monitor.settings.job) == len(monitor.settings.instance) == MAX_LABEL_LENGTH

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from dualtrack.cli import main
 from stack import processes
-from tests import daemons
-from tests.hook_support import Trainer, record_lines, run_id
+from tests.support import daemons
+from tests.support.hook import Trainer, record_lines, run_id
 from trainer_hook import TrainingMonitor
+from tests.support.records import check_html
 
 pytestmark = pytest.mark.e2e
 FIRST_NAN = 30
@@ -92,41 +92,6 @@ def test_a_crashed_run_replays_at_step_resolution_and_reports(tmp_path: Path, st
     message = events[-1].get("message")  # the exception's message, where the hook records it
     assert "RuntimeError" + (f": {message}" if message else "") in page
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-class _Checker(HTMLParser):
-    """Tracks open elements; fails on a closing tag that does not match."""
-
-    VOID = {"meta", "br", "img", "input", "link", "hr", "path", "use", "rect", "circle", "line", "stop"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stack: list[str] = []
-        self.seen: set[str] = set()
-
-    def handle_starttag(self, tag: str, attrs) -> None:
-        self.seen.add(tag)
-        if tag not in self.VOID:
-            self.stack.append(tag)
-
-    def handle_startendtag(self, tag: str, attrs) -> None:
-        self.seen.add(tag)
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in self.VOID:
-            return
-        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes {self.stack[-3:]}"
-        self.stack.pop()
-
-
-def check_html(page: str) -> None:
-    """Well-formed enough for any browser: doctype, balanced elements, the expected sections."""
-    assert page.startswith("<!DOCTYPE html>")
-    checker = _Checker()
-    checker.feed(page)
-    checker.close()
-    assert checker.stack == [], checker.stack
-    assert {"html", "head", "title", "body", "svg", "table"} <= checker.seen
 
 
 def test_a_record_split_into_many_chunks_loses_and_doubles_nothing(tmp_path: Path, start_service,

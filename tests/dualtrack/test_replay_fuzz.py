@@ -23,7 +23,7 @@ from dualtrack import prometheus
 from dualtrack.cli import main
 from trainer_hook.connection import resolve
 from dualtrack.records import CLOCK_SLACK_SECONDS
-from tests import hostile_http
+from tests.support import hostile_http
 
 NOW = time.time()
 #: No example may take longer (a hang fails the test instead of stalling the suite).
@@ -210,7 +210,7 @@ def test_replay_output_is_linear_in_the_record_and_its_labels_capped(head, steps
     record byte (plus a run's free slow series), and no label value passes the hook's cap."""
     from dualtrack.records import Reader
     from dualtrack.replay import write_openmetrics
-    from tests.test_replay_amplification import _LABEL, Counter, unescaped
+    from tests.support.records import LABEL, Counter, unescaped
     from trainer_hook.contract import MAX_LABEL_LENGTH
 
     with tempfile.TemporaryDirectory(prefix="fuzz-") as temporary:
@@ -222,7 +222,7 @@ def test_replay_output_is_linear_in_the_record_and_its_labels_capped(head, steps
         free = 2 * 40 * 8 * (MAX_LABEL_LENGTH + 16) + 2 * 256 * 2 * (MAX_LABEL_LENGTH + 8)  # slow series twice
         assert counter.bytes <= WORST_RATIO * path.stat().st_size + len(runs) * free
         for text in counter.kept:
-            for _, value in _LABEL.findall(text):
+            for _, value in LABEL.findall(text):
                 assert len(unescaped(value)) <= MAX_LABEL_LENGTH, value
 
 
@@ -241,7 +241,7 @@ answers = st.one_of(
     json_values.map(json.dumps),
     st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
     st.sampled_from(["[" * 100_000, '{"data": []}', '{"data": {"result": "x"}}', '{"data": {"result": [[]]}}']))
-#: How the answer goes on the wire (tests/hostile_http.py has the worst of each kind).
+#: How the answer goes on the wire (tests/support/hostile_http.py has the worst of each kind).
 framings = st.sampled_from(["length", "short", "cut", "close", "chunked", "bad-chunked", "as-status-line",
                             "no-answer", "many-headers"])
 

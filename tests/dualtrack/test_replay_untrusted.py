@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from dualtrack.cli import main
-from stack.processes import REPO, wait_until
-from tests.test_replay import START, dump, step, write
-from tests.process_support import default_signal_actions
+from stack.processes import wait_until
+from tests.support.records import START, dump, step, write
+from tests.support.process import default_signal_actions
+from tests.support.paths import REPO
 
 NOW = time.time()
 LIVE = {**START, "time": NOW - 600}

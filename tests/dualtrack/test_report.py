@@ -3,7 +3,6 @@ real Prometheus scraping the (simulated) exporter, and bad input."""
 from __future__ import annotations
 
 import calendar
-import json
 import os
 import re
 import time
@@ -15,24 +14,11 @@ from dualtrack.cli import main
 from dualtrack.summary import MAX_BUCKETS, MinMaxSeries
 from exporter.simulated import simulated_uuid
 from stack import processes
-from tests import daemons
-from tests.hook_support import Trainer, run_id
-from tests.test_replay_e2e import check_html
+from tests.support import daemons
+from tests.support.hook import Trainer, run_id
+from tests.support.records import check_html
 from trainer_hook import TrainingMonitor
-
-
-def synthetic_record(path: Path, run: str, steps: int, spike_at: int | None = None) -> Path:
-    with open(path, "w") as out:
-        out.write(json.dumps({"event": "start", "format": 2, "time": 1000.0, "job": "j", "run": run, "rank": 0,
-                              "instance": "n1", "config": {"lr": "0.1", "note": "<b>&</b>"}}) + "\n")
-        for n in range(steps):
-            loss = 1e6 if n == spike_at else 2.0 / (1 + n / 1000)
-            out.write(json.dumps({"time": 1000.0 + n * 0.1, "step": n, "batch_id": n, "samples": 8, "tokens": None,
-                                  "duration_seconds": 0.1, "data_wait_seconds": 0.01 * (n % 5),
-                                  "values": {"loss": loss, "grad_norm": 1.0, "lr": 0.1}}) + "\n")
-        out.write(json.dumps({"event": "end", "time": 1000.0 + steps * 0.1, "state": "finished",
-                              "steps": steps}) + "\n")
-    return path
+from tests.support.records import synthetic_record
 
 
 def test_min_max_downsampling_keeps_a_one_step_spike_and_stays_bounded() -> None:

@@ -9,7 +9,7 @@ import re
 import yaml
 
 from dualtrack import thresholds as limits
-from stack.processes import REPO
+from tests.support.paths import REPO
 
 INFRA_CAUSE = "job_run_rank:training_infra_cause:score"
 #: The causes whose condition in the rules has a threshold other than "rose" (> 0).

@@ -27,14 +27,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualtrack.cli import main
 from stack import processes
-from stack.processes import REPO, wait_until
-from tests import daemons
-from tests import explain_support as support
-from tests.hook_support import run_id
-from tests.process_support import children
-from tests.daemons import evaluated_since
-from tests.test_pid_namespace_e2e import TRAIN, live_stack
-from tests.test_explain import infra_cause_rule
+from stack.processes import wait_until
+from tests.support import daemons
+from tests.support import explain as support
+from tests.support.hook import run_id
+from tests.support.process import children
+from tests.support.daemons import evaluated_since
+from tests.support.paths import REPO
+from tests.support.namespaces import TRAIN, live_stack
+from tests.support.explain import infra_cause_rule
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),

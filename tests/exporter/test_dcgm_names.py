@@ -10,9 +10,9 @@ import yaml
 
 from dualtrack import dcgm_names
 from stack import processes
-from stack.processes import REPO
-from tests import daemons
-from tests.hook_support import live_stack
+from tests.support import daemons
+from tests.support.hook import live_stack
+from tests.support.paths import REPO
 
 # NVIDIA's dcgm-exporter dashboard (grafana.com 12239): its template variables' and panels' queries,
 # as facts about what GPU tooling asks. Source: github.com/NVIDIA/dcgm-exporter,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exporter_support import Rig
+from tests.support.exporter import Rig
 from exporter.collectors.utilization import RATES_PERIOD
 from exporter.simulated import H, DeviceTraits
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from exporter.simulated import H, DeviceTraits
-from tests.exporter_support import Rig
+from tests.support.exporter import Rig
 
 # What nvidia-ml-py 12.535.108 (the declared floor) lacks of what the exporter reads.
 OLD_BINDING = ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES")

@@ -8,8 +8,8 @@ import pytest
 
 from exporter.nvml import REPROBE_AFTER
 from exporter.simulated import H, PCIE_32_BIT, PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE, DeviceTraits
-from tests.exporter_support import Rig
-from tests.nvml_faults import Fault, load_fault_plan
+from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault, load_fault_plan
 
 
 def pcie(rig: Rig, direction: str) -> float | None:

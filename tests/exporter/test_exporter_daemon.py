@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.cli import build_parser, env_name, parse_args
 from stack import processes
-from tests import daemons
-from stack.processes import REPO
+from tests.support import daemons
+from tests.support.paths import REPO
 
 
 def scrape(url: str, path: str = "/metrics") -> dict[tuple[str, tuple], float]:

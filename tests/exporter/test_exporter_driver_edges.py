@@ -9,8 +9,8 @@ import pynvml
 
 from exporter.simulated import H, DeviceTraits
 from stack.processes import wait_until
-from tests.exporter_support import Rig
-from tests.nvml_faults import Fault
+from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault
 
 GPM_RATIOS = ("nvml_gpu_sm_active_ratio", "nvml_gpu_tensor_active_ratio", "nvml_gpu_dram_active_ratio")
 

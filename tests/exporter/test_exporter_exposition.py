@@ -20,7 +20,7 @@ from exporter.exposition import Exposition
 from exporter.metrics import GPU_METRICS
 from exporter.textformat import sample_lines
 from stack import processes
-from tests.exporter_support import Rig
+from tests.support.exporter import Rig
 
 TEXT = None  # what Prometheus gets without an Accept header: text 0.0.4
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \

@@ -12,7 +12,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
-from tests.exporter_support import faulty_exporter
+from tests.support.exporter import faulty_exporter
 
 pytestmark = pytest.mark.fault
 

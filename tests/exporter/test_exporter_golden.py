@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 
-import pytest
 import requests
 
 from stack import processes
-from tests.exporter_support import GOLDEN, Rig, normalise
+from tests.support.exporter import GOLDEN, Rig, normalise
+from tests.support.daemons import promtool_check
 
 UPDATE = os.environ.get("DUALTRACK_UPDATE_GOLDEN") == "1"
 
@@ -24,13 +22,6 @@ def check_golden(name: str, text: str) -> None:
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     assert text == path.read_text(), f"exposition differs from {path}; rerun with DUALTRACK_UPDATE_GOLDEN=1 to update"
-
-
-def promtool_check(text: str) -> None:
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed")
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_simulated_healthy_exposition_matches_golden_file(tmp_path):

@@ -9,7 +9,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
-from tests.test_exporter_golden import promtool_check
+from tests.support.daemons import promtool_check
 
 pytestmark = pytest.mark.gpu
 FIELDS = ("index", "uuid", "name", "memory.total", "temperature.gpu", "power.limit", "clocks.max.sm")

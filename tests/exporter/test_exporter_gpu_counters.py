@@ -10,7 +10,7 @@ import time
 import pytest
 from exporter.collectors.nvlink import ALL_LINKS
 from stack import processes
-from tests.exporter_support import scraped
+from tests.support.exporter import scraped
 
 pytestmark = pytest.mark.gpu
 pynvml = pytest.importorskip("pynvml")

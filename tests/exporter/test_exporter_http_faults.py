@@ -28,7 +28,7 @@ from exporter.webtransport import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIO
 from stack import processes
 from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
-from tests.certs import bcrypt_hash
+from tests.support.certs import bcrypt_hash
 
 pytestmark = pytest.mark.fault
 
@@ -453,7 +453,7 @@ def test_fifty_concurrent_scrapers_no_failure_and_bounded_memory(daemon, tmp_pat
 
     cuts = statistics.quantiles(latencies, n=100)
     figures = {
-        "command": "python -m pytest -m slow tests/test_exporter_http_faults.py -k fifty -s",
+        "command": "python -m pytest -m slow tests/exporter/test_exporter_http_faults.py -k fifty -s",
         "exporter_args": daemon.argv[3:], "scrapers": SCRAPERS, "seconds": round(duration, 1),
         "scrapes": len(latencies), "failed": len(failures), "scrapes_per_second": round(len(latencies) / duration, 1),
         "p50_ms": round(cuts[49] * 1000, 2), "p99_ms": round(cuts[98] * 1000, 2),

@@ -16,7 +16,8 @@ import requests
 
 from stack import processes
 from stack.processes import Service, wait_until
-from tests.certs import bcrypt_hash
+from tests.support.certs import bcrypt_hash
+from tests.support.paths import REPO
 
 HEAVY = ("prometheus_client", "http.server", "http.client", "email", "ssl", "hashlib", "urllib.request", "bcrypt",
          "yaml", "importlib.metadata", "statistics", "decimal")
@@ -46,7 +47,7 @@ def modules_after_scrapes(tmp_path: Path, start_service, flags: list[str], schem
     argv = [sys.executable, "-c", DAEMON.format(heavy=HEAVY), str(scraped), str(report), "--simulate=healthy",
             "--simulate.gpus=2", "--sample-interval=0.2", f"--web.listen-address=127.0.0.1:{port}", *flags]
     service = start_service(Service("exporter", argv, port, tmp_path / "exporter.log", scheme=scheme,
-                                    auth=request_options.get("auth"), env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
+                                    auth=request_options.get("auth"), env={**os.environ, "PYTHONPATH": str(REPO)}))
     url = service.url + "/metrics"
     wait_until(lambda: "nvml_gpu_utilization_ratio{" in requests.get(url, timeout=5, **request_options).text,
                timeout=30, what="GPU series served")

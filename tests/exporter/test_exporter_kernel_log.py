@@ -19,23 +19,10 @@ from exporter import kernellog
 from exporter.kernellog import bus_key, parse_xid
 from stack import processes
 from stack.processes import wait_until
-from tests.exporter_support import FakeClock, Rig
-from tests.nvml_faults import Fault
-from tests.process_support import readable_copy, runnable_as
-
-# the simulated GPUs' bus ids (exporter.simulated._BUS_IDS), as the kernel writes them
-KERNEL_BUS = {0: "0000:18:00", 1: "0000:2a:00"}
-
-
-def xid_line(gpu: int, code: int, kmsg: bool = False) -> str:
-    """A driver XID line as `dmesg --raw` shows it, or as a /dev/kmsg record (facility 0, level 4)."""
-    text = f"NVRM: Xid (PCI:{KERNEL_BUS[gpu]}): {code}, pid='<unknown>', name=<unknown>, see the catalog"
-    return f"4,1021,{5_000_000 + code},-;{text}\n" if kmsg else f"<4>[ 5.{code:06d}] {text}\n"
-
-
-def append(path: Path, *lines: str) -> None:
-    with open(path, "a") as handle:
-        handle.write("".join(lines))
+from tests.support.exporter import FakeClock, Rig
+from tests.support.nvml_faults import Fault
+from tests.support.process import readable_copy, runnable_as
+from tests.support.kernel_log import append, scrape_xids, xid_line
 
 
 def xid_count(rig: Rig, gpu: int, code: int) -> float | None:
@@ -141,12 +128,6 @@ def test_a_truncated_kernel_log_file_is_read_again_from_its_start(tmp_path):
         assert xid_count(rig, 0, 13) is None
     finally:
         rig.sampler.stop()
-
-
-def scrape_xids(service: processes.Service) -> dict[tuple[str, str], float]:
-    text = requests.get(service.url + "/metrics", timeout=5).text
-    return {(s.labels["gpu"], s.labels["xid"]): s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == "nvml_gpu_xid_errors_total"}
 
 
 def test_the_exporter_counts_kernel_log_xids_and_never_again_after_a_restart(tmp_path, start_service):

@@ -12,8 +12,8 @@ import pytest
 
 from exporter.collectors.identity import MIG_MODE_SECONDS
 from exporter.simulated import DeviceTraits, SimulatedNVML
-from tests.exporter_support import Rig
-from tests.nvml_faults import Fault
+from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault
 
 
 def test_the_simulator_refuses_a_mig_gpus_parent_memory_and_processes_unless_privileged():

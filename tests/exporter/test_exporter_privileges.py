@@ -16,7 +16,8 @@ from exporter.cli import UsageError, parse_args
 from exporter.privileges import leftovers, parse_run_as
 from stack import processes
 from stack.processes import wait_until
-from tests.test_exporter_kernel_log import append, scrape_xids, xid_line
+from tests.support.kernel_log import append, scrape_xids, xid_line
+from tests.support.paths import REPO
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the exporter starts as root and drops it)")
 
@@ -83,7 +84,7 @@ def copier(tmp_path: Path, source: Path, target: Path, *args: str) -> processes.
     """The Kubernetes kernel-log reader (`python -m exporter.kernellog_copy`), not yet started."""
     argv = [sys.executable, "-m", "exporter.kernellog_copy", f"--from={source}", f"--to={target}", *args]
     return processes.Service("kernellog-copy", argv, 0, tmp_path / "copy.log", ready_path=None,
-                             env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @needs_root

@@ -15,22 +15,18 @@ import pytest
 
 from exporter.collectors.processes import identify, nspid
 from exporter.simulated import CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
-from stack.processes import REPO, wait_until
-from tests.exporter_support import Rig
-from tests.nvml_faults import Fault
-from tests.process_support import children
+from stack.processes import wait_until
+from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault
+from tests.support.process import children
+from tests.support.paths import REPO
+from tests.support.namespaces import UNSHARE, own_namespace
 
 #: A process name that is not UTF-8 (PR_SET_NAME takes any 15 bytes).
 BAD_NAME = b"\xffco\x80tenant"
 #: Sets its own name to argv[1] (hex) with prctl(PR_SET_NAME), says so, and waits for stdin to close.
 NAMED = ("import ctypes, sys; ctypes.CDLL(None, use_errno=True).prctl(15, bytes.fromhex(sys.argv[1]), 0, 0, 0); "
          "print('named', flush=True); sys.stdin.read()")
-#: Runs in a PID namespace of its own (with its own /proc), until stdin closes.
-UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
-
-
-def own_namespace(pid: int | str = "self") -> str:
-    return str(os.stat(f"/proc/{pid}/ns/pid").st_ino)
 
 
 def as_nobody(read: Callable[[], object]) -> object:
@@ -143,7 +139,7 @@ def test_without_ptrace_rights_a_process_is_known_by_its_innermost_pid_and_start
 #: argv[1], is written), then prints the processes series its exporter (a Rig) serves, as JSON.
 CONTAINED_EXPORTER = """
 import json, subprocess, sys
-from tests.exporter_support import Rig
+from tests.support.exporter import Rig
 sleeper = subprocess.Popen(["sleep", "600"])
 print(sleeper.pid, flush=True)
 sys.stdin.readline()
@@ -291,7 +287,7 @@ def test_a_failed_utilization_read_is_counted_and_the_memory_series_stay():
 def test_mps_clients_are_listed_with_the_mps_server_that_runs_their_work(tmp_path, waiting):
     """Under MPS the compute process list may hold the MPS server alone (comm nvidia-cuda-mps);
     nvmlDeviceGetMPSComputeRunningProcesses lists its clients: both are exported, each named, and
-    the server is no co-tenant (rules/explain.yml, tests/rules/co_tenant_test.yml)."""
+    the server is no co-tenant (rules/explain.yml, tests/stack/rules/co_tenant_test.yml)."""
     server = waiting([sys.executable, "-c", NAMED, b"nvidia-cuda-mps-server"[:15].hex()])
     client = waiting([sys.executable, "-c", NAMED, b"trainer".hex()])
     rig = Rig(gpus=1, collectors=["processes"], devices={0: DeviceTraits(mps_server=server.pid)})

@@ -1,4 +1,4 @@
-"""The exporter through the real nvidia-ml-py on a fake libnvidia-ml.so.1 (tests/fake_nvml.c): the binding's
+"""The exporter through the real nvidia-ml-py on a fake libnvidia-ml.so.1 (tests/support/fake_nvml.c): the binding's
 own loading, marshalling and error mapping run, as they do on a node."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from stack import processes
-from stack.processes import REPO
-from tests import fake_libnvml
-from tests.exporter_support import scraped
+from tests.support import fake_libnvml
+from tests.support.exporter import scraped
+from tests.support.paths import REPO
 
 PROBE = """
 import json, pynvml

@@ -25,7 +25,8 @@ import requests
 from exporter.web import WebServer
 from exporter.webconfig import WebConfig, WebConfigError, load_web_config
 from stack import processes
-from tests.certs import Pki, bcrypt_hash
+from tests.support.certs import Pki, bcrypt_hash
+from tests.support.paths import REPO
 
 PASSWORD = "s3cret pass:word"
 
@@ -64,7 +65,7 @@ def serve(registry) -> Iterator[Callable[..., str]]:
 def run_exporter(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`python -m exporter --simulate=healthy ARGS` on loopback, expected to exit on its own."""
     return subprocess.run([sys.executable, "-m", "exporter", "--simulate=healthy", *args], capture_output=True,
-                          text=True, timeout=60, cwd=cwd, env={**os.environ, "PYTHONPATH": str(processes.REPO)})
+                          text=True, timeout=60, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def assert_usage_error(done: subprocess.CompletedProcess, *needles: str) -> None:

@@ -15,42 +15,15 @@ import requests
 
 from dualtrack.explain import co_tenants
 from stack import processes
-from tests import daemons
-from stack.processes import REPO, Service
-from tests.hook_support import run_id
-from tests.process_support import children
-from tests.test_exporter_processes import UNSHARE, own_namespace
+from tests.support import daemons
+from stack.processes import Service
+from tests.support.hook import run_id
+from tests.support.process import children
+from tests.support.namespaces import UNSHARE, own_namespace
+from tests.support.paths import REPO
+from tests.support.namespaces import TRAIN, live_stack
 
 pytestmark = pytest.mark.e2e
-
-#: A training loop with the hook, until killed: argv = Pushgateway URL, run, GPU uuid.
-TRAIN = """
-import sys, time, torch
-from trainer_hook import TrainingMonitor
-monitor = TrainingMonitor(job="pidns", run=sys.argv[2], pushgateway=sys.argv[1], push_interval=0.2,
-                          gpu_uuid=sys.argv[3], record_path=False)
-while True:
-    monitor.log({"loss": torch.tensor(1.0)})
-    time.sleep(0.05)
-"""
-
-
-def live_stack(tmp_path, start_service, listing, rights: tuple[str, ...] = ()) -> tuple[Service, Service, str]:
-    """A Pushgateway; an exporter (run by `setpriv *rights` when given) whose one simulated GPU runs the
-    processes `listing` names; a Prometheus with the repo's rules scraping both every second. Returns
-    (pushgateway, prometheus, the GPU's uuid) once Prometheus has the GPU."""
-    pgw = start_service(processes.pushgateway(tmp_path))
-    service = processes.exporter(tmp_path, ["--simulate=healthy", "--simulate.gpus=1", "--sample-interval=0.2",
-                                            f"--simulate.processes={listing}"])
-    if rights:
-        service.argv[:0] = ["setpriv", *rights, "--"]
-    exporter = start_service(service)
-    config = processes.render_prometheus_config(
-        tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
-        scrape_interval="1s", evaluation_interval="1s")
-    prom = start_service(processes.prometheus(tmp_path, config))
-    [gpu] = daemons.wait_for_series(prom.url, "nvml_gpu_info", 30)
-    return pgw, prom, gpu["metric"]["uuid"]
 
 
 def test_a_run_in_its_own_pid_namespace_owns_its_gpu_process_and_a_neighbour_is_a_co_tenant(tmp_path, start_service):

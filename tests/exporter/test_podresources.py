@@ -18,8 +18,8 @@ import requests
 from exporter.collectors import podresources
 from exporter.simulated import DeviceTraits, simulated_uuid
 from stack import processes
-from tests.exporter_support import Rig
-from tests.kubelet_support import listing
+from tests.support.exporter import Rig
+from tests.support.kubelet import listing
 
 # A ListPodResourcesResponse serialized by code generated from the kubelet's own v1 api.proto (protoc
 # 7.36): pod trainer-0/ml, container pytorch holds GPU-1111... and MIG-aaaa... plus a NIC, exclusive

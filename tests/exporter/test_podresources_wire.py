@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from exporter import protowire
 from exporter.collectors import podresources
-from tests.kubelet_support import V1_SCHEMA, v1_messages
+from tests.support.kubelet import V1_SCHEMA, v1_messages
 from trainer_hook import protobuf
 
 FIELD = descriptor_pb2.FieldDescriptorProto

@@ -6,7 +6,7 @@ import pynvml
 import pytest
 
 from exporter.simulated import CO_TENANT_BYTES, CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
-from tests.exporter_support import FakeClock, Rig
+from tests.support.exporter import FakeClock, Rig
 
 
 def test_thermal_throttle_slows_the_clock_and_counts_thermal_seconds():

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import yaml
 
 from dualtrack.explain import Event, _counter_cause
 from exporter import xids
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SELECTOR = re.compile(r'nvml_gpu_xid_errors_total\{[^{}]*?\bxid(=~|!~)"([^"]*)"[^{}]*\}')
 
 

@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _is_module(name: str) -> bool:

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from stack import processes
-from tests import daemons
-from tests.alerting_support import NonFiniteRun, start_pipeline
-from tests.exporter_support import faulty_exporter
-from tests.hook_support import Trainer, run_id
+from tests.support import daemons
+from tests.support.alerting import NonFiniteRun, start_pipeline
+from tests.support.exporter import faulty_exporter
+from tests.support.hook import Trainer, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -21,39 +20,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from deploy.compose import make_secrets
-from tests.containers import engine
-from stack.processes import REPO
+from tests.stack.containers import engine
+from tests.support.paths import REPO
+from tests.support.deploy import COMPOSE, bind_mounts, compose, mounts, services
 
-COMPOSE = REPO / "docker-compose.yml"
 SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana", "janitor"}
 GID = "DUALTRACK_SECRETS_GID"
 SECRETS = "./deploy/compose/secrets"
-
-
-@lru_cache(maxsize=1)
-def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
-
-
-def services() -> dict[str, dict]:
-    return compose()["services"]
-
-
-def mounts(service: dict) -> list[tuple[str, str, bool]]:
-    """(source, container target, read-only) of every volume of `service`, short or long syntax."""
-    found = []
-    for volume in service.get("volumes", []):
-        if isinstance(volume, dict):
-            found.append((volume["source"], volume["target"], bool(volume.get("read_only"))))
-        else:
-            source, target, *options = volume.split(":")
-            found.append((source, target, "ro" in options))
-    return found
-
-
-def bind_mounts(service: dict) -> list[tuple[str, str]]:
-    """(repo-relative source, container target) of every bind mount of `service`."""
-    return [(source, target) for source, target, _ in mounts(service) if source.startswith((".", "/"))]
 
 
 @pytest.fixture
@@ -159,7 +132,7 @@ def test_images_are_pinned_by_digest_and_listed_in_the_docs():
     """Each image by version tag and digest (the base image too); docs/security.md lists every digest;
     the container test runs stand-ins under the same names by tag (no registry: no upstream digest)."""
     security = (REPO / "docs" / "security.md").read_text()
-    override = yaml.safe_load((REPO / "tests" / "containers" / "compose.override.yml").read_text())["services"]
+    override = yaml.safe_load((REPO / "tests" / "stack" / "containers" / "compose.override.yml").read_text())["services"]
     pinned = {name: service["image"] for name, service in services().items() if "image" in service}
     base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.MULTILINE).group(1)
     for name, image in [*pinned.items(), ("Dockerfile", base)]:

@@ -1,7 +1,7 @@
 """The image and `docker compose up`, for real: the project's docker-compose.yml driven by a real compose
 client (Debian's docker-compose) on podman, with locally built stand-ins for the upstream images
-(tests/containers/engine.py). Overridden: the GPU reservation (simulated GPUs instead) and Grafana,
-which is left out of the run (tests/containers/compose.override.yml).
+(tests/stack/containers/engine.py). Overridden: the GPU reservation (simulated GPUs instead) and Grafana,
+which is left out of the run (tests/stack/containers/compose.override.yml).
 
 Run with `pytest -m containers` (.ci/containers installs podman and the rest, as root).
 """
@@ -25,16 +25,17 @@ import yaml
 
 from dualtrack.prometheus import Prometheus
 from exporter.simulated import simulated_uuid
-from stack.processes import REPO, wait_until
-from tests.containers.engine import CACHE, Podman, ensure_images, missing_tools
+from stack.processes import wait_until
+from tests.stack.containers.engine import CACHE, Podman, ensure_images, missing_tools
 from trainer_hook.connection import Endpoint
+from tests.support.paths import REPO
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1200)]
 
 BIND = "127.0.0.42"  # not 127.0.0.1, where the other tests and the demo publish the same ports
 PROJECT = "dualtrack-ci"
 SECRETS_GID = 47042  # make_secrets.py --group: the containers (nobody, uid 10001) read the 0640 secrets through it
-OVERRIDE = REPO / "tests" / "containers" / "compose.override.yml"
+OVERRIDE = REPO / "tests" / "stack" / "containers" / "compose.override.yml"
 SERVICES = ("exporter", "pushgateway", "janitor", "prometheus", "alertmanager")  # all but Grafana
 HEALTHCHECKED = ("exporter", "pushgateway", "prometheus", "alertmanager")
 FIGURES = CACHE / "figures.json"
@@ -287,7 +288,7 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     `sleep`, whose namespace link the exporter may not read: one NSpid field, the host namespace) is
     named co_tenant by the rules and by explain's query."""
     from dualtrack.explain import co_tenants
-    from tests.daemons import evaluated_since
+    from tests.support.daemons import evaluated_since
 
     stack.compose("up", "-d", "--no-deps", "training")
     trainer = stack.container("training")["State"]["Pid"]  # its PID 1, as the host numbers it

@@ -22,14 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualtrack.prometheus import Prometheus
 from stack import processes
-from tests import daemons
-from tests.exporter_support import faulty_exporter
-from tests.process_support import children
-from tests.test_dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS,
-                                   label_values_args, load, metric_names, queries, query_variables,
-                                   recording_rule_names, substitute)
-from tests.test_exporter_processes import UNSHARE
+from tests.support import daemons
+from tests.support.exporter import faulty_exporter
+from tests.support.process import children
+from tests.support.dashboards import (DASHBOARDS, HOOK_METRICS, label_values_args, load, metric_names,
+                                      PROMETHEUS_METRICS, queries, query_variables, recording_rule_names, substitute)
+from tests.support.namespaces import UNSHARE
 from trainer_hook.connection import Endpoint
+from tests.support.paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -90,7 +90,7 @@ class Stack:
                              "--push-interval", "0.5", "--learning-rate", "0.02", "--gpu-uuid", self.mig_uuid,
                              "--record-path", str(self.workdir / "record-mig.jsonl")],
             0, self.workdir / "training-mig.log", ready_path=None,
-            env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
+            env={**os.environ, "PYTHONPATH": str(REPO)}))
         # Trains until the fixture stops it: a slow-loader phase, then an explosion (a NaN step). In a
         # PID namespace of its own, as in a container: the run's process panel joins it on the pair
         # (its namespace, its pid there), not on the host pid NVML lists.
@@ -101,7 +101,7 @@ class Stack:
                          "--explode-at", "150", "--grad-scaler", "--gpu-uuid", self.uuid,
                          "--record-path", str(self.workdir / "record.jsonl")],
             0, self.workdir / "training.log", ready_path=None,
-            env={**os.environ, "PYTHONPATH": str(processes.REPO)}))
+            env={**os.environ, "PYTHONPATH": str(REPO)}))
         [self.trainer] = processes.wait_until(lambda: children(training.proc.pid), 10, what="the training unshare forked")
         gpu_processes.write_text(f"0 {self.trainer}\n")
         return self

@@ -10,6 +10,7 @@ import requests
 
 from stack import processes
 from stack.demo import grafana, grafana_binary, render_grafana_provisioning
+from tests.support.paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     grafana_binary() is None, reason="grafana-server not installed")]
@@ -30,7 +31,7 @@ def test_grafana_provisions_both_dashboards_without_errors(tmp_path: Path) -> No
             response = requests.get(f"{service.url}/api/dashboards/uid/{uid}", auth=auth, timeout=10)
             assert response.status_code == 200, response.text
             dashboard = response.json()["dashboard"]
-            repo = json.loads((processes.REPO / "dashboards" / f"{uid.removeprefix('dualtrack-')}.json").read_text())
+            repo = json.loads((REPO / "dashboards" / f"{uid.removeprefix('dualtrack-')}.json").read_text())
             assert len(dashboard["panels"]) == len(repo["panels"])
         health = requests.get(f"{service.url}/api/datasources/uid/dualtrack-prometheus/health", auth=auth,
                               timeout=10).json()

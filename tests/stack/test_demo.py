@@ -21,10 +21,11 @@ import yaml
 
 from exporter.simulated import simulated_uuid
 from stack.demo import sweep
-from stack.processes import REPO, wait_until
-from tests.daemons import query, wait_for_series
-from tests.process_support import alive, children, default_signal_actions
-from tests.daemons import evaluated_since
+from stack.processes import wait_until
+from tests.support.daemons import query, wait_for_series
+from tests.support.process import alive, children, default_signal_actions
+from tests.support.daemons import evaluated_since
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -248,7 +249,7 @@ def test_a_run_the_stack_stops_ends_finished_not_failed(start_service, tmp_path:
     from exporter.simulated import simulated_uuid
     from stack import processes
     from stack.demo import record_path, sweep, training_service
-    from tests.hook_support import pushed_value, record_lines
+    from tests.support.hook import pushed_value, record_lines
     monkeypatch.delenv("DUALTRACK_DELETE_AFTER", raising=False)  # the default: wait at exit to delete
     pgw = start_service(processes.pushgateway(tmp_path))
     run = sweep(150)[0]
@@ -322,7 +323,7 @@ def test_the_readmes_report_command_works_as_printed_on_a_demo_run(start_service
     records where the hook and `dualtrack report` look by default (./dualtrack-records)."""
     from stack import processes
     from stack.demo import parse_args, sweep, training_service
-    from tests.hook_support import pushed_value
+    from tests.support.hook import pushed_value
     readme = (REPO / "README.md").read_text()
     command = re.search(r"^\.venv/bin/dualtrack report <run-id> (.+)$", readme, re.M).group(1).split()
     pgw = start_service(processes.pushgateway(tmp_path))

@@ -10,9 +10,10 @@ import sys
 
 from stack import processes
 from stack.demo import commands_line
-from stack.processes import REPO, wait_until
-from tests.hook_support import run_id
+from stack.processes import wait_until
+from tests.support.hook import run_id
 from trainer_hook import TrainingMonitor
+from tests.support.paths import REPO
 
 
 def dualtrack(*argv: str) -> subprocess.CompletedProcess:

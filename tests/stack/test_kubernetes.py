@@ -1,7 +1,6 @@
 """The Kubernetes manifests (deploy/kubernetes), checked offline: schemas, selectors, generated files, rules."""
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -12,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-KUBE = REPO / "deploy" / "kubernetes"
+from tests.support.deploy import KUBE, find, kustomization, objects, with_components
+from tests.support.paths import REPO
+
 sys.path.insert(0, str(KUBE))
 import generate  # noqa: E402
 
@@ -24,45 +24,6 @@ TRAINING_COMPONENTS = ("remote-write", "training-network-policy")
 ENFORCE = "pod-security.kubernetes.io/enforce"
 COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml")
                     if p.parent.name not in TRAINING_COMPONENTS)
-
-
-def kustomization(path: Path = KUBE) -> dict:
-    return yaml.safe_load((path / "kustomization.yaml").read_text())
-
-
-def objects() -> list[dict]:
-    """Every object of the base, in kustomization order (each names its namespace: the kustomization does not)."""
-    return [document for resource in kustomization()["resources"]
-            for document in yaml.safe_load_all((KUBE / resource).read_text()) if document]
-
-
-def find(kind: str, name: str, documents: list[dict] | None = None) -> dict:
-    return next(d for d in documents or objects() if d["kind"] == kind and d["metadata"]["name"] == name)
-
-
-def with_components(*names: str) -> list[dict]:
-    """The base with the components' resources and JSON6902 patches applied (`add` and `replace`, all
-    they use)."""
-    documents = copy.deepcopy(objects())
-    for name in names:
-        component = kustomization(KUBE / "components" / name)
-        for resource in component.get("resources", []):
-            documents += yaml.safe_load_all((KUBE / "components" / name / resource).read_text())
-        for patch in component.get("patches", []):
-            target = find(patch["target"]["kind"], patch["target"]["name"], documents)
-            for operation in yaml.safe_load(patch["patch"]):
-                assert operation["op"] in ("add", "replace"), operation
-                *parents, last = [int(p) if p.isdigit() else p.replace("~1", "/").replace("~0", "~")
-                                  for p in operation["path"].strip("/").split("/")]
-                node = target
-                for part in parents:
-                    node = node[part]
-                if last == "-":
-                    node.append(operation["value"])
-                else:
-                    assert operation["op"] == "add" or last in node, operation  # replace needs the key
-                    node[last] = operation["value"]
-    return documents
 
 
 def test_generated_prometheus_rule_and_dashboards_match_their_sources():

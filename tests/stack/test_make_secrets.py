@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
 import make_secrets  # noqa: E402
 

@@ -17,8 +17,9 @@ import requests
 import yaml
 
 from stack import processes
-from stack.processes import REPO, WebhookReceiver, wait_until
-from tests.alerting_support import NonFiniteRun, start_pipeline
+from stack.processes import WebhookReceiver, wait_until
+from tests.support.alerting import NonFiniteRun, start_pipeline
+from tests.support.paths import REPO
 
 CHANNELS = REPO / "alertmanager" / "channels"
 TEMPLATES = REPO / "alertmanager" / "templates"

@@ -11,9 +11,9 @@ import time
 import requests
 
 from stack import processes
-from tests.daemons import query, wait_for_rule_evaluations, wait_for_series
-from tests.test_compose import services
-from tests.test_kubernetes import find
+from tests.support.daemons import query, wait_for_rule_evaluations, wait_for_series
+from tests.support.deploy import services
+from tests.support.deploy import find
 
 FLAG = "--push.disable-consistency-check"
 

@@ -13,10 +13,10 @@ import pytest
 
 from stack import processes
 from stack.demo import DEFAULT_PORTS
-from stack.processes import REPO
-from tests import daemons
-from tests.hook_support import live_stack, pushed_value, run_id
+from tests.support import daemons
+from tests.support.hook import live_stack, pushed_value, run_id
 from trainer_hook import TrainingMonitor
+from tests.support.paths import REPO
 
 README = REPO / "README.md"
 DASHBOARDS_DOC = REPO / "docs" / "dashboards.md"

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from stack import processes
+from tests.support.paths import REPO
 
-REPO = processes.REPO
 RULE_FILES = sorted((REPO / "rules").glob("*.yml"))
-RULE_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
+RULE_TESTS = sorted((REPO / "tests" / "stack" / "rules").glob("*.yml"))
 RUNBOOK = REPO / "docs" / "alerts.md"
 
 CONTRACT = {

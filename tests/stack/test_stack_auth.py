@@ -21,7 +21,8 @@ from dualtrack.prometheus import Prometheus
 from stack import processes
 from trainer_hook.connection import Endpoint
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
 import make_secrets  # noqa: E402
 

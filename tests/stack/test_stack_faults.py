@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from stack import processes
-from tests import daemons
-from tests.alerting_support import NonFiniteRun, start_pipeline
+from tests.support import daemons
+from tests.support.alerting import NonFiniteRun, start_pipeline
 
 pytestmark = pytest.mark.fault
 

@@ -12,7 +12,7 @@ import requests
 
 from stack import processes
 from stack.processes import Service, WebhookReceiver
-from tests.hook_support import Trainer, run_id
+from tests.support.hook import Trainer, run_id
 from trainer_hook import TrainingMonitor
 
 # Prometheus resends firing alerts every evaluation (1 s) instead of every minute.

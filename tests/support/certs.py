@@ -12,6 +12,9 @@ from pathlib import Path
 import bcrypt
 import pytest
 
+#: The user and password of the secured Pushgateway (conftest.py's secure_pgw fixture).
+USER, PASSWORD = "trainer", "s3cret-pw"
+
 
 @dataclass(frozen=True)
 class Pki:

@@ -3,10 +3,13 @@ PromQL queries through dualtrack's one Prometheus client, waiting for series, an
 remote-write engine (VictoriaMetrics, vmalert) that only the tests run."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import requests
 
 from dualtrack.prometheus import Prometheus
@@ -74,3 +77,10 @@ def wait_for_rule_evaluations(prometheus_url: str, after: float, auth: tuple[str
     """Wait until Prometheus evaluated every rule group after `after` (Unix time)."""
     wait_until(lambda: evaluated_since(requests.get(f"{prometheus_url}/api/v1/rules", auth=auth, timeout=5), None,
                                        after), timeout, interval=0.5, what="every rule group to be evaluated")
+
+
+def promtool_check(text: str) -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed")
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

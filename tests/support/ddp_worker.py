@@ -24,7 +24,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer_hook import TrainingMonitor  # noqa: E402
 
 

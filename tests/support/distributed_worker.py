@@ -33,7 +33,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out
 import torch  # noqa: E402 - after the stack-dump handler, so a hang in an import shows too
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
 
 STEPS = 8

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
+import yaml
+
+from tests.support.paths import REPO
+
 SCRAPE = 15.0
 FAULT_AT = 1800.0
 #: XID 79 comes this long before the first non-finite step in the "xid" scenario.
@@ -320,3 +324,11 @@ def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, 
                    check=True, capture_output=True, timeout=600)
     source.unlink()
     return samples
+
+
+def infra_cause_rule() -> str:
+    """The expression of rules/explain.yml's job_run_rank:training_infra_cause:score."""
+    rules = yaml.safe_load((REPO / "rules" / "explain.yml").read_text())
+    (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
+               if rule.get("record") == "job_run_rank:training_infra_cause:score"]
+    return expr

@@ -15,9 +15,10 @@ from exporter.nvml import Nvml
 from exporter.sampler import Sampler
 from exporter.simulated import DeviceTraits
 from stack import processes
-from tests.nvml_faults import Fault, FaultyNVML
+from tests.support.nvml_faults import Fault, FaultyNVML
+from tests.support.paths import TESTS
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "exporter" / "golden"
 EVERY_COLLECTOR = [c.name for c in ALL if c.default_enabled]
 
 
@@ -70,10 +71,10 @@ class Rig:
 
 
 def faulty_exporter(workdir: Path, args: list[str], **kwargs) -> processes.Service:
-    """`processes.exporter(...)` run as `python -m tests.faulty_exporter`: the same daemon, and
-    `--faults=FILE` applies a fault plan (tests/nvml_faults.py) to its simulated NVML."""
+    """`processes.exporter(...)` run as `python -m tests.support.faulty_exporter`: the same daemon, and
+    `--faults=FILE` applies a fault plan (tests/support/nvml_faults.py) to its simulated NVML."""
     service = processes.exporter(workdir, args, **kwargs)
-    service.argv[service.argv.index("exporter")] = "tests.faulty_exporter"
+    service.argv[service.argv.index("exporter")] = "tests.support.faulty_exporter"
     return service
 
 

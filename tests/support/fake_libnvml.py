@@ -1,4 +1,4 @@
-"""A fake libnvidia-ml.so.1 (tests/fake_nvml.c) built with gcc, for tests that run nvidia-ml-py's own code."""
+"""A fake libnvidia-ml.so.1 (tests/support/fake_nvml.c) built with gcc, for tests that run nvidia-ml-py's own code."""
 from __future__ import annotations
 
 import shutil

@@ -1,5 +1,5 @@
-"""`python -m tests.faulty_exporter --faults=FILE <exporter flags>`: the exporter daemon over the
-simulated NVML with a fault plan (tests/nvml_faults.py) applied. Needs --simulate; a bad plan exits
+"""`python -m tests.support.faulty_exporter --faults=FILE <exporter flags>`: the exporter daemon over the
+simulated NVML with a fault plan (tests/support/nvml_faults.py) applied. Needs --simulate; a bad plan exits
 2 with one line, like any bad flag of the daemon."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import functools
 import sys
 
 from exporter import cli
-from tests.nvml_faults import FaultPlanError, FaultyNVML, load_fault_plan
+from tests.support.nvml_faults import FaultPlanError, FaultyNVML, load_fault_plan
 
 
 def main(argv: list[str]) -> int:

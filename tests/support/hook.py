@@ -184,3 +184,26 @@ def live_stack(tmp_path: Path, start_service: Callable, *exporter_args: str) -> 
         tmp_path, {processes.EXPORTER_JOB: [exporter.address], processes.PUSHGATEWAY_JOB: [pgw.address]},
         scrape_interval="1s", evaluation_interval="1s")
     return pgw, exporter, start_service(processes.prometheus(tmp_path, config))
+
+
+class Fp16Run:
+    """A real mixed-precision loop: fp16 autocast on CPU with a GradScaler whose initial scale
+    overflows the fp16 gradients, so it skips steps and backs off, then grows and overflows again."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=5)
+        self.x, self.y = torch.randn(64, 32), torch.randn(64, 1)
+
+    def step(self, loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(self.model(self.x).float(), self.y) * loss_factor
+        self.optimizer.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach(), norm

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.hook_support import pushed_value, wait_pushed
+from tests.support.hook import pushed_value, wait_pushed
 
 
 class SyncCounter(TorchDispatchMode):

@@ -1,7 +1,7 @@
 """Fault injection for the simulated NVML (tests only): failing, hanging or missing calls, failing
 fields, lost GPUs and XID events, from a list of `Fault`s or a JSON fault plan.
 
-A plan file, as `python -m tests.faulty_exporter --faults=FILE` and `FaultyNVML` read it::
+A plan file, as `python -m tests.support.faulty_exporter --faults=FILE` and `FaultyNVML` read it::
 
     {"devices": {"1": {"fans": 2, "power": false, "mig": true}},
      "faults": [{"gpu": 1, "function": "*", "error": "GpuIsLost", "at": 3, "until": 8},

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from tests.support.paths import REPO
+
 
 def _stat(pid: int | str) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name (state first, then the parent), or None."""
@@ -73,8 +75,6 @@ def runnable_as(uid: int, *imports: str) -> str | None:
 def readable_copy(*packages: str) -> Iterator[Path]:
     """A copy of the repository's `packages`, in a folder every user may read, for PYTHONPATH of a process
     started as another user (the checkout itself may be private); removed on exit."""
-    from stack.processes import REPO
-
     folder = Path(tempfile.mkdtemp(prefix="dualtrack-readable-"))
     try:
         for package in packages:

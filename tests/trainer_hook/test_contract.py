@@ -19,17 +19,16 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dualtrack.openmetrics import sample_head
-from dualtrack.records import Reader
-from dualtrack.replay import write_openmetrics
 from stack import processes
-from stack.processes import REPO
-from tests.hook_support import pull_monitor, pulled, run_id, wait_pulled
-from tests.test_hook_watch import Fp16Run
+from tests.support.hook import pull_monitor, pulled, run_id, wait_pulled
+from tests.support.hook import Fp16Run
 from trainer_hook import TrainingMonitor, remote_write
 from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, SERIES_BY_NAME, Dropped, ProcessIdentity,
                                    Series, Snapshot, label_value, metric_suffix)
 from trainer_hook.exposition import families
 from trainer_hook.text import one_line
+from tests.support.paths import REPO
+from tests.support.records import replayed_text
 
 #: Declared series a record does not hold, so replay cannot rebuild them, and why.
 NOT_IN_A_RECORD = {
@@ -91,19 +90,6 @@ def live_series(text: str, run: str) -> Series:
             if sample.labels.get("run") == run:
                 series[key(sample.name, sample.labels)] = sample.value
     return series
-
-
-def replayed_text(record: Path) -> str:
-    """What `dualtrack replay` writes for `record` (the OpenMetrics text it turns into blocks)."""
-    class Capture:
-        text = ""
-
-        def write(self, text: str, samples: int) -> None:
-            self.text += text
-
-    capture = Capture()
-    write_openmetrics(Reader([record]), capture)
-    return capture.text
 
 
 def replayed_series(text: str) -> tuple[Series, Series]:

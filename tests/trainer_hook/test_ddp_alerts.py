@@ -4,24 +4,20 @@ a healthy run raises nothing. The rules' windows are shortened to seconds (SHORT
 else is changed."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from stack import processes
-from tests import daemons
-from tests.hook_support import pushed_value, run_id
-from tests.test_distributed import finish
+from tests.support import daemons
+from tests.support.hook import pushed_value, run_id
+from tests.support.distributed import finish
+from tests.support.distributed import torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ddp]
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
 #: Seconds as shipped -> as run here: the hang window (240), a rank's push silence (60), the pause
 #: bound (900, dualtrack/thresholds.py PAUSE_MAX).
 SHORTENED = {"240": "6", "60": "5", "900": "20"}
@@ -50,14 +46,6 @@ def stack(tmp_path, start_service):
     rendered["rule_files"] = [str(rules)]
     config.write_text(yaml.safe_dump(rendered, sort_keys=False))
     return pgw, start_service(processes.prometheus(tmp_path, config))
-
-
-def torchrun(mode: str, folder: Path, run: str, pushgateway: str) -> subprocess.Popen:
-    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1",
-           "DUALTRACK_DELETE_AFTER": "none", "DUALTRACK_PUSHGATEWAY": pushgateway}
-    log = open(folder / f"torchrun-{mode}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-                             str(WORKER), mode, str(folder)], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def alerts(prom, run: str, name: str, state: str = "firing") -> list[str]:

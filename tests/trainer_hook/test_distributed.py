@@ -15,14 +15,16 @@ import requests
 import yaml
 
 from stack import processes
-from tests import daemons
-from tests.hook_support import pushed_value, record_lines, run_id
-from tests.process_support import alive, descendants, kill_tree
+from tests.support import daemons
+from tests.support.hook import pushed_value, record_lines, run_id
+from tests.support.process import alive, kill_tree
+from tests.support.paths import REPO, SUPPORT
+from tests.support.distributed import finish
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.e2e
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
+WORKER = SUPPORT / "distributed_worker.py"
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def stack(tmp_path, start_service):
 def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None, ranks: int = 2) -> subprocess.Popen:
     # DUALTRACK_DELETE_AFTER=none: the final state stays on this test's own Pushgateway, and no
     # rank waits at exit to delete its group.
-    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(processes.REPO), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "DUALTRACK_RUN": run, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "DUALTRACK_DELETE_AFTER": "none"}
     env.pop("DUALTRACK_PUSHGATEWAY", None)
     if pushgateway:
@@ -46,30 +48,6 @@ def torchrun(mode: str, records: Path, run: str, pushgateway: str | None = None,
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc_per_node={ranks}", str(WORKER), mode, str(records)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def finish(proc: subprocess.Popen, records: Path, timeout: float = 240) -> None:
-    """Wait for torchrun to succeed. Whatever happens (a failure, a hang, pytest's timeout), torchrun
-    and its ranks are killed before this returns; a hang first dumps every rank's Python stacks
-    into the log (distributed_worker.py: faulthandler on SIGUSR1)."""
-    log = records / f"torchrun-{proc.args[-2]}.log"
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        ranks = alive(descendants(proc.pid))
-        for pid in ranks:
-            os.kill(pid, signal.SIGUSR1)
-        try:
-            processes.wait_until(lambda: log.read_text(errors="replace").count("Current thread") >= len(ranks),
-                                 10, what="the ranks' stack dumps")
-        except TimeoutError:
-            pass  # the log shows what there is
-        raise AssertionError(f"torchrun did not exit within {timeout:.0f} s; ranks {sorted(ranks)} were "
-                             f"still running, their stacks:\n{log.read_text(errors='replace')[-6000:]}") from None
-    finally:
-        kill_tree(proc.pid)
-        proc.wait()
-    assert code == 0, log.read_text()[-3000:]
 
 
 def ranks(result: list[dict]) -> dict[str, float]:

@@ -13,9 +13,10 @@ import pytest
 import requests
 import torch
 
-from stack.processes import REPO, free_port, wait_until
-from tests.hook_support import Trainer, record_lines
+from stack.processes import free_port, wait_until
+from tests.support.hook import Trainer, record_lines
 from trainer_hook import TrainingMonitor, grad_norm
+from tests.support.paths import REPO
 
 
 def monitor(tmp_path, **kwargs) -> TrainingMonitor:

@@ -4,28 +4,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-import yaml
 
-from stack import processes
-from tests.certs import bcrypt_hash
-from tests.hook_support import http_gateway, run_id, wait_pushed
+from tests.support.hook import http_gateway, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
+from tests.support.certs import PASSWORD, USER
 
 pytestmark = pytest.mark.e2e
-USER, PASSWORD = "trainer", "s3cret-pw"
-
-
-@pytest.fixture
-def secure_pgw(tmp_path, pki, start_service):
-    """A real Pushgateway behind TLS (our test CA) and basic auth (bcrypt hash) via --web.config.file."""
-    config = tmp_path / "web.yml"
-    config.write_text(yaml.safe_dump({
-        "tls_server_config": {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)},
-        "basic_auth_users": {USER: bcrypt_hash(PASSWORD)}}))
-    service = processes.pushgateway(tmp_path)
-    service.argv.append(f"--web.config.file={config}")
-    service.scheme, service.auth = "https", (USER, PASSWORD)
-    return start_service(service)
 
 
 def _push_once(tmp_path, url: str, **kwargs) -> TrainingMonitor:

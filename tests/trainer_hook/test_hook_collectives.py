@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from stack import processes
-from tests.hook_support import SyncCounter, pull_monitor, pulled, wait_pulled
+from tests.support.hook import SyncCounter, pull_monitor, pulled, wait_pulled
 from trainer_hook import TrainingMonitor
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exporter.simulated import DeviceTraits, SimulatedNVML
-from tests.hook_support import SyncCounter, record_lines
+from tests.support.hook import SyncCounter, record_lines
 from trainer_hook import TrainingMonitor, _torch
 
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from stack import processes
-from tests import daemons
-from tests.hook_support import Trainer, record_lines, run_id
+from tests.support import daemons
+from tests.support.hook import Trainer, record_lines, run_id
 from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from stack import processes
-from tests.hook_support import Trainer, http_gateway, pushed_value, record_lines, run_id, wait_pushed
+from tests.support.hook import Trainer, http_gateway, pushed_value, record_lines, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.fault
 
@@ -167,7 +168,7 @@ def test_exception_in_the_loop_pushes_failed_state_and_flushes_record(pgw, tmp_p
 
 TRAINING_SCRIPT = """
 import sys, time
-from tests.hook_support import Trainer
+from tests.support.hook import Trainer
 from trainer_hook import TrainingMonitor
 mode, url, record, run = sys.argv[1:5]
 trainer = Trainer()
@@ -192,7 +193,7 @@ def test_process_end_without_close_still_pushes_and_flushes(pgw, tmp_path, mode,
     run = run_id(mode)
     record = tmp_path / "r.jsonl"
     proc = subprocess.Popen([sys.executable, "-c", TRAINING_SCRIPT, mode, pgw.url, str(record), run],
-                            cwd=processes.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         if mode == "sigterm":

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.hook_support import pull_monitor, pulled, record_lines, wait_pulled
+from tests.support.hook import pull_monitor, pulled, record_lines, wait_pulled
 
 FLOPS = "training_model_flops_total"
 

@@ -14,9 +14,10 @@ import requests
 
 from exporter.collectors.processes import identify
 from stack import processes
-from stack.processes import REPO, wait_until
-from tests.hook_support import pushed_value, record_lines, run_id
+from stack.processes import wait_until
+from tests.support.hook import pushed_value, record_lines, run_id
 from trainer_hook import TrainingMonitor
+from tests.support.paths import REPO
 
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "LOCAL_RANK",
                     "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stack.processes import free_port
-from tests.hook_support import pull_monitor, pulled, record_lines, wait_pulled
+from tests.support.hook import pull_monitor, pulled, record_lines, wait_pulled
 from trainer_hook import TrainingMonitor
 from trainer_hook.contract import Snapshot
 from trainer_hook.push import Pusher, make_handler

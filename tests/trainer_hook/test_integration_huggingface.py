@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from stack import processes  # noqa: E402
-from tests.hook_support import record_lines, run_id  # noqa: E402
-from tests.integration_support import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+from tests.support.hook import record_lines, run_id  # noqa: E402
+from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
                                       gpu_fp16_on_cpu)
 from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
 

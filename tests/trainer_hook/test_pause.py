@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.hook_support import pull_monitor, pulled, record_lines, wait_pulled
-from tests.test_contract import replayed_text
+from tests.support.hook import pull_monitor, pulled, record_lines, wait_pulled
+from tests.support.records import replayed_text
 
 
 def test_a_paused_rank_serves_its_pause_and_counts_it_by_reason(tmp_path):

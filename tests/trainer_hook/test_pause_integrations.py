@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hook_support import record_lines
+from tests.support.hook import record_lines
 
 torch = pytest.importorskip("torch")
 

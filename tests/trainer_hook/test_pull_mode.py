@@ -14,7 +14,7 @@ import yaml
 
 from stack import processes
 from trainer_hook import TrainingMonitor, serve
-from tests.hook_support import run_id
+from tests.support.hook import run_id
 
 USER, PASSWORD = "prometheus", "pull-Sekret-9"
 
@@ -159,7 +159,7 @@ def test_unknown_paths_and_methods_are_refused(tmp_path):
 def test_the_kubernetes_pod_monitor_scrapes_over_https_with_basic_auth():
     """The pod-monitor component never asks for 0.0.0.0 without TLS and a password: its PodMonitor
     scrapes with https, a CA and a user from Secrets, and its comment names the hook's variables."""
-    from tests.test_kubernetes import KUBE, find, with_components
+    from tests.support.deploy import KUBE, find, with_components
     endpoint, = find("PodMonitor", "dualtrack-training", with_components("pod-monitor"))["spec"]["podMetricsEndpoints"]
     assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["ca"]["secret"]["name"] == "dualtrack-pull-tls"
     assert {endpoint["basicAuth"][key]["name"] for key in ("username", "password")} == {"dualtrack-pull-auth"}

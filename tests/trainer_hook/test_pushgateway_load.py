@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from tests.support.paths import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
 import bench_pushgateway  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from dualtrack.records import Reader
-from stack.processes import REPO, wait_until
+from stack.processes import wait_until
 from trainer_hook import TrainingMonitor
 from trainer_hook.record import FORMAT_VERSION, Record
+from tests.support.paths import REPO
 
 
 def _lines(path: Path) -> list[dict]:

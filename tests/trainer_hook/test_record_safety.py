@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hook_support import record_lines
+from tests.support.hook import record_lines
 from trainer_hook import TrainingMonitor
 from trainer_hook.contract import MASK, config_labels, is_secret
 from trainer_hook.record import Record

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from stack import processes
-from tests.hook_support import record_lines
-from tests.remote_write_support import receiver
+from tests.support.hook import record_lines
+from tests.support.remote_write import receiver
 from trainer_hook import TrainingMonitor, push, remote_write
 from trainer_hook.remote_write import STALE_NAN
 

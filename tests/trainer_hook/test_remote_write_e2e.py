@@ -12,10 +12,10 @@ import requests
 import yaml
 
 from stack import processes
-from tests import daemons
-from tests.alerting_support import PROMETHEUS_TEST_ARGS
-from tests.certs import bcrypt_hash
-from tests.hook_support import Trainer, run_id
+from tests.support import daemons
+from tests.support.alerting import PROMETHEUS_TEST_ARGS
+from tests.support.certs import bcrypt_hash
+from tests.support.hook import Trainer, run_id
 from trainer_hook.remote_write import messages
 from trainer_hook import TrainingMonitor
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stack import processes
-from tests.hook_support import pushed_value, run_id
-from tests.test_ddp_alerts import torchrun
-from tests.test_distributed import finish
+from tests.support.hook import pushed_value, run_id
+from tests.support.distributed import torchrun
+from tests.support.distributed import finish
 from trainer_hook.replica import outvoted
 
 

@@ -13,10 +13,11 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
-from tests import daemons
-from tests.hook_support import pushed_value, run_id, wait_pushed
+from tests.support import daemons
+from tests.support.hook import pushed_value, run_id, wait_pushed
 from trainer_hook import TrainingMonitor, push
 from trainer_hook.settings import ENV_DELETE_AFTER
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -143,14 +144,14 @@ def test_process_exit_waits_for_the_deletion_and_sigterm_or_ctrl_c_does_not(pgw)
     stopped by SIGTERM or Ctrl-C exits at once and leaves its failed state to the janitor."""
     run = run_id("exit")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", SCRIPT, pgw.url, run, "exit", "1.5"], cwd=processes.REPO,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, pgw.url, run, "exit", "1.5"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert run not in group_runs(pgw.url, "life")
     assert time.monotonic() - started >= 1.5
 
     run = run_id("sigterm")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "wait", "30"], cwd=processes.REPO,
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "wait", "30"], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -163,7 +164,7 @@ def test_process_exit_waits_for_the_deletion_and_sigterm_or_ctrl_c_does_not(pgw)
     assert pushed_value(pgw.url, "training_run_state", run, state="failed") == 1
 
     run = run_id("ctrl-c")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "interrupt", "30"], cwd=processes.REPO,
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pgw.url, run, "interrupt", "30"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"

@@ -7,7 +7,7 @@ import requests
 
 from dualtrack.cli import main
 from stack import processes
-from tests.hook_support import run_id, wait_pushed
+from tests.support.hook import run_id, wait_pushed
 from trainer_hook import TrainingMonitor
 from trainer_hook.contract import MASK, config_labels
 from trainer_hook.masking import mask_text

@@ -1,4 +1,4 @@
-"""A training run in a container of its own, for tests/test_containers.py: the hook (no torch in the
+"""A training run in a container of its own, for tests/stack/test_containers.py: the hook (no torch in the
 image: it takes Python numbers) pushes to the stack's Pushgateway until the container stops. Run as
 the container's PID 1, in the container's own PID namespace, as a user's training would be."""
 from __future__ import annotations
