@@ -18,8 +18,8 @@ from dualtrack.cli import main
 from stack import processes
 from tests.support import daemons
 from tests.support import explain as support
-from tests.support.paths import REPO
 from tests.support.explain import infra_cause_rule
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,8 @@ import yaml
 
 from dualtrack import gpu_peaks
 from exporter.simulated import DeviceTraits
-from trainer_hook.contract import PRECISIONS
 from tests.support.paths import REPO
+from trainer_hook.contract import PRECISIONS
 
 #: What nvmlDeviceGetName returns on the boards the table must know (nvidia-smi --query-gpu=name).
 NVML_NAMES = ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB",

@@ -15,10 +15,10 @@ import yaml
 
 from dualtrack import cli
 from stack import processes
-from tests.support.hook import http_gateway, run_id
 from tests.support.certs import PASSWORD, USER
-from trainer_hook import TrainingMonitor
+from tests.support.hook import http_gateway, run_id
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,9 @@ import pytest
 
 from dualtrack.cli import main
 from stack.processes import wait_until
-from tests.support.records import START, dump, step, write
-from tests.support.process import default_signal_actions
 from tests.support.paths import REPO
+from tests.support.process import default_signal_actions
+from tests.support.records import START, dump, step, write
 
 NOW = time.time()
 LIVE = {**START, "time": NOW - 600}

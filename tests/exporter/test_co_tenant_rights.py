@@ -30,12 +30,12 @@ from stack import processes
 from stack.processes import wait_until
 from tests.support import daemons
 from tests.support import explain as support
-from tests.support.hook import run_id
-from tests.support.process import children
 from tests.support.daemons import evaluated_since
-from tests.support.paths import REPO
-from tests.support.namespaces import TRAIN, live_stack
 from tests.support.explain import infra_cause_rule
+from tests.support.hook import run_id
+from tests.support.namespaces import TRAIN, live_stack
+from tests.support.paths import REPO
+from tests.support.process import children
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),

@@ -5,8 +5,8 @@ import pytest
 
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
 from exporter.simulated import H, PCIE_32_BIT, PCIE_TX_RATE, DeviceTraits, simulated_uuid
-from tests.support.nvml_faults import Fault, FaultyNVML
 from tests.support.exporter import EVERY_COLLECTOR, Rig, gpus_with
+from tests.support.nvml_faults import Fault, FaultyNVML
 
 CORE_METRICS = [
     "nvml_gpu_info", "nvml_gpu_utilization_ratio", "nvml_gpu_memory_controller_utilization_ratio",

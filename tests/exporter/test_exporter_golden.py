@@ -10,8 +10,8 @@ import re
 import requests
 
 from stack import processes
-from tests.support.exporter import GOLDEN, Rig, normalise
 from tests.support.daemons import promtool_check
+from tests.support.exporter import GOLDEN, Rig, normalise
 
 UPDATE = os.environ.get("DUALTRACK_UPDATE_GOLDEN") == "1"
 

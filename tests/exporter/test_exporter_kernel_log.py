@@ -20,9 +20,9 @@ from exporter.kernellog import bus_key, parse_xid
 from stack import processes
 from stack.processes import wait_until
 from tests.support.exporter import FakeClock, Rig
+from tests.support.kernel_log import append, scrape_xids, xid_line
 from tests.support.nvml_faults import Fault
 from tests.support.process import readable_copy, runnable_as
-from tests.support.kernel_log import append, scrape_xids, xid_line
 
 
 def xid_count(rig: Rig, gpu: int, code: int) -> float | None:

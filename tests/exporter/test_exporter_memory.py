@@ -15,8 +15,8 @@ from typing import Callable
 
 import pytest
 
-from tests.support.nvml_faults import Fault
 from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault
 from stack.processes import wait_until
 
 

@@ -17,10 +17,10 @@ from exporter.collectors.processes import identify, nspid
 from exporter.simulated import CO_TENANT_PID, FAULT_AFTER, DeviceTraits, SimulatedNVML
 from stack.processes import wait_until
 from tests.support.exporter import Rig
-from tests.support.nvml_faults import Fault
-from tests.support.process import children
-from tests.support.paths import REPO
 from tests.support.namespaces import UNSHARE, own_namespace
+from tests.support.nvml_faults import Fault
+from tests.support.paths import REPO
+from tests.support.process import children
 
 #: A process name that is not UTF-8 (PR_SET_NAME takes any 15 bytes).
 BAD_NAME = b"\xffco\x80tenant"

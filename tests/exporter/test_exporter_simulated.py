@@ -8,8 +8,8 @@ import pytest
 
 from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
 from stack.processes import wait_until
-from tests.support.nvml_faults import FaultPlanError, load_fault_plan
 from tests.support.exporter import FakeClock
+from tests.support.nvml_faults import FaultPlanError, load_fault_plan
 
 
 def test_input_bound_swings_two_seconds_busy_two_idle_and_power_follows():

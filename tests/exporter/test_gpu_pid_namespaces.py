@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stack import processes
 from stack.processes import wait_until
-from tests.support.process import children
 from tests.support.paths import REPO
+from tests.support.process import children
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),

@@ -18,10 +18,9 @@ from stack import processes
 from tests.support import daemons
 from stack.processes import Service
 from tests.support.hook import run_id
-from tests.support.process import children
-from tests.support.namespaces import UNSHARE, own_namespace
+from tests.support.namespaces import TRAIN, UNSHARE, live_stack, own_namespace
 from tests.support.paths import REPO
-from tests.support.namespaces import TRAIN, live_stack
+from tests.support.process import children
 
 pytestmark = pytest.mark.e2e
 

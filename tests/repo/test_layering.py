@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 import pytest
-from tests.support.paths import REPO
 
+from tests.support.paths import REPO
 
 
 def _is_module(name: str) -> bool:

@@ -21,8 +21,8 @@ from packaging.utils import canonicalize_name
 
 from deploy.compose import make_secrets
 from tests.stack.containers import engine
-from tests.support.paths import REPO
 from tests.support.deploy import COMPOSE, bind_mounts, compose, mounts, services
+from tests.support.paths import REPO
 
 SERVICES = {"exporter", "pushgateway", "prometheus", "alertmanager", "grafana", "janitor"}
 GID = "DUALTRACK_SECRETS_GID"
@@ -132,7 +132,8 @@ def test_images_are_pinned_by_digest_and_listed_in_the_docs():
     """Each image by version tag and digest (the base image too); docs/security.md lists every digest;
     the container test runs stand-ins under the same names by tag (no registry: no upstream digest)."""
     security = (REPO / "docs" / "security.md").read_text()
-    override = yaml.safe_load((REPO / "tests" / "stack" / "containers" / "compose.override.yml").read_text())["services"]
+    override = yaml.safe_load(
+        (REPO / "tests" / "stack" / "containers" / "compose.override.yml").read_text())["services"]
     pinned = {name: service["image"] for name, service in services().items() if "image" in service}
     base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.MULTILINE).group(1)
     for name, image in [*pinned.items(), ("Dockerfile", base)]:

@@ -27,8 +27,8 @@ from dualtrack.prometheus import Prometheus
 from exporter.simulated import simulated_uuid
 from stack.processes import wait_until
 from tests.stack.containers.engine import CACHE, Podman, ensure_images, missing_tools
-from trainer_hook.connection import Endpoint
 from tests.support.paths import REPO
+from trainer_hook.connection import Endpoint
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1200)]
 

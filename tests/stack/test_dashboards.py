@@ -17,15 +17,14 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.support.dashboards import (DASHBOARDS, EXPORTER_METRICS, HOOK_METRICS, PROMETHEUS_METRICS,
+                                      label_values_args, load, metric_names, panels, queries, query_variables,
+                                      recording_rule_names, substitute, variable_names)
 from tests.support.deploy import bind_mounts, services
 from tests.support.paths import REPO
-from tests.support.dashboards import (DASHBOARDS, EXPORTER_METRICS, HOOK_METRICS, label_values_args, load, metric_names,
-                                      panels, PROMETHEUS_METRICS, queries, query_variables, recording_rule_names,
-                                      substitute, variable_names)
 
 PROVISIONING = REPO / "grafana" / "provisioning"
 SCHEMA = Path(__file__).resolve().parent / "schemas" / "grafana-dashboard.jsonschema.json"
-
 
 DATASOURCE_UID = "dualtrack-prometheus"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # every query's: the datasource variable

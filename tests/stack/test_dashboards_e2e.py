@@ -23,13 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from dualtrack.prometheus import Prometheus
 from stack import processes
 from tests.support import daemons
+from tests.support.dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS, label_values_args, load,
+                                      metric_names, queries, query_variables, recording_rule_names, substitute)
 from tests.support.exporter import faulty_exporter
-from tests.support.process import children
-from tests.support.dashboards import (DASHBOARDS, HOOK_METRICS, label_values_args, load, metric_names,
-                                      PROMETHEUS_METRICS, queries, query_variables, recording_rule_names, substitute)
 from tests.support.namespaces import UNSHARE
-from trainer_hook.connection import Endpoint
 from tests.support.paths import REPO
+from tests.support.process import children
+from trainer_hook.connection import Endpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -22,10 +22,9 @@ import yaml
 from exporter.simulated import simulated_uuid
 from stack.demo import sweep
 from stack.processes import wait_until
-from tests.support.daemons import query, wait_for_series
-from tests.support.process import alive, children, default_signal_actions
-from tests.support.daemons import evaluated_since
+from tests.support.daemons import evaluated_since, query, wait_for_series
 from tests.support.paths import REPO
+from tests.support.process import alive, children, default_signal_actions
 
 pytestmark = pytest.mark.e2e
 

@@ -23,8 +23,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from stack import demo_training, processes
-from trainer_hook.push import Pusher
 from tests.support.paths import REPO
+from trainer_hook.push import Pusher
 
 EXPLODE_AT = 600
 #: Series the rule and its description read.

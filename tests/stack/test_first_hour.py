@@ -12,8 +12,8 @@ from stack import processes
 from stack.demo import commands_line
 from stack.processes import wait_until
 from tests.support.hook import run_id
-from trainer_hook import TrainingMonitor
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 
 
 def dualtrack(*argv: str) -> subprocess.CompletedProcess:

@@ -12,8 +12,7 @@ import requests
 
 from stack import processes
 from tests.support.daemons import query, wait_for_rule_evaluations, wait_for_series
-from tests.support.deploy import services
-from tests.support.deploy import find
+from tests.support.deploy import find, services
 
 FLAG = "--push.disable-consistency-check"
 

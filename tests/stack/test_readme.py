@@ -15,8 +15,8 @@ from stack import processes
 from stack.demo import DEFAULT_PORTS
 from tests.support import daemons
 from tests.support.hook import live_stack, pushed_value, run_id
-from trainer_hook import TrainingMonitor
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 
 README = REPO / "README.md"
 DASHBOARDS_DOC = REPO / "docs" / "dashboards.md"

@@ -20,14 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualtrack.openmetrics import sample_head
 from stack import processes
-from tests.support.hook import pull_monitor, pulled, run_id, wait_pulled
-from tests.support.hook import Fp16Run
+from tests.support.hook import Fp16Run, pull_monitor, pulled, run_id, wait_pulled
+from tests.support.paths import REPO
 from trainer_hook import TrainingMonitor, remote_write
 from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, SERIES_BY_NAME, Dropped, ProcessIdentity,
                                    Series, Snapshot, label_value, metric_suffix)
 from trainer_hook.exposition import families
 from trainer_hook.text import one_line
-from tests.support.paths import REPO
 from tests.support.records import replayed_text
 
 #: Declared series a record does not hold, so replay cannot rebuild them, and why.

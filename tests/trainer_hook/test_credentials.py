@@ -15,11 +15,10 @@ import yaml
 from dualtrack.cli import main
 from trainer_hook.connection import resolve
 from stack import processes
-from tests.support.certs import bcrypt_hash
+from tests.support.certs import PASSWORD as PGW_PASSWORD, USER, bcrypt_hash
 from tests.support.hook import http_gateway, run_id, wait_pushed
-from tests.support.remote_write import receiver
-from tests.support.certs import PASSWORD as PGW_PASSWORD, USER
 from tests.support.records import synthetic_record
+from tests.support.remote_write import receiver
 from trainer_hook import TrainingMonitor
 
 PASSWORD = "hunter2-Sekret"

@@ -12,9 +12,8 @@ import yaml
 
 from stack import processes
 from tests.support import daemons
+from tests.support.distributed import finish, torchrun
 from tests.support.hook import pushed_value, run_id
-from tests.support.distributed import finish
-from tests.support.distributed import torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ddp]
 

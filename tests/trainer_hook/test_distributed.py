@@ -16,10 +16,10 @@ import yaml
 
 from stack import processes
 from tests.support import daemons
-from tests.support.hook import pushed_value, record_lines, run_id
-from tests.support.process import alive, kill_tree
-from tests.support.paths import REPO, SUPPORT
 from tests.support.distributed import finish
+from tests.support.hook import pushed_value, record_lines, run_id
+from tests.support.paths import REPO, SUPPORT
+from tests.support.process import alive, kill_tree
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,8 @@ import torch
 
 from stack.processes import free_port, wait_until
 from tests.support.hook import Trainer, record_lines
-from trainer_hook import TrainingMonitor, grad_norm
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor, grad_norm
 
 
 def monitor(tmp_path, **kwargs) -> TrainingMonitor:

@@ -22,8 +22,8 @@ import torch
 
 from stack import processes
 from tests.support.hook import Trainer, http_gateway, pushed_value, record_lines, run_id, wait_pushed
-from trainer_hook import TrainingMonitor
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.fault
 

@@ -16,8 +16,8 @@ from exporter.collectors.processes import identify
 from stack import processes
 from stack.processes import wait_until
 from tests.support.hook import pushed_value, record_lines, run_id
-from trainer_hook import TrainingMonitor
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 
 LAUNCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK", "LOCAL_RANK",
                     "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",

@@ -11,8 +11,8 @@ import torch
 
 from stack.processes import free_port
 from tests.support.hook import SyncCounter, pull_monitor, pulled, record_lines, wait_pulled
-from trainer_hook import TrainingMonitor
 from tests.support.paths import REPO
+from trainer_hook import TrainingMonitor
 from tests.support.hook import Fp16Run
 
 

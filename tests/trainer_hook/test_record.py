@@ -13,9 +13,9 @@ import pytest
 
 from dualtrack.records import Reader
 from stack.processes import wait_until
+from tests.support.paths import REPO
 from trainer_hook import TrainingMonitor
 from trainer_hook.record import FORMAT_VERSION, Record
-from tests.support.paths import REPO
 
 
 def _lines(path: Path) -> list[dict]:

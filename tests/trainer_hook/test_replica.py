@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from stack import processes
+from tests.support.distributed import finish, torchrun
 from tests.support.hook import pushed_value, run_id
-from tests.support.distributed import torchrun
-from tests.support.distributed import finish
 from trainer_hook.replica import outvoted
 
 

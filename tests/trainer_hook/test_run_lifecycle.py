@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from stack import processes
 from tests.support import daemons
 from tests.support.hook import pushed_value, run_id, wait_pushed
+from tests.support.paths import REPO
 from trainer_hook import TrainingMonitor, push
 from trainer_hook.settings import ENV_DELETE_AFTER
-from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
