@@ -7,7 +7,7 @@
  *   - the energy counter (field 83) grows at FAKE_WATTS, the instantaneous power (186) reads FAKE_INSTANT_MW;
  *   - the caller's own process is listed as a compute process; nvmlDeviceGetProcessUtilization answers
  *     SUCCESS with no samples (which pynvml raises as NVMLError(0)).
- * Built by tests/fake_libnvml.py with gcc; never shipped. */
+ * Built by tests/support/fake_libnvml.py with gcc; never shipped. */
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
