@@ -36,7 +36,7 @@ driver writes them, into the struct's memory, not member by member through pynvm
 `__setattr__`, a cost no real binding's answer has. A call's latency is `call_cost`, slept.
 
 Faults (failing, hanging or missing calls, lost GPUs, XID events) are a test tool: the tests'
-subclass in tests/support/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
+subclass in tests/nvml_faults.py hooks into `_enter`, `_leave`, `_field_error` and `_new_xids`. Here a GPU
 that falls off the bus is `fall_off_bus(gpu)`.
 """
 from __future__ import annotations
