@@ -1,5 +1,5 @@
 """The hook's remote write at the remote-write extra's floors, without torch (.ci/min-versions): a run
-writes to a loopback receiver (tests/remote_write_support.py decodes with the same floors) and its
+writes to a loopback receiver (tests/support/remote_write.py decodes with the same floors) and its
 steps arrive as training_step samples, in Remote-Write 1.0's headers."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 os.environ["DUALTRACK_DELETE_AFTER"] = "none"  # no final wait for a Prometheus that is not there
 
-from tests.remote_write_support import receiver
+from tests.support.remote_write import receiver
 from trainer_hook import TrainingMonitor
 
 with tempfile.TemporaryDirectory() as scratch, receiver() as (url, got):

@@ -2,7 +2,7 @@
 
 A 24 h, 64-rank run (one GPU per rank, both tracks, sampled every 60 s by default) is backfilled
 into a real Prometheus with promtool; its last rank's GPU reports an XID 79, then that rank goes
-non-finite and fails (tests/explain_support.py's "xid" scenario). `dualtrack explain --json` runs in
+non-finite and fails (tests/support/explain.py's "xid" scenario). `dualtrack explain --json` runs in
 a fresh process, as a user runs it: wall time, peak RSS, the events found and the queries'
 Prometheus time. Prints one JSON object.
 """
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from stack import processes  # noqa: E402
-from tests import explain_support  # noqa: E402
+from tests.support import explain as explain_support  # noqa: E402
 
 RUNNER = ("import resource, sys; from dualtrack.cli import main; code = main(sys.argv[1:]); "
           "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")

@@ -177,7 +177,7 @@ def in_process_sampling(samples: int = 60) -> dict[str, float]:
     """Ours, in this process over `samples` steady-state samples of 8 GPUs (no call cost): NVML calls
     per GPU per sample counted in the simulated NVML (every call, those without a device argument too), and the sampler's own CPU time per sample
     (process CPU minus the CPU the simulation itself spent)."""
-    from tests.exporter_support import Rig
+    from tests.support.exporter import Rig
     rig = Rig(gpus=GPUS)
     rig.step()
     calls = lambda: sum(rig.lib.calls.values()) - rig.lib.calls["nvmlInit"]  # noqa: E731
@@ -195,7 +195,7 @@ def in_process_sampling(samples: int = 60) -> dict[str, float]:
 
 
 def naive_calls_per_gpu() -> float:
-    from tests.nvml_faults import FaultyNVML  # counts the calls it answers
+    from tests.support.nvml_faults import FaultyNVML  # counts the calls it answers
     lib = FaultyNVML("healthy", GPUS)
     lib.nvmlInit()
     collector = NaiveCollector(lib)

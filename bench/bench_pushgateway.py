@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench_exporter import cpu_seconds, rss_mb  # noqa: E402
 from stack import processes  # noqa: E402
-from tests import daemons
+from tests.support import daemons
 
 PUSH_INTERVAL = 5.0
 IN_FLIGHT = 32  # concurrent pushes per load-generator process

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_exporter import rss_mb  # noqa: E402
 from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load  # noqa: E402
 from stack import processes  # noqa: E402
-from tests import daemons
+from tests.support import daemons
 from trainer_hook import remote_write  # noqa: E402
 from trainer_hook.contract import Snapshot  # noqa: E402
 

@@ -40,7 +40,7 @@ from bench.bench_exporter import cpu_seconds, daemon_flags, installed_copy, star
 from exporter.web import WebServer
 from exporter.webconfig import load_web_config
 from stack.processes import free_port
-from tests.certs import bcrypt_hash, make_pki
+from tests.support.certs import bcrypt_hash, make_pki
 
 PASSWORD = "bench-password"
 

@@ -27,7 +27,7 @@ from typing import Any
 import pynvml
 
 from exporter.simulated import NVML_H, SimulatedNVML
-from tests.nvml_faults import FaultyNVML
+from tests.support.nvml_faults import FaultyNVML
 
 
 def simulated_pynvml(lib: SimulatedNVML) -> types.ModuleType:

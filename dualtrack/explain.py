@@ -32,7 +32,7 @@ warn = warner("explain")
 WINDOW = limits.EVIDENCE_WINDOW
 #: At most this many points per series in a range query over the whole run.
 MAX_POINTS = 1500
-#: TrainingGradientExplosion's own condition, so that an event and its alert agree (tests/test_explain.py
+#: TrainingGradientExplosion's own condition, so that an event and its alert agree (tests/dualtrack/test_explain.py
 #: checks it against rules/alerts.yml; SEL: the run's matchers).
 GRAD_SPIKE = """(
     max_over_time(training_grad_norm_max{SEL}[2m])
@@ -45,7 +45,7 @@ GRAD_SPIKE = """(
     count_over_time(training_grad_norm_max{SEL}[30m] offset 2m) >= 5
 )"""
 #: The spike's size, as TrainingGradientExplosion's description says it ("Nx its median over the 30 min
-#: before"): one expression, evaluated by Prometheus for both (tests/test_explain.py checks the rule's).
+#: before"): one expression, evaluated by Prometheus for both (tests/dualtrack/test_explain.py checks the rule's).
 GRAD_SPIKE_RATIO = ("max_over_time(training_grad_norm_max{SEL}[2m]) / "
                     "quantile_over_time(0.5, training_grad_norm_max{SEL}[30m] offset 2m)")
 #: Hyper-parameters whose change at or just before a numerics event is a cause: name -> series, the

@@ -3,7 +3,7 @@ how far back evidence is looked for, and what each infra cause scores.
 
 One table, no dependencies. rules/distributed.yml (TrainingStragglerRank) and rules/explain.yml
 (job_run_rank:training_infra_cause:score) are written with these numbers, `dualtrack explain` reads
-them from here, and tests/test_thresholds.py parses the rules and docs/explain.md's cause table and
+them from here, and tests/dualtrack/test_thresholds.py parses the rules and docs/explain.md's cause table and
 fails when any number differs from this table.
 """
 from __future__ import annotations

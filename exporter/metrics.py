@@ -21,7 +21,7 @@ class MetricSpec:
     """One family the exporter serves. `name` is the name its samples carry (a counter's ends in `_total`),
     as the collectors emit it and the exporter's own text writer (exporter.textformat) prints it.
 
-    Not trainer_hook.contract.Series: the exporter imports no other package (tests/test_layering.py), and
+    Not trainer_hook.contract.Series: the exporter imports no other package (tests/repo/test_layering.py), and
     a Series names its family the way prometheus_client builds one (after `training_`, a counter without
     `_total`) for the hook, which pushes through prometheus_client."""
 

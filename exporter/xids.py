@@ -7,7 +7,7 @@ Those three files' catalogue parts are written from it, in the repository's root
 
     python -m exporter.xids
 
-(tests/test_xids.py fails when any of them disagrees with it).
+(tests/exporter/test_xids.py fails when any of them disagrees with it).
 
 It imports nothing, so `dualtrack` (the CLI, the top layer) reads it without loading the exporter:
 the exporter produces the `xid` label, and the CLI may import the layers below it, never the reverse.

@@ -48,8 +48,8 @@ DEMO_GROUP_INTERVAL = "10s"
 BAD_BATCH_AFTER = 40.0
 EXPLODE_AFTER = 150.0  # default: TrainingGradientExplosion needs 2 min of the run's own history
 # When the sweep's alerts print, in seconds after "dualtrack is up" (the runs start just before),
-# on the 2-core development VM; the banner and README.md quote these (tests/test_readme.py).
-# Measured with `pytest -m slow tests/test_demo.py -k time_to_first -s` (2 cores, load average 1.5-6,
+# on the 2-core development VM; the banner and README.md quote these (tests/stack/test_readme.py).
+# Measured with `pytest -m slow tests/stack/test_demo.py -k time_to_first -s` (2 cores, load average 1.5-6,
 # two runs): the corrupt batch's TrainingLossNonFinite 60-63 s after up, TrainingGradientExplosion
 # 170-173 s, TrainingDataLoaderBottleneck 375-378 s.
 # A training event's alert, from the event's time in the run (both measured 23 s): the run's start-up

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+import yaml
 
+from stack import processes
 from stack.processes import Service, WebhookReceiver
-from tests.certs import Pki, make_pki
+from tests.support.certs import PASSWORD, USER, Pki, bcrypt_hash, make_pki
 
 # Monitors that tests close keep their final state on the test Pushgateway instead of making the
 # session wait at exit to delete it (tests of the deletion pass delete_after explicitly).
@@ -38,8 +41,21 @@ def webhook_receiver() -> Iterator[WebhookReceiver]:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> Pki:
-    """Throw-away test CA, server and client certificates (tests/certs.py), made once per session."""
+    """Throw-away test CA, server and client certificates (tests/support/certs.py), made once per session."""
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def secure_pgw(tmp_path: Path, pki: Pki, start_service: Callable[[Service], Service]) -> Service:
+    """A real Pushgateway behind TLS (our test CA) and basic auth (bcrypt hash) via --web.config.file."""
+    config = tmp_path / "web.yml"
+    config.write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)},
+        "basic_auth_users": {USER: bcrypt_hash(PASSWORD)}}))
+    service = processes.pushgateway(tmp_path)
+    service.argv.append(f"--web.config.file={config}")
+    service.scheme, service.auth = "https", (USER, PASSWORD)
+    return start_service(service)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

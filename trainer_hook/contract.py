@@ -75,7 +75,7 @@ ALIASES = {"lr": "learning_rate", "gradnorm": "grad_norm", "total_grad_norm": "g
 class Series(NamedTuple):
     """One model-track series as the hook exports it (and replay rebuilds it): `training_<name>`.
 
-    Not exporter.metrics.MetricSpec: the hook imports no other package (tests/test_layering.py), and a
+    Not exporter.metrics.MetricSpec: the hook imports no other package (tests/repo/test_layering.py), and a
     MetricSpec names a family by its samples' name (a counter's `_total` included) for the exporter's
     own text writer, where prometheus_client, which builds the hook's families, takes it without."""
 
@@ -102,7 +102,8 @@ def window_series(key: str) -> tuple[Series, Series]:
 
 #: Every series the hook computes itself, in exposition order: the one declaration the live exposition
 #: (trainer_hook.families), remote write, replay (dualtrack.openmetrics), RESERVED and the docs' tables
-#: follow (tests/test_contract.py checks each). A logged key's own gauge (training_<key>) is logged_series().
+#: follow (tests/trainer_hook/test_contract.py checks each). A logged key's own gauge (training_<key>) is
+#: logged_series().
 SERIES: tuple[Series, ...] = (
     Series("step", "gauge", "Step passed to the last log() call."),
     *(series for key in WINDOW_MAX_KEYS for series in window_series(key)),

@@ -1,0 +1,1 @@
+"""Tests of the `dualtrack` command: replay, report, explain, janitor and the Prometheus client."""

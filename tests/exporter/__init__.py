@@ -1,0 +1,1 @@
+"""Tests of the exporter daemon: collectors, NVML (simulated, faulted, real), HTTP, PID namespaces."""

@@ -1,0 +1,1 @@
+"""Whole-repository static checks: layering between packages, the layout of tests/."""

@@ -1,0 +1,1 @@
+"""Tests of the stack as shipped: demo, compose, containers, rules, alerting, dashboards, Kubernetes."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share (no tests here): daemons, fakes, builders of records and plans, paths."""

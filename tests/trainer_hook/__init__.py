@@ -1,0 +1,1 @@
+"""Tests of trainer_hook: the hook, its record, push / pull / remote write, integrations, DDP."""
