@@ -30,8 +30,8 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer_hook.connection import allow_insecure, check_transport, opener, push_handler, read_secret, resolve
-from trainer_hook.settings import ENV_PUSHGATEWAY
+from trainer_hook.connection import allow_insecure, check_transport, opener, push_handler, read_secret
+from trainer_hook.credentials import ENV_PUSHGATEWAY, pushgateway
 from trainer_hook.text import one_line
 
 from .text import duration
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         username = os.environ.get(f"{ENV_PUSHGATEWAY}_USERNAME")
         if password is not None and not username:
             raise ValueError(f"--pushgateway-password-file needs ${ENV_PUSHGATEWAY}_USERNAME")
-        access = resolve("pushgateway", ENV_PUSHGATEWAY, url, None if password is None else (username, password))
+        access = pushgateway(url, None if password is None else (username, password))
         handler, open_ = push_handler(access), opener(access)
         logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
         log.setLevel(logging.INFO)
