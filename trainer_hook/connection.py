@@ -295,6 +295,9 @@ def session(endpoint: Endpoint) -> requests.Session:
     client.cookies.set_policy(_NoCookies())
     client.headers["Accept-Encoding"] = "identity"
     if context is not None:
+        # urllib3 matches the certificate to the host itself when the context does not: urllib3 1.x
+        # cannot have ssl do it for an IP address (it hands ssl no server_hostname for one)
+        context.check_hostname = False
         client.mount("https://", _TLSAdapter(context))
         # requests < 2.32 adds its own CA bundle to the context unless told which file to verify with
         client.verify = (endpoint.ca_file or True) if endpoint.tls_verify else False
