@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -10,6 +12,8 @@ from stack import processes
 from tests.certs import bcrypt_hash
 from tests.hook_support import http_gateway, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
+from trainer_hook.contract import Snapshot
+from trainer_hook.push import Pusher, make_handler
 
 pytestmark = pytest.mark.e2e
 USER, PASSWORD = "trainer", "s3cret-pw"
@@ -81,3 +85,41 @@ def test_bearer_token_is_sent_as_authorization_header(tmp_path):
     with http_gateway(respond) as url:
         monitor = _push_once(tmp_path, url, bearer_token="tok-123")
     assert monitor._pusher.failures == 0 and seen and set(seen) == {"Bearer tok-123"}
+
+
+def test_pushes_reuse_one_connection_and_each_carries_the_credentials():
+    """A run's pushes share one TCP connection (a handshake per push is load on the Pushgateway at
+    thousands of ranks), and every push on it still sends the Authorization header."""
+    seen: list[tuple[int, str | None]] = []
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keeps the connection open, as the Pushgateway does
+
+        def do_PUT(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append((self.client_address[1], self.headers.get("Authorization")))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with TrainingMonitor(job="auth", run=run_id("keepalive"), pushgateway=f"http://127.0.0.1:{server.server_port}",
+                             bearer_token="tok-7", push_interval=60, record_path=False, delete_after=None) as m:
+            settings = m.settings
+        seen.clear()  # the monitor's own pushes, on its own connection
+        pusher = Pusher(settings, make_handler(settings))
+        try:
+            assert all(pusher.push(Snapshot()) for _ in range(3))
+        finally:
+            pusher.stop(1.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(seen) == 3 and {auth for _, auth in seen} == {"Bearer tok-7"}
+    assert len({port for port, _ in seen}) == 1, seen  # one client port: one connection
