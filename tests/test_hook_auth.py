@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -92,34 +90,19 @@ def test_pushes_reuse_one_connection_and_each_carries_the_credentials():
     thousands of ranks), and every push on it still sends the Authorization header."""
     seen: list[tuple[int, str | None]] = []
 
-    class KeepAlive(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keeps the connection open, as the Pushgateway does
+    def respond(request) -> int:
+        seen.append((request.client_address[1], request.headers.get("Authorization")))
+        return 200
 
-        def do_PUT(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            seen.append((self.client_address[1], self.headers.get("Authorization")))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with TrainingMonitor(job="auth", run=run_id("keepalive"), pushgateway=f"http://127.0.0.1:{server.server_port}",
-                             bearer_token="tok-7", push_interval=60, record_path=False, delete_after=None) as m:
-            settings = m.settings
+    with http_gateway(respond, keep_alive=True) as url:
+        with TrainingMonitor(job="auth", run=run_id("keepalive"), pushgateway=url, bearer_token="tok-7",
+                             push_interval=60, record_path=False, delete_after=None) as monitor:
+            settings = monitor.settings
         seen.clear()  # the monitor's own pushes, on its own connection
         pusher = Pusher(settings, make_handler(settings))
         try:
             assert all(pusher.push(Snapshot()) for _ in range(3))
         finally:
             pusher.stop(1.0)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert len(seen) == 3 and {auth for _, auth in seen} == {"Bearer tok-7"}
     assert len({port for port, _ in seen}) == 1, seen  # one client port: one connection
