@@ -1,7 +1,7 @@
 """Pushgateway load: N simulated ranks each PUT the hook's full payload every 5 s, on loopback, for a bounded time.
 
     .venv/bin/python bench/bench_pushgateway.py [--ranks 100 1000 4000] [--seconds 30] [--processes 4]
-        [--push-interval 5]
+        [--push-interval 5] [--hook-client]
 
 The payload is what a real TrainingMonitor pushes (captured once from its final PUT: loss, learning
 rate, grad norm, epoch, samples, tokens, a GPU and a config), sent under each rank's own grouping key
@@ -13,11 +13,18 @@ least 99 %), push latency p50/p99, how late pushes
 started (> 0: the load generator itself could not keep up), the Pushgateway's CPU (cores) and RSS,
 its /metrics size and time to fetch, Prometheus' own scrape_duration_seconds and
 scrape_samples_scraped for it, head series and Prometheus RSS per million series.
+With --hook-client each rank pushes through the hook's own HTTP client (trainer_hook.push.make_handler,
+one per rank as each rank's TrainingMonitor has one) instead of a bare keep-alive http.client
+connection, through a relay that counts the TCP connections the Pushgateway is asked to accept:
+reported as connections per push after each rank's first (a handshake each; 1.0 is a new connection
+for every push, 0 is one connection per rank kept open). Use a push interval the machine sustains
+(pushes started close to ranks x cycles): a rank that pushes once shows no reuse.
 Everything listens on 127.0.0.1 only; every daemon is stopped at the end.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import multiprocessing
 import os
@@ -28,7 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import requests
 
@@ -43,6 +51,7 @@ PUSH_INTERVAL = 5.0
 IN_FLIGHT = 32  # concurrent pushes per load-generator process
 GRACE = 10.0  # seconds a push may take (and queued pushes may wait) after the last one was due
 SCRAPE_INTERVAL = "15s"
+TEXT_FORMAT = "text/plain; version=0.0.4"
 
 
 def hook_payload() -> bytes:
@@ -84,8 +93,7 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
         if connection is None:
             connection = local.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=GRACE)
         try:
-            connection.request("PUT", f"/metrics/job/bench/run/load/rank/{rank}/instance/node-{rank // 8}",
-                               body=payload, headers={"Content-Type": "text/plain; version=0.0.4"})
+            connection.request("PUT", _group(rank), body=payload, headers={"Content-Type": TEXT_FORMAT})
             response = connection.getresponse()
             response.read()
             return response.status in (200, 202)
@@ -95,6 +103,62 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
             return False
 
     drive(push, ranks, total, seconds, start_at, results)
+
+
+def _group(rank: int) -> str:
+    """The path a rank pushes to: its grouping key."""
+    return f"/metrics/job/bench/run/load/rank/{rank}/instance/node-{rank // 8}"
+
+
+def _hook_worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, payload: bytes,
+                 results: "multiprocessing.Queue") -> None:
+    """As _worker, but each rank PUTs through its own handler of the hook (trainer_hook.push.make_handler:
+    whatever HTTP client the hook under test uses, with its connection handling)."""
+    from trainer_hook.push import make_handler
+    url = f"http://127.0.0.1:{port}"
+    handlers = {rank: make_handler(SimpleNamespace(pushgateway=url, basic_auth=None, bearer_token=None, ca_file=None,
+                                                   client_cert=None, tls_verify=True)) for rank in ranks}
+
+    def push(rank: int) -> bool:
+        try:
+            handlers[rank](url=url + _group(rank), method="PUT", timeout=GRACE,
+                           headers=[("Content-Type", TEXT_FORMAT)], data=payload)()
+        except Exception:  # noqa: BLE001 - any failure is a failed push
+            return False
+        return True
+
+    drive(push, ranks, total, seconds, start_at, results)
+
+
+def _relay(upstream: int, ports: "multiprocessing.Queue", accepted: Any) -> None:
+    """Relay each connection accepted on a free loopback port (put on `ports`) to 127.0.0.1:`upstream`,
+    counting them in `accepted` (a multiprocessing.Value)."""
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with accepted.get_lock():
+            accepted.value += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def serve() -> None:
+        server = await asyncio.start_server(relay, "127.0.0.1", 0, backlog=4096)
+        ports.put(server.sockets[0].getsockname()[1])
+        await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: float, start_at: float,
@@ -164,22 +228,29 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: Path,
-             pushgateway_args: list[str] | None = None) -> dict[str, float]:
-    """One Pushgateway (as shipped, plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks;
-    the figures of that run."""
+             pushgateway_args: list[str] | None = None, hook_client: bool = False) -> dict[str, float]:
+    """One Pushgateway (as shipped, plus `pushgateway_args`) + Prometheus under `ranks` pushing ranks
+    (`hook_client`: through the hook's client and a counting relay); the figures of that run."""
     workdir.mkdir(parents=True, exist_ok=True)
     pushgateway = processes.pushgateway(workdir)
     pushgateway.argv += pushgateway_args or []
     pushgateway.start()
-    prometheus = None
+    prometheus = relay = None
+    accepted = multiprocessing.Value("q", 0)
     try:
         config = processes.render_prometheus_config(workdir, {processes.PUSHGATEWAY_JOB: [pushgateway.address]},
                                                     scrape_interval=SCRAPE_INTERVAL)
         prometheus = processes.prometheus(workdir, config, extra_args=["--enable-feature=extra-scrape-metrics"])
         prometheus.start()
-        pid = pushgateway.proc.pid
-        latencies, lateness, errors, cpu, on_time = load(_worker, pushgateway.port, payload, ranks, seconds,
-                                                         workers, pid, lead=1.0)
+        pid, port = pushgateway.proc.pid, pushgateway.port
+        if hook_client:
+            ports: multiprocessing.Queue = multiprocessing.Queue()
+            relay = multiprocessing.Process(target=_relay, args=(port, ports, accepted), daemon=True)
+            relay.start()
+            port = ports.get(timeout=30)
+        latencies, lateness, errors, cpu, on_time = load(_hook_worker if hook_client else _worker, port, payload,
+                                                         ranks, seconds, workers, pid, lead=1.0)
+        pushes = ranks * int(seconds / PUSH_INTERVAL)
         started = time.perf_counter()
         body = requests.get(pushgateway.url + "/metrics", timeout=60).content
         fetch = time.perf_counter() - started
@@ -193,7 +264,10 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
         return {"ranks": ranks, "wanted_per_s": ranks / PUSH_INTERVAL,
                 "achieved_per_s": len(latencies) / (int(seconds / PUSH_INTERVAL) * PUSH_INTERVAL),
                 "errors": errors,
-                "on_time_pct": 100 * on_time / (ranks * int(seconds / PUSH_INTERVAL)),
+                "on_time_pct": 100 * on_time / pushes,
+                "connections": accepted.value, "pushes_started": len(lateness),
+                # each rank's first push opens a connection whatever the client: the rest tell reuse
+                "connections_per_push": (accepted.value - ranks) / max(1, len(lateness) - ranks),
                 "latency_p50_ms": percentile(latencies, 0.5) * 1000,
                 "latency_p99_ms": percentile(latencies, 0.99) * 1000,
                 "late_p99_ms": percentile(lateness, 0.99) * 1000, "pgw_cpu_cores": cpu, "pgw_rss_mib": rss,
@@ -204,6 +278,9 @@ def run_load(ranks: int, seconds: float, workers: int, payload: bytes, workdir: 
                 "head_series": head,
                 "prom_rss_mib": rss_mb(prometheus.proc.pid)}
     finally:
+        if relay is not None:
+            relay.terminate()
+            relay.join()
         if prometheus is not None:
             prometheus.stop()
         pushgateway.stop()
@@ -221,6 +298,9 @@ ROWS = [("wanted pushes/s", "wanted_per_s", "{:.0f}"), ("achieved pushes/s", "ac
         ("Prometheus scrape_samples_scraped", "prom_scrape_samples", "{:.0f}"),
         ("Prometheus scrape body (MB)", "prom_scrape_body_bytes", "{:.1f}", 1e-6),
         ("Prometheus head series", "head_series", "{:.0f}"), ("Prometheus RSS (MiB)", "prom_rss_mib", "{:.0f}")]
+HOOK_CLIENT_ROWS = [("pushes started (--hook-client)", "pushes_started", "{:.0f}"),
+                    ("TCP connections accepted", "connections", "{:.0f}"),
+                    ("TCP connections per push after each rank's first", "connections_per_push", "{:.3f}")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-consistency-check", action="store_true",
                         help="add --push.disable-consistency-check (faster, but one conflicting push "
                              "makes /metrics answer 500 for every group: not shipped)")
+    parser.add_argument("--hook-client", action="store_true",
+                        help="push through the hook's own client, counting the TCP connections it opens")
     args = parser.parse_args(argv)
     PUSH_INTERVAL = args.push_interval
     payload = hook_payload()
@@ -248,10 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for ranks in args.ranks:
             figures.append(run_load(ranks, args.seconds, args.processes, payload, Path(scratch) / str(ranks),
-                                    shipped + args.pushgateway_arg))
+                                    shipped + args.pushgateway_arg, args.hook_client))
             print(f"N={ranks} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'':48}" + "".join(f"{'N=' + str(f['ranks']):>12}" for f in figures))
-    for label, key, fmt, *scale in ROWS:
+    for label, key, fmt, *scale in ROWS + (HOOK_CLIENT_ROWS if args.hook_client else []):
         print(f"{label:48}" + "".join(f"{fmt.format(f[key] * (scale[0] if scale else 1)):>12}" for f in figures))
     for f in figures:
         if f["head_series"] > 0:

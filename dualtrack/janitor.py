@@ -25,13 +25,14 @@ import os
 import signal
 import sys
 import threading
-import urllib.request
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from trainer_hook.connection import allow_insecure, check_transport, opener, push_handler, read_secret, resolve
-from trainer_hook.settings import ENV_PUSHGATEWAY
+import requests
+
+from trainer_hook.connection import allow_insecure, check_transport, push_handler, read_secret, send, session
+from trainer_hook.credentials import ENV_PUSHGATEWAY, pushgateway
 from trainer_hook.text import one_line
 
 from .console import duration
@@ -74,14 +75,14 @@ def run(args: argparse.Namespace) -> int:
         username = os.environ.get(f"{ENV_PUSHGATEWAY}_USERNAME")
         if password is not None and not username:
             raise ValueError(f"--pushgateway-password-file needs ${ENV_PUSHGATEWAY}_USERNAME")
-        access = resolve("pushgateway", ENV_PUSHGATEWAY, url, None if password is None else (username, password))
-        handler, open_ = push_handler(access), opener(access)
+        access = pushgateway(url, None if password is None else (username, password))
+        client = session(access)
         logging.basicConfig(format="%(asctime)s %(levelname)s janitor: %(message)s")
         log.setLevel(logging.INFO)
         check_transport(access, "Pushgateway", log.warning, allow_insecure())
     except ValueError as exc:
         return _usage_error(str(exc))
-    janitor = Janitor(access.url, open_, handler, args)
+    janitor = Janitor(access.url, client, args)
     if args.once:
         deleted = janitor.sweep()
         if deleted is not None:
@@ -110,10 +111,10 @@ class MalformedGroup(ValueError):
 class Janitor:
     """One pass at a time: list the groups, delete the runs that are over."""
 
-    def __init__(self, url: str, open_: Callable, handler: Callable, args: argparse.Namespace) -> None:
+    def __init__(self, url: str, client: requests.Session, args: argparse.Namespace) -> None:
         self.url = url
-        self.open = open_  # trainer_hook.connection.opener: the listing, with its Date header
-        self.handler = handler  # prometheus_client's push handler: the deletions
+        self.session = client  # trainer_hook.connection.session: the listing, with its Date header
+        self.handler = push_handler(client)  # prometheus_client's: the deletions
         self.args = args
         self._reported: set[str] = set()  # malformed groups already logged
         self._unreachable = False
@@ -123,9 +124,9 @@ class Janitor:
     def sweep(self) -> list[dict[str, str]] | None:
         """Delete what is due; return the deleted groups' labels (None: the Pushgateway could not be read)."""
         try:
-            with self.open(urllib.request.Request(self.url + "/api/v1/metrics"), self.args.timeout) as response:
-                groups = json.loads(response.read())["data"]
-                date = response.headers.get("Date")
+            response = send(self.session, "GET", self.url + "/api/v1/metrics", self.args.timeout)
+            groups = json.loads(response.content)["data"]
+            date = response.headers.get("Date")
             if not isinstance(groups, list):
                 raise ValueError("'data' is not a list")
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, not a Pushgateway: retry later

@@ -26,14 +26,15 @@ import json
 import os
 import re
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from trainer_hook.connection import (Endpoint, allow_insecure, check_transport, mix_up, opener, read_secret, resolve,
-                                       shown)
+import requests
+import urllib3
+
+from trainer_hook.connection import (Endpoint, RequestFailed, allow_insecure, check_transport, mix_up, no_answer,
+                                       read_secret, resolve, send, session, shown)
 from trainer_hook.text import one_line
 
 from .console import duration
@@ -123,7 +124,7 @@ class Prometheus:
         self.endpoint = endpoint
         self.timeout = timeout
         self.max_bytes = max_bytes
-        self._open = opener(endpoint)
+        self._session = session(endpoint)  # one query at a time (a late one may still be reading)
 
     @property
     def url(self) -> str:
@@ -191,18 +192,14 @@ class Prometheus:
         worker.start()
         worker.join(self.timeout)
         error = outcome.get("error")
-        if isinstance(error, urllib.error.URLError) and isinstance(error.reason, TimeoutError):
-            error = error.reason
-        if worker.is_alive() or isinstance(error, TimeoutError):
+        if worker.is_alive() or isinstance(error, RequestFailed) and isinstance(error.cause, TimeoutError):
             # The socket timeout equals the deadline: whichever fires first, the answer is the same.
             late.set()  # the worker stops at its next read; nobody waits for it
             raise QueryError(f"query failed ({api}): no complete answer within {self.timeout:g} s")
-        if isinstance(error, urllib.error.HTTPError) and error.code == 404:
+        if isinstance(error, RequestFailed) and error.status == 404:
             raise QueryError(f"query failed ({api}): {mix_up(self.endpoint.url, 'Prometheus')}")
-        if isinstance(error, urllib.error.HTTPError):
-            raise QueryError(f"query failed ({api}): HTTP {error.code} {str(error.reason)[:200]}")
-        if isinstance(error, urllib.error.URLError):
-            raise QueryError(f"query failed ({api}): {str(error.reason)[:200]}")
+        if isinstance(error, RequestFailed):
+            raise QueryError(f"query failed ({api}): {error}")
         if isinstance(error, _TooLarge):
             raise QueryError(f"query failed ({api}): an answer over {self.max_bytes // 2**20} MiB")
         if isinstance(error, (http.client.HTTPException, OSError, ValueError)):
@@ -211,20 +208,26 @@ class Prometheus:
             raise error
         return outcome["body"]
 
+    def _open(self, url: str, timeout: float) -> requests.Response:
+        """The 2xx answer to GET `url`, its body not read yet (close it); raises RequestFailed."""
+        return send(self._session, "GET", url, timeout, stream=True)
+
     def _read(self, url: str, late: threading.Event) -> bytes:
         """The body of GET `url`, at most max_bytes; stops early once `late` is set."""
-        with self._open(urllib.request.Request(url), self.timeout) as response:
+        with self._open(url, self.timeout) as response:
             declared = response.headers.get("Content-Length", "")
             if declared.isdigit() and int(declared) > self.max_bytes:
                 raise _TooLarge()
             chunks: list[bytes] = []
             size = 0
             while not late.is_set():
-                chunk = response.read(1 << 16)
+                try:
+                    chunk = response.raw.read(1 << 16)
+                except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException) as exc:
+                    raise no_answer(exc, self.timeout) from None
                 if not chunk:
-                    missing = getattr(response, "length", None)  # of a Content-Length not received
-                    if missing:
-                        raise http.client.IncompleteRead(b"", missing)
+                    if declared.isdigit() and size < int(declared):  # urllib3 1.x reads a cut body as whole
+                        raise RequestFailed(f"IncompleteRead: {size} bytes read, {int(declared) - size} more expected")
                     return b"".join(chunks)
                 size += len(chunk)
                 if size > self.max_bytes:

@@ -10,23 +10,33 @@
   line) unless the caller opts in (`allow_insecure_credentials`, $DUALTRACK_ALLOW_INSECURE_CREDENTIALS=1),
   then warned about once per URL; TLS without certificate verification is warned about once per URL.
 - Requests never follow a redirect (the Authorization header would go wherever the redirect points).
+- Requests go over one requests.Session per endpoint (session()), which keeps connections open: at
+  thousands of ranks pushing every few seconds, a TCP and TLS handshake per push is load on the
+  Pushgateway. send() is the one way to use it: no redirects, no retries, one-line RequestFailed.
 
-Standard library only (no torch), in the hook's package, the lower layer: the hook (settings, push,
-remote write) and the `dualtrack` command (janitor, report, explain) use it.
+requests and the standard library only (no torch), in the hook's package, the lower layer: the hook
+(settings, push, remote write) and the `dualtrack` command (janitor, report, explain) use it.
 """
 from __future__ import annotations
 
 import base64
+import http.client
+import http.cookiejar
 import ipaddress
 import os
 import ssl
 import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
+
+import requests
+import requests.adapters
+import requests.auth
+import requests.utils
+
+from .text import one_line
 
 
 @dataclass(frozen=True)
@@ -191,16 +201,6 @@ def check_transport(endpoint: Endpoint, what: str, warn: Callable[[str], None], 
              "anyone on the path can pose as it and read the credentials and data")
 
 
-class RedirectRefused(urllib.error.HTTPError):
-    """A 3xx answer: never followed."""
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
-        raise RedirectRefused(shown(req.full_url), code, f"{msg}: redirect not followed (point the URL at "
-                              "the final address)", headers, fp)
-
-
 def ssl_context(endpoint: Endpoint) -> ssl.SSLContext | None:
     """The TLS context for an https:// endpoint (None for http://); raises ValueError for unusable files."""
     if not (endpoint.url or "").startswith("https://"):
@@ -217,41 +217,150 @@ def ssl_context(endpoint: Endpoint) -> ssl.SSLContext | None:
     return context
 
 
-def push_handler(endpoint: Endpoint) -> Callable[..., Callable[[], bytes]]:
-    """A prometheus_client push/delete handler for `endpoint` (opener's TLS, auth, no redirects); the
-    request it returns also hands back the response body. Raises ValueError for unusable TLS files."""
-    open_ = opener(endpoint)
+class RequestFailed(OSError):
+    """A request without a 2xx answer, as one line that holds no credentials and no query: the HTTP
+    status and what came back with it, or, for no answer at all, the error underneath requests'."""
 
+    def __init__(self, message: str, status: int | None = None, headers: Mapping[str, str] | None = None,
+                 body: bytes = b"", cause: BaseException | None = None) -> None:
+        super().__init__(one_line(message))
+        self.status = status  # None: no answer (refused, reset, TLS, a timeout)
+        self.headers: Mapping[str, str] = headers or {}
+        self.body = body  # the first bytes of the answer (MAX_ERROR_BODY)
+        self.cause = cause
+
+
+#: The bytes of an error answer kept (its first line goes into a message).
+MAX_ERROR_BODY = 200
+_REDIRECT = "redirect not followed (point the URL at the final address)"
+
+
+class _Authorization(requests.auth.AuthBase):
+    """The endpoint's Authorization header on every request of the session; repr() shows no secret."""
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        request.headers["Authorization"] = self._value
+        return request
+
+    def __repr__(self) -> str:
+        return "_Authorization(***)"
+
+
+class _TLSAdapter(requests.adapters.HTTPAdapter):
+    """https:// with the endpoint's own SSLContext (ssl_context()), directly or through a proxy."""
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        self._context = context  # before HTTPAdapter.__init__, which makes the pool manager
+        super().__init__(max_retries=0)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, ssl_context=self._context, **kwargs)
+
+    def proxy_manager_for(self, proxy: str, **kwargs: Any) -> Any:
+        return super().proxy_manager_for(proxy, ssl_context=self._context, **kwargs)
+
+
+class _NoCookies(http.cookiejar.DefaultCookiePolicy):
+    """No cookie is ever kept: the session holds no state a request changes (safe on several threads),
+    and a cookie an auth proxy sets (a credential) is never stored or sent back."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+
+def session(endpoint: Endpoint) -> requests.Session:
+    """A requests.Session for `endpoint` that keeps its connections open across requests (one TCP and
+    TLS handshake per connection, not per push). Raises ValueError for unusable TLS files.
+
+    What requests would do by itself, and what this session does instead:
+    - `trust_env` is off: no ~/.netrc credentials (only the endpoint's own go out) and no
+      $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE (the CA is the system's or the endpoint's ca_file); proxies
+      are still taken from $http_proxy/$https_proxy/$no_proxy, once, for the endpoint's URL (as urllib did);
+    - https:// uses ssl_context(): the system's CAs or the ca_file, the client certificate, tls_verify;
+    - redirects are never followed (send() passes allow_redirects=False: a 3xx is a RequestFailed),
+      so the Authorization header goes to the endpoint's host only, whatever a redirect says;
+    - nothing is retried (max_retries=0, requests' default): the hook retries on its own schedule
+      (the next push; remote write's backoff with jitter and Retry-After);
+    - no cookies are kept, and answers are asked for uncompressed (size caps count what is read).
+    A session has no per-request state, and urllib3's pool is thread-safe: one thread may use it while
+    another's request is in flight (a final push while a stalled one times out).
+    """
+    context = ssl_context(endpoint)
+    client = requests.Session()
+    client.trust_env = False
+    client.proxies = requests.utils.get_environ_proxies(endpoint.url or "")
+    client.cookies.set_policy(_NoCookies())
+    client.headers["Accept-Encoding"] = "identity"
+    if context is not None:
+        # urllib3 matches the certificate to the host itself when the context does not: urllib3 1.x
+        # cannot have ssl do it for an IP address (it hands ssl no server_hostname for one)
+        context.check_hostname = False
+        client.mount("https://", _TLSAdapter(context))
+        # requests < 2.32 adds its own CA bundle to the context unless told which file to verify with
+        client.verify = (endpoint.ca_file or True) if endpoint.tls_verify else False
+    if endpoint.authorization:
+        client.auth = _Authorization(endpoint.authorization)
+    return client
+
+
+def send(client: requests.Session, method: str, url: str, timeout: float | None, data: bytes | None = None,
+         headers: Mapping[str, str] | None = None, stream: bool = False) -> requests.Response:
+    """One request without redirects: its 2xx answer (the body read unless `stream`: then the caller
+    reads `raw` and closes it), else RequestFailed (one line; a 3xx says the redirect was not followed)."""
+    try:
+        response = client.request(method, url, data=data, headers=headers, timeout=timeout,
+                                  allow_redirects=False, stream=True)
+        if response.status_code < 300:
+            if not stream:
+                response.content  # noqa: B018 - read now, so failures are RequestFailed too
+            return response
+    except (requests.RequestException, OSError, http.client.HTTPException) as exc:  # what urllib3 may not wrap
+        raise no_answer(exc, timeout) from None
+    with response:
+        try:
+            body = response.raw.read(MAX_ERROR_BODY)
+        except Exception:  # noqa: BLE001 - the status says enough; the body broke off
+            body = b""
+    status = response.status_code
+    message = f"HTTP {status} {response.reason or ''}".rstrip()
+    raise RequestFailed(f"{message}: {_REDIRECT}" if 300 <= status < 400 else message, status,
+                        response.headers, body)
+
+
+def no_answer(exc: BaseException, timeout: float | None) -> RequestFailed:
+    """The RequestFailed of a request or read that got no (whole) answer, naming what is under requests'
+    and urllib3's wrappers (ConnectionRefusedError, an SSL error, RemoteDisconnected, a timeout): their
+    own text repeats the URL, its query and the pool's details."""
+    cause = failure(exc)
+    if isinstance(cause, TimeoutError) and timeout is not None:
+        return RequestFailed(f"TimeoutError: no answer within {timeout:g} s", cause=cause)
+    return RequestFailed(f"{type(cause).__name__}: {str(cause)[:MAX_ERROR_BODY]}", cause=cause)
+
+
+def failure(exc: BaseException) -> BaseException:
+    """The exception under requests' and urllib3's wrappers (MaxRetryError, ProtocolError...)."""
+    for _ in range(8):
+        if type(exc).__module__.partition(".")[0] not in ("requests", "urllib3"):
+            break
+        reason = getattr(exc, "reason", None)
+        inner = reason if isinstance(reason, BaseException) else next(
+            (arg for arg in exc.args if isinstance(arg, BaseException)), exc.__cause__ or exc.__context__)
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def push_handler(client: requests.Session) -> Callable[..., Callable[[], None]]:
+    """A prometheus_client push/delete handler sending over `client` (session()): a failed request
+    raises RequestFailed."""
     def handler(url: str, method: str, timeout: float | None, headers: list[tuple[str, str]],
-                data: bytes | None) -> Callable[[], bytes]:
-        def send() -> bytes:
-            request = urllib.request.Request(url, data=data, method=method)
-            for key, value in headers:
-                request.add_header(key, value)
-            # raises HTTPError (an OSError) for any status >= 400, and for a redirect
-            with open_(request, timeout) as response:
-                return response.read()
-        return send
+                data: bytes | None) -> Callable[[], None]:
+        def push() -> None:
+            send(client, method, url, timeout, data, dict(headers))
+        return push
 
     return handler
-
-
-def opener(endpoint: Endpoint) -> Callable[..., Any]:
-    """`open(request, timeout)` for `endpoint`: its TLS context and Authorization header, no redirects.
-
-    The response is returned open (use it as a context manager); HTTP errors raise HTTPError.
-    Raises ValueError for unusable TLS files (call it before starting anything).
-    """
-    handlers: list[Any] = [_NoRedirect()]
-    context = ssl_context(endpoint)
-    if context is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=context))
-    director = urllib.request.build_opener(*handlers)
-    authorization = endpoint.authorization
-
-    def open_(request: urllib.request.Request, timeout: float | None) -> Any:
-        if authorization:
-            request.add_unredirected_header("Authorization", authorization)
-        return director.open(request, timeout=timeout)
-
-    return open_

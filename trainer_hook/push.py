@@ -10,13 +10,12 @@ import dataclasses
 import logging
 import threading
 import time
-import urllib.error
 from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
-from .connection import Endpoint, mix_up, push_handler
+from .connection import Endpoint, RequestFailed, mix_up, push_handler, session
 from .contract import Snapshot, merge_maxima
 from .families import registry_for
 from .settings import PUSHGATEWAY_MAX_RANKS, Settings
@@ -25,11 +24,11 @@ log = logging.getLogger("trainer_hook")
 
 
 def make_handler(settings: Settings) -> Callable:
-    """The prometheus_client handler for the settings' Pushgateway: trainer_hook.connection's TLS, auth header
-    and no redirects. Raises ValueError for unusable TLS files (called at construction, before anything
-    starts)."""
-    return push_handler(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token,
-                                 settings.ca_file, settings.client_cert, settings.tls_verify))
+    """The prometheus_client handler for the settings' Pushgateway: trainer_hook.connection's session (TLS,
+    auth header, no redirects, its connection kept open from push to push). Raises ValueError for unusable
+    TLS files (called at construction, before anything starts)."""
+    return push_handler(session(Endpoint(settings.pushgateway, settings.basic_auth, settings.bearer_token,
+                                         settings.ca_file, settings.client_cert, settings.tls_verify)))
 
 
 @dataclass
@@ -56,18 +55,18 @@ def _await_deletions() -> None:
     a run stopped by Ctrl-C is not waited for at all.
     """
     with _deletions_lock:
-        pending = [d for d in _deletions.values() if d.thread is not None and d.awaited_at_exit]
+        pending = [(d.due, d.thread) for d in _deletions.values() if d.thread is not None and d.awaited_at_exit]
     if not pending:
         return
-    wait = max(d.due for d in pending) - time.monotonic()
+    wait = max(due for due, _ in pending) - time.monotonic()
     if wait > 1:
         log.warning("waiting %.0f s before exiting: the final state of %d finished run(s) stays visible "
                     "until Prometheus saw it, then it is deleted from the Pushgateway or marked stale by "
                     "remote write (delete_after; Ctrl-C skips, DUALTRACK_DELETE_AFTER=none keeps it)",
                     wait, len(pending))
     try:
-        for deletion in pending:
-            deletion.thread.join(max(0.0, deletion.due - time.monotonic()) + 10.0)
+        for due, thread in pending:
+            thread.join(max(0.0, due - time.monotonic()) + 10.0)
     except KeyboardInterrupt:
         log.warning("exit: did not remove %d finished run(s): `dualtrack janitor` deletes them from the "
                     "Pushgateway later; remote-written series end by themselves", len(pending))
@@ -112,6 +111,7 @@ class Pusher:
 
     def __init__(self, settings: Settings, handler: Callable) -> None:
         self.settings = settings
+        self._url = settings.pushgateway or ""  # a Pusher is made for a Pushgateway only
         self._group = (settings.pushgateway, settings.job, tuple(sorted(settings.grouping_key.items())))
         cancel_deletion(self._group)  # a new run of this process under the same identity keeps its group
         if settings.world_size > PUSHGATEWAY_MAX_RANKS:
@@ -142,7 +142,7 @@ class Pusher:
             with self._cond:
                 while self._pending is None and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
+                if self._stopping or self._pending is None:
                     return
                 snapshot, self._pending = self._pending, None
             try:
@@ -157,7 +157,7 @@ class Pusher:
             self._carry = None
         snapshot = dataclasses.replace(snapshot, push_failures=self.failures)  # never change a published one
         try:
-            push_to_gateway(self.settings.pushgateway, job=self.settings.job,
+            push_to_gateway(self._url, job=self.settings.job,
                             registry=registry_for(lambda: snapshot),
                             grouping_key=self.settings.grouping_key,
                             timeout=self.settings.push_timeout, handler=self._handler)
@@ -166,11 +166,10 @@ class Pusher:
             self._outage_failures += 1
             self._carry = snapshot
             if self._outage_failures == 1:
-                if isinstance(exc, urllib.error.HTTPError) and exc.code == 404:
-                    exc = mix_up(self.settings.pushgateway, "Pushgateway")
                 log.warning("push to %s failed: %s; training continues, retrying every %gs "
-                            "(counted in training_push_failures_total)", self.settings.pushgateway,
-                            exc, self.settings.push_interval)
+                            "(counted in training_push_failures_total)", self._url,
+                            mix_up(self._url, "Pushgateway") if isinstance(exc, RequestFailed) and exc.status == 404
+                            else exc, self.settings.push_interval)
             return False
         if self._outage_failures:
             log.warning("push to %s works again after %d failed pushes", self.settings.pushgateway,
@@ -191,7 +190,7 @@ class Pusher:
 
     def _delete(self) -> None:
         try:
-            delete_from_gateway(self.settings.pushgateway, job=self.settings.job,
+            delete_from_gateway(self._url, job=self.settings.job,
                                 grouping_key=self.settings.grouping_key,
                                 timeout=self.settings.push_timeout, handler=self._handler)
         except Exception as exc:  # noqa: BLE001 - the run is over; nothing may raise from here

@@ -24,15 +24,12 @@ at first use.
 from __future__ import annotations
 
 import email.utils
-import http.client
 import logging
 import math
 import random
 import struct
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, NamedTuple
@@ -40,7 +37,7 @@ from typing import Any, Iterable, NamedTuple
 from prometheus_client.utils import floatToGoString
 
 from . import protobuf
-from .connection import Endpoint, opener, shown
+from .connection import Endpoint, RequestFailed, send, session, shown
 from .contract import Snapshot
 from .families import families
 from .protobuf import DOUBLE, INT64, MESSAGE, STRING, Schema
@@ -160,8 +157,8 @@ class RemoteWriter:
         _snappy()
         self.settings = settings
         self.failures = 0  # requests or batches not accepted: training_push_failures_total
-        self._url = endpoint.url
-        self._open = opener(endpoint)
+        self._url = endpoint.url or ""  # settings.remote_write gives no endpoint without a URL
+        self._session = session(endpoint)  # the sender thread's, and the stale markers' after it
         self._identity = {"job": settings.job, **settings.grouping_key}
         self._group = (endpoint.url, settings.job, tuple(sorted(settings.grouping_key.items())))
         cancel_deletion(self._group)  # a new run of this process under the same identity keeps its series
@@ -275,22 +272,17 @@ class RemoteWriter:
     def _post(self, body: bytes) -> tuple[int, str, float | None]:
         """(HTTP status, a line for the log, the seconds a 429 or 503 asked to wait); status 0 for a
         network error."""
-        request = urllib.request.Request(self._url, data=body, method="POST", headers=self._headers)
         try:
-            with self._open(request, self.settings.push_timeout) as response:
-                response.read()
-                return response.status, f"HTTP {response.status}", None
-        except urllib.error.HTTPError as exc:
-            retry_after = retry_after_seconds(exc.headers.get("Retry-After") if exc.headers else None, time.time())
-            try:
-                answer = exc.read(200).decode("utf-8", "replace").strip().splitlines()
-            except (OSError, AttributeError, http.client.HTTPException):  # no body, or it broke off
-                answer = []
+            status = send(self._session, "POST", self._url, self.settings.push_timeout, body, self._headers).status_code
+            return status, f"HTTP {status}", None
+        except RequestFailed as exc:
+            if exc.status is None:
+                return 0, str(exc), None
+            retry_after = retry_after_seconds(exc.headers.get("Retry-After"), time.time())
+            answer = exc.body.decode("utf-8", "replace").strip().splitlines()
             shown_answer = one_line(answer[0]) if answer else ""
-            return (exc.code, f"HTTP {exc.code}" + (f": {shown_answer}" if shown_answer else ""),
-                    retry_after if exc.code in (429, 503) else None)
-        except (OSError, http.client.HTTPException) as exc:
-            return 0, str(exc) or type(exc).__name__, None
+            return (exc.status, f"HTTP {exc.status}" + (f": {shown_answer}" if shown_answer else ""),
+                    retry_after if exc.status in (429, 503) else None)
 
 
 def retry_after_seconds(value: str | None, now: float) -> float | None:

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport, resolve as resolve_endpoint
+from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport
 from .contract import PRECISIONS, label_value
+from .credentials import pushgateway as connection
+from .credentials import remote_write
 
 log = logging.getLogger("trainer_hook")
 
-ENV_PUSHGATEWAY = "DUALTRACK_PUSHGATEWAY"  # and its _USERNAME, _PASSWORD, _TOKEN(_FILE), _CA_FILE
 ENV_JOB = "DUALTRACK_JOB"
 ENV_RUN = "DUALTRACK_RUN"
 ENV_GPU_UUID = "DUALTRACK_GPU_UUID"
-ENV_REMOTE_WRITE = "DUALTRACK_REMOTE_WRITE"  # _URL, and its own credentials' _USERNAME, _PASSWORD ...
 ENV_DELETE_AFTER = "DUALTRACK_DELETE_AFTER"
 ENV_LISTEN = "DUALTRACK_LISTEN"  # _PORT, _ADDRESS, _USERNAME/_PASSWORD, _CERT_FILE/_KEY_FILE
 DEFAULT_LISTEN_ADDRESS = "127.0.0.1"
@@ -94,15 +94,6 @@ def _positive(name: str, value: float) -> float:
     if not number > 0 or number == float("inf"):
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     return number
-
-
-def _pushgateway_url(value: str | bool | None) -> str | None:
-    """The URL argument, else $DUALTRACK_PUSHGATEWAY; None (False, or neither given) pushes nothing."""
-    if value is False:
-        return None
-    if value is None or value is True:
-        value = os.environ.get(ENV_PUSHGATEWAY) or None
-    return value
 
 
 def _name(what: str, value: str | None, env: str, default: str | None = None) -> str:
@@ -225,29 +216,6 @@ def _gpu_uuids(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ..
         if not uuid or any(ch.isspace() for ch in uuid):
             raise ValueError(f"gpu_uuid must look like GPU-xxxxxxxx-..., got {uuid!r}")
     return uuids
-
-
-def connection(pushgateway: str | bool | None, basic_auth: Any = None, bearer_token: str | None = None,
-               ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint:
-    """The Pushgateway's URL (None: no Pushgateway) and credentials: each argument left None falls back to
-    its environment variable ($DUALTRACK_PUSHGATEWAY, _USERNAME/_PASSWORD, _TOKEN(_FILE), _CA_FILE),
-    checked by trainer_hook.connection.resolve, the one rule for URLs and credentials (`dualtrack janitor`
-    calls it with the same variables). Raises ValueError with one line."""
-    return resolve_endpoint("pushgateway", ENV_PUSHGATEWAY, _pushgateway_url(pushgateway), basic_auth,
-                            bearer_token, ca_file, client_cert, tls_verify)
-
-
-def remote_write(url: str | None, basic_auth: Any = None, bearer_token: str | None = None,
-                 ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint | None:
-    """The remote-write receiver (argument, else $DUALTRACK_REMOTE_WRITE_URL) and its own credentials:
-    the remote_write_* arguments, else $DUALTRACK_REMOTE_WRITE_USERNAME/_PASSWORD, _TOKEN or _TOKEN_FILE,
-    _CA_FILE, by trainer_hook.connection's one rule (never the Pushgateway's). None when no URL is given.
-    Raises ValueError with one line."""
-    url = url or os.environ.get(f"{ENV_REMOTE_WRITE}_URL") or None
-    if url is None:
-        return None
-    return resolve_endpoint("remote write", ENV_REMOTE_WRITE, url, basic_auth, bearer_token, ca_file,
-                            client_cert, tls_verify)
 
 
 def _sinks(a: dict[str, Any]) -> None:

@@ -27,17 +27,15 @@ ALLOWED: dict[str, set[str]] = {
     "tests": {"exporter", "trainer_hook", "dualtrack", "stack", "dashboards"},
 }
 #: Edges allowed only into these modules: the `dualtrack` command must not load torch, and the hook's
-#: contract, connection (URLs, credentials, TLS) and text modules are the ones it shares.
+#: contract, connection (URLs, TLS), credentials (which sink, with which secret) and text modules are the
+#: ones it shares.
 THROUGH: dict[tuple[str, str], set[str]] = {
-    ("dualtrack", "trainer_hook"): {"trainer_hook.contract", "trainer_hook.connection", "trainer_hook.text"},
+    ("dualtrack", "trainer_hook"): {"trainer_hook.contract", "trainer_hook.connection", "trainer_hook.credentials",
+                                    "trainer_hook.text"},
     ("dualtrack", "exporter"): {"exporter.xids"},
 }
 #: The one module of each package that may import the package's command line (and `__main__`).
 CLI = {"dualtrack": "dualtrack.cli"}
-#: Known violations that another change fixes, each a strict xfail: once fixed, its test fails until its
-#: entry here is deleted.
-PENDING = {"dualtrack/janitor.py": "reads ENV_PUSHGATEWAY from trainer_hook.settings until that credential "
-                                   "resolution moves to trainer_hook.connection"}
 #: Packages that must never reach torch through their imports, at any depth.
 TORCH_FREE = ("exporter", "dualtrack")
 
@@ -153,12 +151,7 @@ def test_the_allowed_edges_form_no_cycle() -> None:
         below(package, ())
 
 
-def _marked(path: Path) -> Path | object:
-    reason = PENDING.get(relative(path))
-    return path if reason is None else pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
-@pytest.mark.parametrize("path", [_marked(p) for package in ALLOWED for p in modules(package)], ids=relative)
+@pytest.mark.parametrize("path", [p for package in ALLOWED for p in modules(package)], ids=relative)
 def test_every_import_follows_an_allowed_edge(path: Path) -> None:
     found = forbidden_edges(path)
     assert not found, "\n".join(found)

@@ -303,7 +303,7 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     # the password is a file, never in the environment; the janitor is not the exporter's uid
     assert env == {"DUALTRACK_PUSHGATEWAY", "DUALTRACK_PUSHGATEWAY_USERNAME", "DUALTRACK_PUSHGATEWAY_CA_FILE"}
     # the names the hook reads: $DUALTRACK_PUSHGATEWAY and the connection rule's <prefix>_USERNAME, _CA_FILE
-    from trainer_hook.settings import ENV_PUSHGATEWAY
+    from trainer_hook.credentials import ENV_PUSHGATEWAY
     connection = (REPO / "trainer_hook" / "connection.py").read_text()
     for name in env:
         suffix = name.removeprefix(ENV_PUSHGATEWAY)

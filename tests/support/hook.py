@@ -108,14 +108,17 @@ def wait_pushed(pushgateway_url: str, name: str, run: str, predicate: Callable[[
 
 @contextlib.contextmanager
 def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes = b"", *,
-                 date: bool = True) -> Iterator[str]:
+                 date: bool = True, keep_alive: bool = False) -> Iterator[str]:
     """A local HTTP server standing in for a misbehaving Pushgateway; yields its URL.
 
     `respond(request)` runs for every push (it may block, e.g. to answer slowly) and returns the
     status code to answer with; GET requests are answered with `body`. `date=False` leaves out the
-    `Date` header (as a proxy that drops it).
+    `Date` header (as a proxy that drops it); `keep_alive` keeps connections open (HTTP/1.1), as the
+    Pushgateway does.
     """
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
         def status(self, code: int) -> None:
             (self.send_response if date else self.send_response_only)(code)
 

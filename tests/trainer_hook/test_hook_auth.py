@@ -5,9 +5,11 @@ import logging
 
 import pytest
 
+from tests.support.certs import PASSWORD, USER
 from tests.support.hook import http_gateway, run_id, wait_pushed
 from trainer_hook import TrainingMonitor
-from tests.support.certs import PASSWORD, USER
+from trainer_hook.contract import Snapshot
+from trainer_hook.push import Pusher, make_handler
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +67,26 @@ def test_bearer_token_is_sent_as_authorization_header(tmp_path):
     with http_gateway(respond) as url:
         monitor = _push_once(tmp_path, url, bearer_token="tok-123")
     assert monitor._pusher.failures == 0 and seen and set(seen) == {"Bearer tok-123"}
+
+
+def test_pushes_reuse_one_connection_and_each_carries_the_credentials():
+    """A run's pushes share one TCP connection (a handshake per push is load on the Pushgateway at
+    thousands of ranks), and every push on it still sends the Authorization header."""
+    seen: list[tuple[int, str | None]] = []
+
+    def respond(request) -> int:
+        seen.append((request.client_address[1], request.headers.get("Authorization")))
+        return 200
+
+    with http_gateway(respond, keep_alive=True) as url:
+        with TrainingMonitor(job="auth", run=run_id("keepalive"), pushgateway=url, bearer_token="tok-7",
+                             push_interval=60, record_path=False, delete_after=None) as monitor:
+            settings = monitor.settings
+        seen.clear()  # the monitor's own pushes, on its own connection
+        pusher = Pusher(settings, make_handler(settings))
+        try:
+            assert all(pusher.push(Snapshot()) for _ in range(3))
+        finally:
+            pusher.stop(1.0)
+    assert len(seen) == 3 and {auth for _, auth in seen} == {"Bearer tok-7"}
+    assert len({port for port, _ in seen}) == 1, seen  # one client port: one connection
