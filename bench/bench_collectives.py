@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer_hook import TrainingMonitor  # noqa: E402
+from trainer_hook import TrainingMonitor
 
 
 def steps(timed: bool, count: int, width: int, workdir: Path) -> list[float]:

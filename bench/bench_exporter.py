@@ -47,7 +47,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from stack.processes import free_port, wait_until  # noqa: E402
+from stack.processes import free_port, wait_until
 
 GPUS = 8
 CALL_COST = 0.001

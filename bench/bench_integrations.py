@@ -17,13 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from stack import processes  # noqa: E402
+from stack import processes
 
 VARIANTS = ("plain", "dualtrack", "plain again")
 WIDTH = 1536  # the MLP of the Lightning and Accelerate loops: ~20 ms CPU steps, like the GPT-2's

@@ -36,15 +36,16 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_exporter import cpu_seconds, rss_mb  # noqa: E402
-from stack import processes  # noqa: E402
+from bench_exporter import cpu_seconds, rss_mb
+from stack import processes
 from tests.support import daemons
 
 PUSH_INTERVAL = 5.0
@@ -60,7 +61,7 @@ def hook_payload() -> bytes:
     bodies: list[bytes] = []
 
     class Capture(BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+        def do_PUT(self) -> None:  # http.server's naming
             bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             self.end_headers()
@@ -84,7 +85,7 @@ def hook_payload() -> bytes:
 
 
 def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, payload: bytes,
-            results: "multiprocessing.Queue") -> None:
+            results: multiprocessing.Queue) -> None:
     """PUT `payload` under each of `ranks`' grouping keys every PUSH_INTERVAL (see drive)."""
     local = threading.local()
 
@@ -111,7 +112,7 @@ def _group(rank: int) -> str:
 
 
 def _hook_worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, payload: bytes,
-                 results: "multiprocessing.Queue") -> None:
+                 results: multiprocessing.Queue) -> None:
     """As _worker, but each rank PUTs through its own handler of the hook (trainer_hook.push.make_handler:
     whatever HTTP client the hook under test uses, with its connection handling)."""
     from trainer_hook.push import make_handler
@@ -130,7 +131,7 @@ def _hook_worker(port: int, ranks: list[int], total: int, seconds: float, start_
     drive(push, ranks, total, seconds, start_at, results)
 
 
-def _relay(upstream: int, ports: "multiprocessing.Queue", accepted: Any) -> None:
+def _relay(upstream: int, ports: multiprocessing.Queue, accepted: Any) -> None:
     """Relay each connection accepted on a free loopback port (put on `ports`) to 127.0.0.1:`upstream`,
     counting them in `accepted` (a multiprocessing.Value)."""
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -162,7 +163,7 @@ def _relay(upstream: int, ports: "multiprocessing.Queue", accepted: Any) -> None
 
 
 def drive(send: Callable[[int], bool], ranks: list[int], total: int, seconds: float, start_at: float,
-          results: "multiprocessing.Queue") -> None:
+          results: multiprocessing.Queue) -> None:
     """Call `send(rank)` (True: accepted) for `ranks` every PUSH_INTERVAL from start_at for `seconds`,
     each rank at its own phase; report (latencies, lateness, errors) on `results`.
 

@@ -29,12 +29,12 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_exporter import rss_mb  # noqa: E402
-from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load  # noqa: E402
-from stack import processes  # noqa: E402
+from bench_exporter import rss_mb
+from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load
+from stack import processes
 from tests.support import daemons
-from trainer_hook import remote_write  # noqa: E402
-from trainer_hook.contract import Snapshot  # noqa: E402
+from trainer_hook import remote_write
+from trainer_hook.contract import Snapshot
 
 
 def hook_snapshot() -> Snapshot:
@@ -47,11 +47,11 @@ def hook_snapshot() -> Snapshot:
         for step in range(20):
             monitor.log({"loss": 2.0 / (step + 1), "learning_rate": 3e-4, "grad_norm": 1.5, "epoch": 0},
                         step=step, samples=32, tokens=32 * 2048)
-    return monitor._latest  # noqa: SLF001 - the final published state
+    return monitor._latest  # the final published state
 
 
 def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: float, snapshot: Snapshot,
-            results: "multiprocessing.Queue") -> None:
+            results: multiprocessing.Queue) -> None:
     """Write `snapshot` as each of `ranks` every PUSH_INTERVAL (bench_pushgateway.drive), each request a
     WriteRequest of that rank's series with the current time, as the hook's writer sends it."""
     messages = remote_write.messages()
@@ -65,7 +65,7 @@ def _worker(port: int, ranks: list[int], total: int, seconds: float, start_at: f
             series.labels.extend(messages["Label"](name=k, value=v) for k, v in labels)
             series.samples.add(value=value)
         built[rank] = request
-    snappy = remote_write._snappy()  # noqa: SLF001 - the hook's own codec
+    snappy = remote_write._snappy()  # the hook's own codec
     headers = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
                "X-Prometheus-Remote-Write-Version": remote_write.PROTOCOL_VERSION, "User-Agent": "bench"}
     local = threading.local()

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from grafana_foundation_sdk.builders import (common, dashboard, heatmap, prometheus, stat, statetimeline,
                                              statushistory, table, timeseries, xychart)
@@ -184,7 +184,7 @@ def single(title: str, description: str, unit: str, queries: Sequence[Query], *,
 
 
 def organize(exclude: Sequence[str], rename: dict[str, str] | None = None) -> dm.DataTransformerConfig:
-    options: dict = {"excludeByName": {name: True for name in exclude}}
+    options: dict = {"excludeByName": dict.fromkeys(exclude, True)}
     if rename:
         options["renameByName"] = rename
     return dm.DataTransformerConfig(id_val="organize", options=options)

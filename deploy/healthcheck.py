@@ -39,7 +39,7 @@ def main() -> int:
     if password is not None:
         user = environ.get("DUALTRACK_HEALTHCHECK_USERNAME", "healthcheck")
         request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
-    context = ssl._create_unverified_context() if tls else None  # noqa: S323 - our own loopback port
+    context = ssl._create_unverified_context() if tls else None  # our own loopback port
     try:
         with urllib.request.urlopen(request, timeout=3, context=context) as response:
             return 0 if response.status == 200 else 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 #: subcommand -> module. Each module defines HELP (one line), add_arguments(parser) and
 #: run(args) -> int (the exit code). Modules import heavy libraries inside run(), not at import.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from trainer_hook.text import one_line
 

@@ -56,7 +56,7 @@ class Coverage:
     def key(self) -> tuple[str, str, str]:
         return (self.job, self.run, self.rank)
 
-    def covers(self, old: "Coverage") -> bool:
+    def covers(self, old: Coverage) -> bool:
         """True when this rewrite holds at least what `old` held: as many steps, as long a span."""
         return (self.key == old.key and self.steps >= old.steps > 0
                 and self.first <= old.first and self.last >= old.last)

@@ -27,7 +27,8 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 import requests
@@ -98,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
                         f"or a duration like 500ms or 1m (default {DEFAULT_TIMEOUT:g})")
 
 
-def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> "Prometheus | None":
+def from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> Prometheus | None:
     """The client the flags and environment describe; None when no URL is given. Raises ValueError."""
     url = args.prometheus or os.environ.get(ENV_URL) or None
     if url is None:

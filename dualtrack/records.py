@@ -25,7 +25,8 @@ import time as clock
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
+from collections.abc import Callable, Iterable, Iterator
 
 from trainer_hook.contract import (FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value,
                                    metric_suffix)

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_openmetrics(reader: Reader, builder: "BlockBuilder") -> list[tuple[Coverage, int]]:
+def write_openmetrics(reader: Reader, builder: BlockBuilder) -> list[tuple[Coverage, int]]:
     """Stream the reader's lines into the builder; (what was written, samples) for each run."""
     from .openmetrics import RunSeries
     series: dict[tuple[str, str, str], RunSeries] = {}
@@ -200,7 +200,7 @@ class BlockBuilder:
         self._close_chunk()
         self._wait()
 
-    def __enter__(self) -> "BlockBuilder":
+    def __enter__(self) -> BlockBuilder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -18,7 +18,8 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 PREFIX = ".dualtrack-replay-"
 OWNER_FILE = "dualtrack-replay-owner.json"

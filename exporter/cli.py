@@ -14,7 +14,8 @@ import re
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn
+from collections.abc import Callable, Sequence
 
 from exporter import __version__, kernellog, privileges
 from exporter.collectors import ALL, podresources

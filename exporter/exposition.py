@@ -28,7 +28,8 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 from exporter import __version__
 from exporter.metrics import (BUILD_INFO, COLLECTOR_DURATION, COLLECTOR_SUCCESS, COUNTER, DRIVER_INFO, ERRORS,
@@ -136,7 +137,7 @@ class GpuSnapshotCollector:
         try:
             view = self.view()
             families = self.head(view) + self.gpu_families(view) + self.tail(view.snapshot.samples, view.now)
-        except Exception:  # noqa: BLE001 - a scrape must answer whatever happens
+        except Exception:  # a scrape must answer whatever happens
             log.exception("building the exposition failed; serving exporter metrics only")
             families = self.tail((), self.clock())
         yield from map(metric, families)
@@ -247,7 +248,7 @@ class Exposition:
             return reused, fmt.content_type
         try:
             body = self._render(self.collector.view(snapshot), fmt.openmetrics)
-        except Exception:  # noqa: BLE001 - a bug here must not cost the scrape
+        except Exception:  # a scrape must answer whatever happens
             log.exception("fast exposition failed; rendering with prometheus_client")
             return render_registry(self.registry, accept, (), gzipped)
         body = compress(body) if gzipped else body

@@ -37,7 +37,8 @@ import os
 import re
 import stat
 import threading
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "/dev/kmsg"

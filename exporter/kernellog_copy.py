@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from exporter import kernellog, privileges
 from exporter.kernellog import KernelLogReader, XidRecord

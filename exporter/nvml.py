@@ -33,7 +33,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class Nvml:
             cuda_text = ""
         return driver, cuda_text
 
-    def devices(self) -> list["Device"]:
+    def devices(self) -> list[Device]:
         """Open every GPU and read its static identity (once)."""
         devices = []
         self.device_count = self.call("nvmlDeviceGetCount")
@@ -250,7 +251,7 @@ class Device:
     clock: Callable[[], float] = time.monotonic
 
     @classmethod
-    def open(cls, nvml: Nvml, index: int) -> "Device":
+    def open(cls, nvml: Nvml, index: int) -> Device:
         handle = nvml.call("nvmlDeviceGetHandleByIndex", index)
         device = cls(nvml, index, handle, uuid=as_text(nvml.call("nvmlDeviceGetUUID", handle)))
         device.name = as_text(device.optional("nvmlDeviceGetName") or "")

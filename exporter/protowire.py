@@ -10,7 +10,7 @@ package, its image installs no protobuf, and the kubelet's answer needs three fi
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5  # wire types; 3 and 4 (groups) are not accepted
 MAX_VARINT_BYTES = 10

@@ -13,7 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidCounts, XidWatcher
 from exporter.collectors.base import Values
@@ -172,7 +173,7 @@ class GpuSampler:
                 collector.collect(ctx)
             except GpuLost:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a collector bug must not stop the sampler
+            except Exception as exc:  # a collector bug must not stop the sampler
                 log.exception("GPU %d: collector %s failed", self.device.index, collector.name)
                 ctx.errors.append(type(exc).__name__)
             for error in ctx.errors:
@@ -207,7 +208,7 @@ class GpuSampler:
         except (GpuLost, CallFailed, Absent):  # still unreachable
             self.retry_at = now + self.retry_interval
             return False
-        except Exception:  # noqa: BLE001 - a bug: say so, keep retrying
+        except Exception:  # a bug: say so, keep retrying
             log.exception("GPU %d: re-opening failed", self.device.index)
             self.retry_at = now + self.retry_interval
             return False
@@ -232,7 +233,7 @@ class GpuSampler:
         while not stop.is_set():
             try:
                 self.sample_once()
-            except Exception:  # noqa: BLE001 - a bug in one sample must not end this GPU's sampling
+            except Exception:  # a bug in one sample must not end this GPU's sampling
                 log.exception("GPU %d: sample failed", self.device.index)
             next_at += self.interval
             delay = next_at - self.clock()

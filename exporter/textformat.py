@@ -17,7 +17,8 @@ import functools
 import gzip
 import math
 import re
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
+from collections.abc import Iterable, Iterator
 
 from exporter.metrics import COUNTER, GPU_LABELS, GPU_METRICS, MetricSpec
 

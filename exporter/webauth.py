@@ -23,7 +23,8 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, ContextManager
+from typing import ContextManager
+from collections.abc import Callable
 
 AUTH_CACHE_SIZE = 64
 MAX_PASSWORD_BYTES = 72  # bcrypt reads no more

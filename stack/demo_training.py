@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

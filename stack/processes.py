@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import requests
 import yaml
@@ -135,7 +135,7 @@ class Service:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Service":
+    def start(self, timeout: float = 30.0) -> Service:
         """Start the process and wait until its readiness endpoint answers 200."""
         log = open(self.log_path, "ab")
         # A session of its own (a terminal's Ctrl-C or hang-up reaches the owner, which stops the
@@ -182,7 +182,7 @@ class Service:
             self.proc.kill()
             self.proc.wait()
 
-    def restart(self, timeout: float = 30.0) -> "Service":
+    def restart(self, timeout: float = 30.0) -> Service:
         """Stop and start again on the same port with the same arguments."""
         self.stop()
         return self.start(timeout)
@@ -352,7 +352,7 @@ class WebhookReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_POST(self) -> None:  # http.server's naming
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 payload = {**json.loads(body), "received_at": time.time()}
                 with receiver._lock:
@@ -372,7 +372,7 @@ class WebhookReceiver:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}/alerts"
 
-    def start(self) -> "WebhookReceiver":
+    def start(self) -> WebhookReceiver:
         self._thread.start()
         return self
 

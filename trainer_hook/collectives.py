@@ -23,7 +23,8 @@ import threading
 import time
 from collections import deque
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ._torch import torch
 

@@ -19,7 +19,8 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
 
 from .masking import MASK, mask_text
 from .text import one_line

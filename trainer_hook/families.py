@@ -2,7 +2,8 @@
 per series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric, SummaryMetricFamily)

@@ -9,7 +9,7 @@ import threading
 import weakref
 from typing import Any
 
-_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 _state: dict[str, Any] = {"unhandled": None, "sigterm_installed": False, "excepthook_installed": False}
 
 
@@ -36,7 +36,7 @@ def unregister(monitor: Any) -> None:
         _state["sigterm_installed"] = False
 
 
-def _close_at_exit(ref: "weakref.ref[Any]") -> None:
+def _close_at_exit(ref: weakref.ref[Any]) -> None:
     monitor = ref()
     if monitor is not None:
         unhandled = _state["unhandled"]

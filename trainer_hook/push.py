@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 
@@ -147,7 +147,7 @@ class Pusher:
                 snapshot, self._pending = self._pending, None
             try:
                 self.push(snapshot)
-            except Exception:  # noqa: BLE001 - a bug here must not end pushing
+            except Exception:  # a bug here must not end pushing
                 log.exception("trainer_hook internal error while pushing; training continues")
 
     def push(self, snapshot: Snapshot) -> bool:

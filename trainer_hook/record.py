@@ -20,7 +20,8 @@ import re
 import secrets
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO
+from collections.abc import Iterable
 
 from .contract import FORMAT_VERSION
 

@@ -32,7 +32,8 @@ import threading
 import time
 from collections import deque
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Iterable
 
 from prometheus_client.utils import floatToGoString
 
@@ -232,7 +233,7 @@ class RemoteWriter:
                            for _ in range(min(len(self._queue), MAX_BATCHES_PER_REQUEST))]
             try:
                 self._write(encode(batches))
-            except Exception:  # noqa: BLE001 - a bug here must not end writing
+            except Exception:  # a bug here must not end writing
                 log.exception("trainer_hook internal error in remote write; training continues")
 
     def _write(self, body: bytes) -> None:

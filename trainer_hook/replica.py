@@ -14,7 +14,8 @@ import struct
 import threading
 from collections import Counter, deque
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ._torch import torch
 

@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("trainer_hook")
 
@@ -182,7 +182,7 @@ class MetricsServer:
             sock, head = item
             try:
                 self._send(sock, self._answer(head))
-            except Exception:  # noqa: BLE001 - a scrape gone wrong must not end serving
+            except Exception:  # a scrape gone wrong must not end serving
                 log.debug("pull mode: answering a scrape failed", exc_info=True)
             finally:
                 sock.close()

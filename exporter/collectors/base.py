@@ -1,7 +1,8 @@
 """What a collector is, and the context it reads NVML through during one GPU sample."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
 
 from exporter.nvml import Absent, CallFailed, Device, FieldValue
 from exporter.textformat import Values
@@ -34,7 +35,7 @@ class Collector:
         """NVML field ids (with scope) this collector reads from the shared field batch."""
         return ()
 
-    def collect(self, ctx: "SampleContext") -> None:
+    def collect(self, ctx: SampleContext) -> None:
         raise NotImplementedError
 
     def close(self) -> None:

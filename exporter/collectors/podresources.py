@@ -32,7 +32,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
+from collections.abc import Iterable, Iterator
 
 from exporter import protowire
 from exporter.collectors.base import Collector, SampleContext

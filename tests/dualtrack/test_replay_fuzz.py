@@ -14,7 +14,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -137,7 +137,7 @@ def make_out(root: Path, extras: set[str]) -> Path:
     names = ["../victim", str(victim), "..", foreign.name, "../victim/01ARZ3NDEKTSV4RRFFQ69G5FAV"]
     if "escaping-manifest" in extras:
         entry = {"meta_sha256": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a", "runs": []}
-        (out / "dualtrack-replay.json").write_text(json.dumps({"format": 2, "blocks": {n: entry for n in names}}))
+        (out / "dualtrack-replay.json").write_text(json.dumps({"format": 2, "blocks": dict.fromkeys(names, entry)}))
     elif "legacy-manifest" in extras:
         (out / "dualtrack-replay.json").write_text(json.dumps({n: [] for n in names}))
     elif "garbage-manifest" in extras:

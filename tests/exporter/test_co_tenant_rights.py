@@ -160,7 +160,7 @@ def test_a_co_tenant_in_another_uids_container_is_named_with_the_deployments_rig
         assert labels["co-tenant"]["process"] == "stress-ng"
 
     base = (time.time() // 3600 - 3) * 3600
-    runs = {deployment: "co-tenant-uid" for deployment in DEPLOYMENTS}
+    runs = dict.fromkeys(DEPLOYMENTS, "co-tenant-uid")
     support.backfill(runs, base, tmp_path / "prometheus-data", tmp_path, ranks=3,
                      identities={deployment: identities(seen[deployment], reported) for deployment in DEPLOYMENTS})
     config = tmp_path / "prometheus.yml"

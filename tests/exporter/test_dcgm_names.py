@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import yaml
 
 from dualtrack import dcgm_names
-from stack import processes
 from tests.support import daemons
 from tests.support.hook import live_stack
 from tests.support.paths import REPO

@@ -11,7 +11,7 @@ import gc
 import itertools
 import logging
 import tracemalloc
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -29,7 +29,7 @@ class Growth:
         self.grown = 0
         self.report = ""
 
-    def __enter__(self) -> "Growth":
+    def __enter__(self) -> Growth:
         tracemalloc.start(4)
         return self
 

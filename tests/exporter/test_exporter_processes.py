@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import astuple
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

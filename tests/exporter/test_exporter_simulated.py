@@ -21,7 +21,7 @@ def test_input_bound_swings_two_seconds_busy_two_idle_and_power_follows():
 def test_memory_leak_climbs_in_steps_until_full_within_the_configured_minutes():
     lib = SimulatedNVML("memory-leak", 1, leak_minutes=30)
     total = lib.traits[0].memory_total
-    used = [lib.workload.memory_used(0, minute * 60.0) for minute in range(0, 32)]
+    used = [lib.workload.memory_used(0, minute * 60.0) for minute in range(32)]
     assert used == sorted(used) and used[0] < total / 2
     assert lib.workload.memory_used(0, 10.0) == lib.workload.memory_used(0, 20.0)  # steps, not a ramp
     assert used[30] >= total - GIB

@@ -9,7 +9,7 @@ import tempfile
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -61,7 +61,7 @@ class FakeKubelet:
         time.sleep(self.delay)
         return self.response
 
-    def start(self) -> "FakeKubelet":
+    def start(self) -> FakeKubelet:
         self.server.start()
         return self
 

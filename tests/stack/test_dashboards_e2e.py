@@ -14,7 +14,7 @@ import signal
 import time
 import sys
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests
@@ -68,7 +68,7 @@ class Stack:
         self.workdir = workdir
         self.services: list[processes.Service] = []
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         self.pgw = self._start(processes.pushgateway(self.workdir))
         faults = self.workdir / "faults.json"
         faults.write_text(json.dumps(FAULT_PLAN))

@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import requests

@@ -15,7 +15,7 @@ from tests.support.deploy import KUBE, find, kustomization, objects, with_compon
 from tests.support.paths import REPO
 
 sys.path.insert(0, str(KUBE))
-import generate  # noqa: E402
+import generate
 
 BUILT_IN = {"Namespace", "DaemonSet", "Service", "PersistentVolumeClaim", "Deployment", "CronJob", "ConfigMap",
             "NetworkPolicy"}

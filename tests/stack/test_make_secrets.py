@@ -14,7 +14,7 @@ import yaml
 from tests.support.paths import REPO
 
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
-import make_secrets  # noqa: E402
+import make_secrets
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 PUBLIC = {"ca.crt", "tls.crt"}

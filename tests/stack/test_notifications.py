@@ -9,7 +9,6 @@ import email
 import email.policy
 import re
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -124,7 +123,7 @@ class SmtpSink:
         sink = self
 
         class Handler:
-            async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's naming
+            async def handle_DATA(self, server, session, envelope):  # aiosmtpd's naming
                 sink.messages.append(email.message_from_bytes(envelope.original_content, policy=email.policy.default))
                 return "250 OK"
 

@@ -24,7 +24,7 @@ from trainer_hook.connection import Endpoint
 from tests.support.paths import REPO
 
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
-import make_secrets  # noqa: E402
+import make_secrets
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")]

@@ -6,7 +6,8 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import requests
 
@@ -80,7 +81,7 @@ class NonFiniteRun:
         return {"job": "alerting-test", "run": self.run, "rank": "0", "instance": socket.gethostname()}
 
     @classmethod
-    def start(cls, pipeline: AlertPipeline, record_path: Path, **monitor_args: Any) -> "NonFiniteRun":
+    def start(cls, pipeline: AlertPipeline, record_path: Path, **monitor_args: Any) -> NonFiniteRun:
         run = run_id("alert")
         monitor = TrainingMonitor(job="alerting-test", run=run, pushgateway=pipeline.pushgateway.url,
                                   push_interval=0.5, record_path=record_path, **monitor_args)

@@ -21,11 +21,11 @@ from datetime import timedelta
 from pathlib import Path
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer_hook import TrainingMonitor  # noqa: E402
+from trainer_hook import TrainingMonitor
 
 
 def main(mode: str, folder: Path) -> None:

@@ -30,11 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
-import torch  # noqa: E402 - after the stack-dump handler, so a hang in an import shows too
-import torch.distributed as dist  # noqa: E402
+import torch  # after the stack-dump handler, so a hang in an import shows too
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
+from trainer_hook import TrainingMonitor, grad_norm
 
 STEPS = 8
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 #: What a well-formed, empty instant-vector answer looks like.
 EMPTY_VECTOR = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
@@ -25,7 +25,7 @@ class RawServer:
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, name="hostile-http", daemon=True)
 
-    def __enter__(self) -> "RawServer":
+    def __enter__(self) -> RawServer:
         self._thread.start()
         return self
 

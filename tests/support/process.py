@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from tests.support.paths import REPO
 

@@ -6,7 +6,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import cramjam
 
@@ -42,7 +42,7 @@ def receiver(respond: Callable[[Received], int | tuple] = lambda _: 204
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:  # http.server's naming
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             series, raw = decode(body)
             request = Received(dict(self.headers), series, raw)

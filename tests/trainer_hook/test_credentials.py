@@ -7,7 +7,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
@@ -201,7 +201,7 @@ def redirect_to_another_host() -> Iterator[tuple[str, list[str | None]]]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-        do_GET = do_PUT = do_DELETE = _answer  # noqa: N815
+        do_GET = do_PUT = do_DELETE = _answer
 
         def log_message(self, *args) -> None:
             pass
@@ -215,7 +215,7 @@ def redirect_to_another_host() -> Iterator[tuple[str, list[str | None]]]:
             self.send_header("Location", f"http://127.0.0.2:{other.server_port}{self.path}")
             self.send_header("Content-Length", "0")
             self.end_headers()
-        do_GET = do_PUT = do_DELETE = _answer  # noqa: N815
+        do_GET = do_PUT = do_DELETE = _answer
 
         def log_message(self, *args) -> None:
             pass

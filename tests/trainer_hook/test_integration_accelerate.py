@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("accelerate")
-import accelerate  # noqa: E402
-import torch  # noqa: E402
+import accelerate
+import torch
 
-from stack import processes  # noqa: E402
-from tests.support.hook import record_lines, run_id  # noqa: E402
-from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+from stack import processes
+from tests.support.hook import record_lines, run_id
+from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,
                                       gpu_fp16_on_cpu, slow_loader)
-from trainer_hook.integrations.accelerate import DualtrackTracker  # noqa: E402
+from trainer_hook.integrations.accelerate import DualtrackTracker
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
 

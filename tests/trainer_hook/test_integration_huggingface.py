@@ -9,13 +9,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from the hub here
 transformers = pytest.importorskip("transformers")
-import torch  # noqa: E402
+import torch
 
-from stack import processes  # noqa: E402
-from tests.support.hook import record_lines, run_id  # noqa: E402
-from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,  # noqa: E402
+from stack import processes
+from tests.support.hook import record_lines, run_id
+from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,
                                       gpu_fp16_on_cpu)
-from trainer_hook.integrations.huggingface import DualtrackCallback  # noqa: E402
+from trainer_hook.integrations.huggingface import DualtrackCallback
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1
 

@@ -6,12 +6,12 @@ import importlib
 import pytest
 
 pytest.importorskip("lightning")
-import torch  # noqa: E402
+import torch
 
-from stack import processes  # noqa: E402
-from tests.support.hook import record_lines, run_id  # noqa: E402
-from tests.support.integration import SyncCounter, final_pushed, slow_loader  # noqa: E402
-from trainer_hook.integrations.lightning import DualtrackCallback  # noqa: E402
+from stack import processes
+from tests.support.hook import record_lines, run_id
+from tests.support.integration import SyncCounter, final_pushed, slow_loader
+from trainer_hook.integrations.lightning import DualtrackCallback
 
 BATCH, ACCUMULATE, STEPS, NAN_BATCH, LOAD_DELAY = 8, 2, 5, 9, 0.02  # NaN in the last batch
 

@@ -16,7 +16,7 @@ from trainer_hook.settings import PUSHGATEWAY_MAX_RANKS, pushgateway_interval
 from tests.support.paths import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-import bench_pushgateway  # noqa: E402
+import bench_pushgateway
 
 
 def ceiling_warnings(caplog, monkeypatch, tmp_path: Path, world_size: int) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from tests.support.paths import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-import bench_pushgateway  # noqa: E402
+import bench_pushgateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -226,7 +226,7 @@ def test_a_new_run_under_the_same_identity_cancels_the_stale_markers(tmp_path):
     with receiver() as (url, got):
         first = monitor(url, tmp_path, delete_after=5.0)
         first.close()
-        deletion = push._deletions[first._writer._group]  # noqa: SLF001
+        deletion = push._deletions[first._writer._group]
         again = monitor(url, tmp_path, delete_after=0)
         deletion.thread.join(10)
         assert deletion.cancelled.is_set() and not deletion.thread.is_alive()

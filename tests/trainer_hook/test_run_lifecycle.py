@@ -80,7 +80,7 @@ def test_a_new_run_under_the_same_identity_keeps_its_group(pgw):
     run = run_id("again")
     with TrainingMonitor(job="life", run=run, pushgateway=pgw.url, record_path=False, delete_after=1.0) as m:
         m.log({"loss": 0.5}, step=0)
-    deletion = next(d for key, d in push._deletions.items() if ("run", run) in key[2])  # noqa: SLF001
+    deletion = next(d for key, d in push._deletions.items() if ("run", run) in key[2])
     again = TrainingMonitor(job="life", run=run, pushgateway=pgw.url, record_path=False, delete_after=0)
     try:
         deletion.thread.join(10)
@@ -95,7 +95,7 @@ def test_an_unreachable_pushgateway_schedules_no_deletion_to_wait_for():
     with TrainingMonitor(job="life", run=run, pushgateway=f"http://127.0.0.1:{processes.free_port()}",
                          record_path=False, push_timeout=1) as m:
         m.log({"loss": 0.5}, step=0)
-    assert not any(("run", run) in key[2] for key in push._deletions)  # noqa: SLF001
+    assert not any(("run", run) in key[2] for key in push._deletions)
 
 
 @pytest.mark.parametrize("env, argument, expected", [

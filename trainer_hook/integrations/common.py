@@ -9,7 +9,8 @@ import sys
 import time
 from collections.abc import Mapping
 from types import FrameType, ModuleType
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from .._torch import TENSOR_TYPES
 from ..monitor import TrainingMonitor

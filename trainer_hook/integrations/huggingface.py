@@ -10,7 +10,8 @@ Nothing is read to the host on the training thread.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..watch import whole_grad_norm
 from .common import DeferredMonitor, batch_size, calling_instance, engine_grad_norm, require
