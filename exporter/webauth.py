@@ -150,5 +150,6 @@ def san_allowed(connection: socket.socket, allowed_sans: tuple[str, ...]) -> boo
     connection has one: SANs are only allowed with TLS, which has loaded `ssl`)."""
     import ssl
     cert = connection.getpeercert() if isinstance(connection, ssl.SSLSocket) else None
-    names = {value for _, value in (cert or {}).get("subjectAltName", ())}
+    entries = (cert or {}).get("subjectAltName", ())  # ((type, value), ...), e.g. (("DNS", "host"),)
+    names = {entry[1] for entry in entries if isinstance(entry, tuple)}
     return bool(names & set(allowed_sans))

@@ -15,8 +15,8 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any
-from collections.abc import Mapping
 
 if TYPE_CHECKING:
     import ssl
@@ -87,7 +87,7 @@ def load_web_config(path: str) -> WebConfig:
     )
 
 
-def _mapping(value: Any, where: str, allowed: set[str], unsupported: set[str] = frozenset()) -> dict:
+def _mapping(value: Any, where: str, allowed: Set[str], unsupported: Set[str] = frozenset()) -> dict:
     if not isinstance(value, dict):
         raise WebConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
     for key in value:
