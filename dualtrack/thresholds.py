@@ -48,8 +48,10 @@ GRAD_SPIKE_FACTOR = 10.0
 GRAD_SPIKE_QUANTILE = 0.5
 GRAD_SPIKE_FLOOR = 1e-4
 GRAD_SPIKE_HISTORY = 5
-#: TrainingLossScaleCollapse: the loss scale below 1 / LOSS_SCALE_COLLAPSE of its maximum.
+#: TrainingLossScaleCollapse: the loss scale below 1 / LOSS_SCALE_COLLAPSE of its maximum over the last
+#: LOSS_SCALE_WINDOW seconds (a scale that drifts down over hours is no collapse).
 LOSS_SCALE_COLLAPSE = 1024.0
+LOSS_SCALE_WINDOW = 3600.0
 #: A pause (monitor.paused()) holds back TrainingRankHung and TrainingStalled for at most PAUSE_MAX
 #: seconds (rules/pause.yml's job_run:training_pause:seconds); past it, TrainingPauseTooLong fires.
 PAUSE_MAX = 900.0

@@ -39,6 +39,10 @@ SPIKE = 80.0
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
 OOM_AT = 3000.0
+#: The "scale-drift" scenario (not in SCENARIOS: it needs a run of DRIFT_MINUTES): rank 0's loss scale
+#: halves every DRIFT_HALVING seconds, 1024x below its start after 80 min but never 1024x within an hour.
+DRIFT_HALVING = 480.0
+DRIFT_MINUTES = 150.0
 #: Each rank trains in a container of its own: pid CONTAINER_PID in PID namespace container_namespace(rank),
 #: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE). In the "co-tenant" scenario
 #: the last rank's neighbour computes (CO_TENANT_SM of the SMs, taken from the rank's process); rank 0's
@@ -159,6 +163,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "scale-drift" and rank == 0:
+        state.loss_scale = 65536.0 / 2 ** int(at // DRIFT_HALVING)
     elif scenario == "lr-jump" and after:
         state.learning_rate, state.nonfinite_from = JUMPED_RATE, FAULT_AT
         state.grad_norm = SPIKE if at < FAULT_AT + SCRAPE else 1.0  # the run rolls back and carries on

@@ -260,13 +260,16 @@ def alert_rules() -> dict[str, dict]:
 
 
 def test_explain_uses_the_alerts_own_conditions():
-    """One definition: explain's gradient spike is TrainingGradientExplosion's expression (its numbers,
-    and those of data starvation and stragglers, are dualtrack/thresholds.py's: tests/test_thresholds.py)."""
+    """One definition: explain's gradient spike is TrainingGradientExplosion's expression, its loss-scale
+    collapse TrainingLossScaleCollapse's first condition (their numbers, and those of data starvation and
+    stragglers, are dualtrack/thresholds.py's: tests/test_thresholds.py)."""
     rules = alert_rules()
     gating = "and on (job, run, rank, instance) training_run_state{state=\"running\"} == 1"
     explosion = " ".join(rules["TrainingGradientExplosion"]["expr"].split())
     assert explosion.endswith(gating)
     assert promql_text(explosion[:-len(gating)]) == promql_text(explain_events.GRAD_SPIKE)
+    collapse = rules["TrainingLossScaleCollapse"]["expr"].splitlines()[0]
+    assert promql_text(collapse) == promql_text(explain_events.LOSS_SCALE_COLLAPSE)
 
 
 def test_the_alert_comparison_can_fail():
@@ -274,6 +277,8 @@ def test_the_alert_comparison_can_fail():
     spike = promql_text(" ".join(alert_rules()["TrainingGradientExplosion"]["expr"].split()))
     for old, new in (("[30m]", "[20m]"), ("> 1e-4", "> 1e-3"), (">= 5", ">= 4"), ("10 *", "8 *")):
         assert promql_text(spike.replace(promql_text(old), promql_text(new))) != spike, old
+    collapse = alert_rules()["TrainingLossScaleCollapse"]["expr"].splitlines()[0]
+    assert promql_text(collapse.replace("[1h]", "[2h]")) != promql_text(explain_events.LOSS_SCALE_COLLAPSE)
 
 
 def test_a_learning_rate_jump_is_named_before_the_spike_and_the_nonfinite_step_it_causes(prometheus, capsys):
@@ -345,6 +350,28 @@ def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
     assert "no other rank affected: no GPU evidence, so the model or its input" in spike["sentence"]
     assert kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
     assert oom["gpu_uuid"] == support.uuid_of("model", 1)
+
+
+def test_a_loss_scale_that_drifts_down_for_hours_is_no_collapse(tmp_path, start_service, capsys):
+    """TrainingLossScaleCollapse compares the scale with its maximum over the last hour: a scale halving
+    every 8 min falls 1024x below its start after 80 min, yet never 1024x within an hour. Neither the
+    alert's condition nor explain sees a collapse (the run's own maximum would)."""
+    base = (time.time() // 3600 - 4) * 3600
+    support.backfill({"scale-drift": "scale-drift"}, base, tmp_path / "prometheus-data", tmp_path,
+                     minutes=support.DRIFT_MINUTES)
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    service = start_service(processes.prometheus(tmp_path, config))
+    end = base + support.DRIFT_MINUTES * 60
+    run = 'run="scale-drift"'
+    over_run = f"[{int(end - base)}s:{int(support.SCRAPE)}s]"
+    alert = explain_events.LOSS_SCALE_COLLAPSE.replace("{SEL}", "{%s}" % run)
+    assert daemons.query(service.url, f"count_over_time(({alert}){over_run})", at=end) == []
+    whole_run = f"training_loss_scale{{{run}}} < max_over_time(training_loss_scale{{{run}}}[{int(end - base)}s]) / 1024"
+    assert daemons.query(service.url, f"count_over_time(({whole_run}){over_run})", at=end), "the scale never fell 1024x"
+    window = ["--since", str(base), "--until", str(end + 100)]
+    assert main(["explain", "scale-drift", "--prometheus", service.url, *window, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == []
 
 
 def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):

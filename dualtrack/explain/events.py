@@ -2,7 +2,7 @@
 
 Each detector of DETECTORS reads the run through a Reader and returns its Events, without causes
 (causes.py finds those). Where an alert watches the same thing, the detector evaluates the alert's
-own condition (GRAD_SPIKE) or its numbers (dualtrack/thresholds.py), so that an
+own condition (GRAD_SPIKE, LOSS_SCALE_COLLAPSE) or its numbers (dualtrack/thresholds.py), so that an
 event and its alert agree.
 """
 from __future__ import annotations
@@ -44,6 +44,11 @@ GRAD_SPIKE = f"""(
 #: The spike's size, as TrainingGradientExplosion's description says it ("Nx its median over the 30 min
 #: before"): one expression, evaluated by Prometheus for both (tests/test_explain.py checks the rule's).
 GRAD_SPIKE_RATIO = f"{_SPIKE} / {_MEDIAN}"
+#: TrainingLossScaleCollapse's first condition (tests/test_explain.py checks it against the rule), and
+#: the maximum it compares with.
+LOSS_SCALE_PEAK = f"max_over_time(training_loss_scale{{SEL}}[{window(limits.LOSS_SCALE_WINDOW)}])"
+LOSS_SCALE_COLLAPSE = f"training_loss_scale{{SEL}} < {LOSS_SCALE_PEAK} / {limits.LOSS_SCALE_COLLAPSE:g}"
+
 #: A per-rank hit: (time, rank, step, detail).
 Hit = tuple[float, str, int | None, str]
 
@@ -256,17 +261,20 @@ def starvation(reader: Reader) -> list[Event]:
 
 
 def loss_scale_collapses(reader: Reader) -> list[Event]:
-    """The loss scale below 1 / LOSS_SCALE_COLLAPSE of its maximum so far."""
+    """Where the loss scale falls below 1 / LOSS_SCALE_COLLAPSE of its maximum over the LOSS_SCALE_WINDOW
+    before (TrainingLossScaleCollapse's window): the first point of each collapse."""
+    peaks = reader.by_rank(reader.fill(LOSS_SCALE_PEAK))
     hits: list[Hit] = []
     for rank, values in reader.by_rank(reader.select("training_loss_scale")).items():
-        top, collapsed = -math.inf, False
+        peak = dict(peaks.get(rank, []))
+        collapsed = False
         for at, value in values:
+            top = peak.get(at, value)
             if value < top / limits.LOSS_SCALE_COLLAPSE and not collapsed:
                 hits.append((at, rank, reader.step_at(rank, at), f"loss scale fell from {top:g} to {value:g}"))
                 collapsed = True
             elif value >= top / limits.LOSS_SCALE_COLLAPSE:
                 collapsed = False
-            top = max(top, value)
     return _group(hits, "loss_scale_collapse", limits.NEAR_POINTS * reader.res)
 
 
