@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from dualtrack import thresholds
+from dualtrack.cli import main
 from dualtrack.explain import events as explain_events
 from dualtrack.explain.command import parse_time
 from dualtrack.explain.model import Cause, Event, Timeline
 from dualtrack.explain.render import render_text
-from dualtrack.cli import main
 from stack import processes
-from tests import daemons
 from stack.processes import REPO
+from tests import daemons
 from tests import explain_support as support
 
 pytestmark = pytest.mark.e2e

@@ -415,8 +415,7 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     causes: list[Cause] = []
     if counters:
         step = max(1.0, (search.at - search.start) / limits.COUNTER_POINTS)
-        answer = reader.client.query_range(selector("", exporter_gpus(search.gpus), __name__=one_of(counters)),
-                                           search.start, search.at, step)
+        answer = reader.client.query_range(counter_query(search, counters), search.start, search.at, step)
         causes = counter_causes(search, answer, step)
     for probe in (row for row in rows if isinstance(row, Probe)):
         answer = reader.client.query(probe.query(search), search.at)
@@ -425,6 +424,11 @@ def find_causes(reader: Reader, event: Event) -> list[Cause]:
     where = ", ".join(search.gpus) if search.gpus else "the run's GPUs: the run reports no GPU"
     return causes or [Cause("none_found", f"no infra evidence on {where} in the "
                                           f"{in_minutes(limits.EVIDENCE_WINDOW)} before", 0.0, "")]
+
+
+def counter_query(search: Search, counters: list[str]) -> str:
+    """The exporter's `counters` of the search's GPUs, one selector (read over the window)."""
+    return selector("", exporter_gpus(search.gpus), __name__=one_of(counters))
 
 
 def counter_causes(search: Search, answer: Answer, step: float) -> list[Cause]:
