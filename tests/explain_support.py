@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
+
+from stack import processes
 
 SCRAPE = 15.0
 FAULT_AT = 1800.0
@@ -245,7 +249,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f'training_process_info{{{train},hostname="{host}",{named["rank"].hook}}} 1{ts}')
             # What rules/recording.yml records: the rank's exporter GPU (a MIG instance's parent).
             mig = f',gpu_instance="1",mig_uuid="{hook_uuid}"' if hook_uuid != uuid else ""
-            lines.append(f'job_run_rank_gpu:training_gpu_info:nvml{{{train},gpu="{rank % 8}",uuid="{uuid}"{mig}}} 1{ts}')
+            joined = f'{train},gpu="{rank % 8}",uuid="{uuid}"{mig}'
+            lines.append(f"job_run_rank_gpu:training_gpu_info:nvml{{{joined}}} 1{ts}")
             lines.append(f"nvml_gpu_lost{{{gpu}}} {int(now.lost)}{ts}")
             if now.lost:  # the exporter drops a lost GPU's series
                 lines.append(f"nvml_exporter_gpu_lost_total{{{gpu}}} 1{ts}")
@@ -301,7 +306,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
     while at <= minutes * 60:
         states = [rank_state(scenario, rank, at, ranks) for rank in range(ranks)]
         shares = [0.0 if s.failed_at is not None and at >= s.failed_at else 1 - s.wait_share for s in states]
-        lines.append(f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}} {sum(shares) / ranks} {base + at:.3f}')
+        goodput = f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}}'
+        lines.append(f"{goodput} {sum(shares) / ranks} {base + at:.3f}")
         at += scrape
     out.write("\n".join(lines) + "\n")
     return samples + len(lines)
@@ -326,3 +332,15 @@ def backfill(scenarios: dict[str, str], base: float, data: Path, workdir: Path, 
                    check=True, capture_output=True, timeout=600)
     source.unlink()
     return samples
+
+
+@contextmanager
+def serving(work: Path) -> Iterator[str]:
+    """A real Prometheus over the blocks in `work`/prometheus-data (backfill's `data`, if any): its URL."""
+    config = work / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    service = processes.prometheus(work, config).start()
+    try:
+        yield service.url
+    finally:
+        service.stop()

@@ -34,11 +34,8 @@ def prometheus(tmp_path_factory) -> dict:
     # forged-xid: the xid scenario, its GPU series pushed or remote-written under the training job
     support.backfill({**{name: name for name in support.SCENARIOS}, "forged-xid": "xid"}, base,
                      work / "prometheus-data", work, gpu_jobs={"forged-xid": "train"})
-    config = work / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1h}\n")
-    service = processes.prometheus(work, config).start()
-    yield {"url": service.url, "base": base}
-    service.stop()
+    with support.serving(work) as url:
+        yield {"url": url, "base": base}
 
 
 def explain(prometheus: dict, run: str, capsys, *extra: str) -> tuple[int, str, str]:
@@ -352,25 +349,23 @@ def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
     assert oom["gpu_uuid"] == support.uuid_of("model", 1)
 
 
-def test_a_loss_scale_that_drifts_down_for_hours_is_no_collapse(tmp_path, start_service, capsys):
+def test_a_loss_scale_that_drifts_down_for_hours_is_no_collapse(tmp_path, capsys):
     """TrainingLossScaleCollapse compares the scale with its maximum over the last hour: a scale halving
     every 8 min falls 1024x below its start after 80 min, yet never 1024x within an hour. Neither the
     alert's condition nor explain sees a collapse (the run's own maximum would)."""
     base = (time.time() // 3600 - 4) * 3600
     support.backfill({"scale-drift": "scale-drift"}, base, tmp_path / "prometheus-data", tmp_path,
                      minutes=support.DRIFT_MINUTES)
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1h}\n")
-    service = start_service(processes.prometheus(tmp_path, config))
     end = base + support.DRIFT_MINUTES * 60
-    run = 'run="scale-drift"'
+    run = '{run="scale-drift"}'
     over_run = f"[{int(end - base)}s:{int(support.SCRAPE)}s]"
-    alert = explain_events.LOSS_SCALE_COLLAPSE.replace("{SEL}", "{%s}" % run)
-    assert daemons.query(service.url, f"count_over_time(({alert}){over_run})", at=end) == []
-    whole_run = f"training_loss_scale{{{run}}} < max_over_time(training_loss_scale{{{run}}}[{int(end - base)}s]) / 1024"
-    assert daemons.query(service.url, f"count_over_time(({whole_run}){over_run})", at=end), "the scale never fell 1024x"
-    window = ["--since", str(base), "--until", str(end + 100)]
-    assert main(["explain", "scale-drift", "--prometheus", service.url, *window, "--json"]) == 0
+    alert = explain_events.LOSS_SCALE_COLLAPSE.replace("{SEL}", run)
+    whole_run = f"training_loss_scale{run} < max_over_time(training_loss_scale{run}[{int(end - base)}s]) / 1024"
+    with support.serving(tmp_path) as url:
+        assert daemons.query(url, f"count_over_time(({alert}){over_run})", at=end) == []
+        assert daemons.query(url, f"count_over_time(({whole_run}){over_run})", at=end), "the scale never fell 1024x"
+        window = ["--since", str(base), "--until", str(end + 100)]
+        assert main(["explain", "scale-drift", "--prometheus", url, *window, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["events"] == []
 
 

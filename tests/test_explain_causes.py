@@ -12,8 +12,7 @@ from dualtrack.explain.causes import CAUSES, Counter, Finding, Probe, Search, co
 from dualtrack.explain.events import KINDS
 from dualtrack.explain.model import Event
 from dualtrack.prometheus import QueryError
-from stack import processes
-from tests import daemons
+from tests import daemons, explain_support
 
 #: A search that every row can ask: a rank's whole GPU and a MIG instance of another.
 SEARCH = Search(Event("failed", 10, 1000.0, "0", "GPU-a", ""), 'run="r"', ["GPU-a", "GPU-b"], "GPU-a", ["GPU-a"],
@@ -64,12 +63,8 @@ def test_a_row_of_an_unknown_kind_or_event_is_refused() -> None:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real, empty Prometheus: it parses the queries."""
-    work = tmp_path_factory.mktemp("causes")
-    config = work / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1h}\n")
-    service = processes.prometheus(work, config).start()
-    yield service.url
-    service.stop()
+    with explain_support.serving(tmp_path_factory.mktemp("causes")) as url:
+        yield url
 
 
 @pytest.mark.e2e

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from dualtrack.explain.promql import matchers, not_equal, one_of, quote, selector, window
-from stack import processes
-from tests import daemons
+from tests import daemons, explain_support
 
 #: Run ids nobody should choose, and somebody will.
 HOSTILE = ('say "hi"', "back\\slash", "new\nline", 'all \\" of\n them\\', 'x",job="other', "a.b|c*", "}{ ]")
@@ -48,11 +47,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     (work / "series.om").write_text("\n".join(lines) + "\n# EOF\n")
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(work / "series.om"),
                     str(work / "prometheus-data")], check=True, capture_output=True, timeout=120)
-    config = work / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1h}\n")
-    service = processes.prometheus(work, config).start()
-    yield service.url
-    service.stop()
+    with explain_support.serving(work) as url:
+        yield url
 
 
 @pytest.mark.e2e

@@ -212,12 +212,19 @@ def slowdowns(reader: Reader) -> list[Event]:
         for rank, values in rates.items():
             share = [(t, v / medians[t] if medians.get(t) else 1.0) for t, v in values]
             slow = [s < limits.STRAGGLER_SHARE and v > 0 for (_, s), (_, v) in zip(share, values, strict=True)]
-            for found, k in _episodes([t for t, _ in share], slow,
-                                      [s < limits.STRAGGLER_RECOVERED for _, s in share], limits.STRAGGLER_FOR):
-                at = share[found][0]
-                low = statistics.median(s for _, s in share[found:k])
-                events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
-                                    f"stepped at {low:.0%} of the run's median rate"))
+            events += _stragglers(reader, rank, share, slow, [s < limits.STRAGGLER_RECOVERED for _, s in share],
+                                  limits.STRAGGLER_FOR, "stepped at {:.0%} of the run's median rate")
+    return events
+
+
+def _stragglers(reader: Reader, rank: str, shares: list[tuple[float, float]], onset: list[bool], held: list[bool],
+                duration: float, detail: str) -> list[Event]:
+    """A straggler event per episode of the rank's `shares` (_episodes), `detail` saying the episode's median."""
+    events = []
+    for found, end in _episodes([t for t, _ in shares], onset, held, duration):
+        at = shares[found][0]
+        middle = statistics.median(share for _, share in shares[found:end])
+        events.append(Event("straggler", reader.step_at(rank, at), at, rank, None, detail.format(middle)))
     return events
 
 
@@ -238,12 +245,9 @@ def lockstep_stragglers(reader: Reader) -> list[Event]:
     for rank, values in shares.items():
         gap = [(at, max(by_time[at].values()) - value) for at, value in values
                if math.isfinite(value) and len(by_time[at]) > 1]
-        for found, k in _episodes([t for t, _ in gap], [g >= limits.STRAGGLER_WAIT_GAP for _, g in gap],
-                                  [g >= limits.STRAGGLER_WAIT_RECOVERED for _, g in gap], limits.STRAGGLER_WAIT_FOR):
-            at = gap[found][0]
-            lost = statistics.median(g for _, g in gap[found:k])
-            events.append(Event("straggler", reader.step_at(rank, at), at, rank, None,
-                                f"the other ranks waited for it in the collectives ({lost:.0%} of each step)"))
+        events += _stragglers(reader, rank, gap, [g >= limits.STRAGGLER_WAIT_GAP for _, g in gap],
+                              [g >= limits.STRAGGLER_WAIT_RECOVERED for _, g in gap], limits.STRAGGLER_WAIT_FOR,
+                              "the other ranks waited for it in the collectives ({:.0%} of each step)")
     return events
 
 
