@@ -377,6 +377,10 @@ def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     assert "no Prometheus" in capsys.readouterr().err
     assert main(["explain", "healthy", "--prometheus", prometheus["url"], "--since", "yesterday"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # Undecodable bytes in argv (surrogates) are no label value: one line, not a traceback from the URL.
+    for args in (["\udcff"], ["healthy", "--launch", "\udcfe"]):
+        assert main(["explain", *args, "--prometheus", prometheus["url"]]) == 2
+        assert capsys.readouterr().err.endswith("not UTF-8 text\n")
     code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err

@@ -125,6 +125,7 @@ class Row:
             raise ValueError(f"cause {self.kind!r} explains {sorted(self.explains)}: not event kinds")
 
     def cause(self, search: Search, found: Finding) -> Cause:
+        """What `found` says, in words, scored."""
         uuid = found.fields.get("uuid")
         fields = _Fields(found.fields, window=in_minutes(limits.EVIDENCE_WINDOW),
                          where=search.where(uuid) if uuid is not None else "")
@@ -141,6 +142,7 @@ class Counter(Row):
     severe: Callable[[dict[str, str]], bool]
 
     def find(self, search: Search, series: dict[str, Any], step: float) -> list[Finding]:
+        """The series' rise in the window (a range answer at `step`), if it rose."""
         labels = series["metric"]
         values = points(series)
         if not values:

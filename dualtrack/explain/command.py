@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         since = parse_time(args.since, now, "--since") if args.since else until - limits.DEFAULT_LOOKBACK
         if since >= until:
             raise ValueError("--since must be before --until")
+        for name, value in (("RUN", args.run_id), ("--launch", args.launch or "")):
+            utf8(value, name)
         client = prometheus.from_args(args, warn)
     except ValueError as exc:
         return fail("explain", str(exc), 2)
@@ -52,6 +54,15 @@ def run(args: argparse.Namespace) -> int:
         return fail("explain", f"{client.url}: {exc}")
     print(json.dumps(to_json(found), indent=1) if args.json else render_text(found))
     return 0
+
+
+def utf8(text: str, name: str) -> None:
+    """Raises ValueError when `text` (an argument undecodable bytes turned into surrogates) is not
+    UTF-8 text: no label value is anything else."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} {text!r}: not UTF-8 text") from None
 
 
 def parse_time(text: str, now: float, flag: str) -> float:
