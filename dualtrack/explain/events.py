@@ -265,20 +265,19 @@ def starvation(reader: Reader) -> list[Event]:
 
 
 def loss_scale_collapses(reader: Reader) -> list[Event]:
-    """Where the loss scale falls below 1 / LOSS_SCALE_COLLAPSE of its maximum over the LOSS_SCALE_WINDOW
-    before (TrainingLossScaleCollapse's window): the first point of each collapse."""
-    peaks = reader.by_rank(reader.fill(LOSS_SCALE_PEAK))
+    """Where TrainingLossScaleCollapse's condition (LOSS_SCALE_COLLAPSE: the loss scale below
+    1 / LOSS_SCALE_COLLAPSE of its maximum over the LOSS_SCALE_WINDOW before) starts to hold: one event
+    per collapse and rank, with that maximum. Prometheus answers only the points where it holds."""
     hits: list[Hit] = []
-    for rank, values in reader.by_rank(reader.select("training_loss_scale")).items():
-        peak = dict(peaks.get(rank, []))
-        collapsed = False
+    for rank, values in reader.by_rank(reader.fill(LOSS_SCALE_COLLAPSE)).items():
+        previous = -1
         for at, value in values:
-            top = peak.get(at, value)
-            if value < top / limits.LOSS_SCALE_COLLAPSE and not collapsed:
-                hits.append((at, rank, reader.step_at(rank, at), f"loss scale fell from {top:g} to {value:g}"))
-                collapsed = True
-            elif value >= top / limits.LOSS_SCALE_COLLAPSE:
-                collapsed = False
+            point = round((at - reader.start) / reader.res)
+            if point != previous + 1:  # it did not hold at the point before: a collapse starts
+                top = reader.instant(reader.fill(LOSS_SCALE_PEAK, rank=rank), at)
+                hits.append((at, rank, reader.step_at(rank, at),
+                             f"loss scale fell from {top if top is not None else value:g} to {value:g}"))
+            previous = point
     return _group(hits, "loss_scale_collapse", limits.NEAR_POINTS * reader.res)
 
 
