@@ -12,9 +12,12 @@ import time
 import pytest
 import yaml
 
-from dualtrack import explain as explain_module
 from dualtrack import thresholds
 from dualtrack.cli import main
+from dualtrack.explain import events as explain_events
+from dualtrack.explain.command import parse_time
+from dualtrack.explain.model import Cause, Event, Timeline
+from dualtrack.explain.render import render_text
 from stack import processes
 from tests.support import daemons
 from tests.support import explain as support
@@ -32,11 +35,8 @@ def prometheus(tmp_path_factory) -> dict:
     # forged-xid: the xid scenario, its GPU series pushed or remote-written under the training job
     support.backfill({**{name: name for name in support.SCENARIOS}, "forged-xid": "xid"}, base,
                      work / "prometheus-data", work, gpu_jobs={"forged-xid": "train"})
-    config = work / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1h}\n")
-    service = processes.prometheus(work, config).start()
-    yield {"url": service.url, "base": base}
-    service.stop()
+    with support.serving(work) as url:
+        yield {"url": url, "base": base}
 
 
 def explain(prometheus: dict, run: str, capsys, *extra: str) -> tuple[int, str, str]:
@@ -238,16 +238,37 @@ def test_a_fine_tunes_spike_that_fires_the_alert_is_a_gradient_spike_event(prome
         ("grad_spike", "0", prometheus["base"] + support.FAULT_AT)], events
 
 
+def promql_text(expr: str) -> str:
+    """`expr` with explain's matchers left out, its spaces and the spelling of its numbers (1e-4, 0.0001) one."""
+    words = " ".join(expr.replace("{SEL}", "").split())
+    return re.sub(r"(?<![\w.])\d+(\.\d+)?(e-?\d+)?(?![\w.])", lambda number: repr(float(number[0])), words)
+
+
+def alert_rules() -> dict[str, dict]:
+    return {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule}
+
+
 def test_explain_uses_the_alerts_own_conditions():
-    """One definition: explain's gradient spike is TrainingGradientExplosion's expression (its data
-    starvation and stragglers share the rules' numbers: tests/dualtrack/test_thresholds.py)."""
-    from dualtrack import explain as module
-    rules = {rule["alert"]: rule for group in yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"]
-             for rule in group["rules"] if "alert" in rule}
+    """One definition: explain's gradient spike is TrainingGradientExplosion's expression, its loss-scale
+    collapse TrainingLossScaleCollapse's first condition (their numbers, and those of data starvation and
+    stragglers, are dualtrack/thresholds.py's: tests/dualtrack/test_thresholds.py)."""
+    rules = alert_rules()
     gating = "and on (job, run, rank, instance) training_run_state{state=\"running\"} == 1"
     explosion = " ".join(rules["TrainingGradientExplosion"]["expr"].split())
     assert explosion.endswith(gating)
-    assert explosion[:-len(gating)].strip() == " ".join(module.GRAD_SPIKE.replace("{SEL}", "").split())
+    assert promql_text(explosion[:-len(gating)]) == promql_text(explain_events.GRAD_SPIKE)
+    collapse = rules["TrainingLossScaleCollapse"]["expr"].splitlines()[0]
+    assert promql_text(collapse) == promql_text(explain_events.LOSS_SCALE_COLLAPSE)
+
+
+def test_the_alert_comparison_can_fail():
+    """A window or a number of the rule changed alone is a different expression."""
+    spike = promql_text(" ".join(alert_rules()["TrainingGradientExplosion"]["expr"].split()))
+    for old, new in (("[30m]", "[20m]"), ("> 1e-4", "> 1e-3"), (">= 5", ">= 4"), ("10 *", "8 *")):
+        assert promql_text(spike.replace(promql_text(old), promql_text(new))) != spike, old
+    collapse = alert_rules()["TrainingLossScaleCollapse"]["expr"].splitlines()[0]
+    assert promql_text(collapse.replace("[1h]", "[2h]")) != promql_text(explain_events.LOSS_SCALE_COLLAPSE)
 
 
 def test_a_learning_rate_jump_is_named_before_the_spike_and_the_nonfinite_step_it_causes(prometheus, capsys):
@@ -273,13 +294,13 @@ def test_a_learning_rate_jump_is_named_before_the_spike_and_the_nonfinite_step_i
 
 
 def test_the_alert_and_explain_size_a_spike_alike(prometheus, capsys, tmp_path):
-    """One computation (explain.GRAD_SPIKE_RATIO, in the alert's description too): on the same samples,
+    """One computation (explain's GRAD_SPIKE_RATIO, in the alert's description too): on the same samples,
     TrainingGradientExplosion's description (promtool evaluating the real rules) and explain say the same."""
     spike = timeline(prometheus, "lr-jump", capsys)["events"][0]
     size = re.search(r"gradient norm (\S+), (\S+x) its median over the 30 min before", spike["sentence"])
     rule = " ".join(yaml.safe_load((REPO / "rules" / "alerts.yml").read_text())["groups"][0]["rules"][2]
                     ["annotations"]["description"].split())
-    assert explain_module.GRAD_SPIKE_RATIO.replace("{SEL}", "{%s}") in rule
+    assert explain_events.GRAD_SPIKE_RATIO.replace("{SEL}", "{%s}") in rule
     samples = list(support.training_samples("lr-jump", 0, 2, 31))
     labels = 'job="train",run="lr-jump",rank="0",instance="lr-jump-node0"'
     names = ("training_grad_norm_max", "training_grad_norm_max_step", "training_step",
@@ -321,6 +342,26 @@ def test_model_events_spike_loss_scale_and_oom(prometheus, capsys):
     assert oom["gpu_uuid"] == support.uuid_of("model", 1)
 
 
+def test_a_loss_scale_that_drifts_down_for_hours_is_no_collapse(tmp_path, capsys):
+    """TrainingLossScaleCollapse compares the scale with its maximum over the last hour: a scale halving
+    every 8 min falls 1024x below its start after 80 min, yet never 1024x within an hour. Neither the
+    alert's condition nor explain sees a collapse (the run's own maximum would)."""
+    base = (time.time() // 3600 - 4) * 3600
+    support.backfill({"scale-drift": "scale-drift"}, base, tmp_path / "prometheus-data", tmp_path,
+                     minutes=support.DRIFT_MINUTES)
+    end = base + support.DRIFT_MINUTES * 60
+    run = '{run="scale-drift"}'
+    over_run = f"[{int(end - base)}s:{int(support.SCRAPE)}s]"
+    alert = explain_events.LOSS_SCALE_COLLAPSE.replace("{SEL}", run)
+    whole_run = f"training_loss_scale{run} < max_over_time(training_loss_scale{run}[{int(end - base)}s]) / 1024"
+    with support.serving(tmp_path) as url:
+        assert daemons.query(url, f"count_over_time(({alert}){over_run})", at=end) == []
+        assert daemons.query(url, f"count_over_time(({whole_run}){over_run})", at=end), "the scale never fell 1024x"
+        window = ["--since", str(base), "--until", str(end + 100)]
+        assert main(["explain", "scale-drift", "--prometheus", url, *window, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == []
+
+
 def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     monkeypatch.delenv("DUALTRACK_PROMETHEUS", raising=False)
     code, out, err = explain(prometheus, "no-such-run", capsys)
@@ -329,6 +370,10 @@ def test_bad_input_gets_one_line(prometheus, capsys, monkeypatch):
     assert "no Prometheus" in capsys.readouterr().err
     assert main(["explain", "healthy", "--prometheus", prometheus["url"], "--since", "yesterday"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # Undecodable bytes in argv (surrogates) are no label value: one line, not a traceback from the URL.
+    for args in (["\udcff"], ["healthy", "--launch", "\udcfe"]):
+        assert main(["explain", *args, "--prometheus", prometheus["url"]]) == 2
+        assert capsys.readouterr().err.endswith("not UTF-8 text\n")
     code = main(["explain", "healthy", "--prometheus", f"http://127.0.0.1:{processes.free_port()}"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
@@ -348,20 +393,19 @@ def test_times_are_unix_seconds_iso_8601_or_a_duration_ago():
     for text, expected in (("90m", now - 5400), ("1.5h", now - 5400), ("250ms", now - 0.25), (" 2d ", now - 172800),
                            ("1700000000", 1.7e9), ("2026-12-03T10:00:00Z", 1796292000.0),
                            ("2026-12-03T10:00:00", 1796292000.0)):
-        assert explain_module.parse_time(text, now, "--since") == expected, text
+        assert parse_time(text, now, "--since") == expected, text
     for text in ("yesterday", "90 minutes", "h"):
         with pytest.raises(ValueError, match="^--since"):
-            explain_module.parse_time(text, now, "--since")
+            parse_time(text, now, "--since")
 
 
 def test_control_characters_in_labels_are_escaped_in_the_text():
     hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m"
-    found = explain_module.Timeline(
+    found = Timeline(
         f"r{hostile}", f"j{hostile}", 0.0, 60.0, {"0": f"GPU-{hostile}"},
-        [explain_module.Event("straggler", 7, 30.0, "0", f"GPU-{hostile}", "stepped at 50% of the run's median rate",
-                              causes=[explain_module.Cause("co_tenant", f"process {hostile}\nfake line", 0.7)],
-                              sentence=f"step 7: ... ({hostile})")])
-    text = explain_module.render_text(found)
+        [Event("straggler", 7, 30.0, "0", f"GPU-{hostile}", "stepped at 50% of the run's median rate",
+               causes=[Cause("co_tenant", f"process {hostile}\nfake line", 0.7)], sentence=f"step 7: ... ({hostile})")])
+    text = render_text(found)
     assert not any(c in text for c in "\x1b\x07\x9b") and text.count("\n") == 2
     assert "\\x1b]0;owned\\x07\\x1b[2J\\x9b31m" in text and "\\nfake line" in text
 

@@ -4,6 +4,7 @@ job_run_rank:training_infra_cause:score) and docs/explain.md's cause table are c
 here, so a copy that drifts fails."""
 from __future__ import annotations
 
+import math
 import re
 
 import yaml
@@ -97,6 +98,28 @@ def test_data_loader_rule_is_the_tables():
     assert [float(x) for x in shares] == [limits.STARVATION_SHARE], loader["expr"]
     assert loader["for"] == minutes(limits.STARVATION_FOR)
     assert f"[{minutes(limits.RATE_WINDOW)}]" in rules("recording")["job_run_rank:training_data_wait_seconds:rate5m"]["expr"]
+
+
+def test_gradient_spike_and_loss_scale_rules_are_the_tables():
+    """TrainingGradientExplosion's windows and numbers and TrainingLossScaleCollapse's window and factor
+    are explain's (its expressions equal the rules': tests/dualtrack/test_explain.py), and docs/explain.md says them."""
+    spike = rules("alerts")["TrainingGradientExplosion"]["expr"]
+    window, baseline = minutes(limits.GRAD_SPIKE_WINDOW), minutes(limits.GRAD_SPIKE_BASELINE)
+    assert set(re.findall(r"\[(\w+)\]", spike)) == {window, baseline}, spike
+    assert set(re.findall(r"offset (\w+)", spike)) == {window}
+    assert [float(x) for x in re.findall(r"> ([\d.]+) \* quantile_over_time\(([\d.]+),", spike)[0]] == [
+        limits.GRAD_SPIKE_FACTOR, limits.GRAD_SPIKE_QUANTILE]
+    assert [float(x) for x in re.findall(r"\) > ([\d.e-]+)\n", spike)] == [limits.GRAD_SPIKE_FLOOR]
+    assert [int(x) for x in re.findall(r">= (\d+)", spike)] == [limits.GRAD_SPIKE_HISTORY]
+    collapse = rules("alerts")["TrainingLossScaleCollapse"]["expr"].splitlines()[0]
+    assert re.findall(r"training_loss_scale\[(\w+)\]", collapse) == [f"{limits.LOSS_SCALE_WINDOW / 3600:g}h"]
+    assert [float(x) for x in re.findall(r"\] ?\) / (\d+)", collapse)] == [limits.LOSS_SCALE_COLLAPSE]
+    events = (REPO / "docs" / "explain.md").read_text().split("## Events")[1].split("## Causes")[0]
+    assert (f"the {limits.GRAD_SPIKE_WINDOW / 60:g}-min maximum of `training_grad_norm_max` above "
+            f"{limits.GRAD_SPIKE_FACTOR:g}x its median over the {limits.GRAD_SPIKE_BASELINE / 60:g} min before, above "
+            f"1e-{-math.log10(limits.GRAD_SPIKE_FLOOR):g}, with {limits.GRAD_SPIKE_HISTORY} samples") in events
+    assert f"below 1/{limits.LOSS_SCALE_COLLAPSE:g} of its maximum over the last hour" in events
+    assert limits.LOSS_SCALE_WINDOW == 3600
 
 
 def test_the_docs_cause_table_is_the_tables():

@@ -8,7 +8,8 @@ import re
 import pytest
 import yaml
 
-from dualtrack.explain import Event, _counter_cause
+from dualtrack.explain.causes import Search, counter_causes
+from dualtrack.explain.model import Event
 from exporter import xids
 from tests.support.paths import REPO
 
@@ -69,10 +70,11 @@ def test_the_generator_finds_every_part() -> None:
 def test_explain_scores_exactly_the_rules_causes_high():
     disruptive = set(xids.regex(disruptive=True).split("|"))
     event = Event("failed", 10, 1000.0, "0", "GPU-a", "")
+    search = Search(event, 'run="r"', ["GPU-a"], "GPU-a", ["GPU-a"], [], {"GPU-a": "0"}, 900.0, 1015.0, 15.0)
     for xid in xids.CATALOGUE:
         series = {"metric": {"__name__": "nvml_gpu_xid_errors_total", "uuid": "GPU-a", "xid": str(xid.code)},
                   "values": [[900.0, "0"], [950.0, "1"]]}
-        [cause] = _counter_cause(series, event, lambda uuid: "on that GPU", {"xid"}, 900.0, 15.0)
+        [cause] = counter_causes(search, [series], 15.0)
         assert (cause.score == 0.95) == (str(xid.code) in disruptive), xid
         assert f"XID {xid.code} ({xid.meaning})" in cause.evidence
 

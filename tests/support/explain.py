@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
+
+from stack import processes
 
 import yaml
 
@@ -43,6 +47,10 @@ SPIKE = 80.0
 #: SCALE_AT, and rank 1 running out of memory (its GPU full) at OOM_AT.
 SCALE_AT = 2400.0
 OOM_AT = 3000.0
+#: The "scale-drift" scenario (not in SCENARIOS: it needs a run of DRIFT_MINUTES): rank 0's loss scale
+#: halves every DRIFT_HALVING seconds, 1024x below its start after 80 min but never 1024x within an hour.
+DRIFT_HALVING = 480.0
+DRIFT_MINUTES = 150.0
 #: Each rank trains in a container of its own: pid CONTAINER_PID in PID namespace container_namespace(rank),
 #: host pid 1000 + rank; the co-tenant is a host process (HOST_NAMESPACE). In the "co-tenant" scenario
 #: the last rank's neighbour computes (CO_TENANT_SM of the SMs, taken from the rank's process); rank 0's
@@ -163,6 +171,8 @@ def rank_state(scenario: str, rank: int, at: float, ranks: int) -> Rank:
     elif scenario == "model" and rank == 0:
         state.grad_norm = 80.0 if FAULT_AT <= at < FAULT_AT + SCRAPE else 1.0
         state.loss_scale = 32.0 if at >= SCALE_AT else 65536.0
+    elif scenario == "scale-drift" and rank == 0:
+        state.loss_scale = 65536.0 / 2 ** int(at // DRIFT_HALVING)
     elif scenario == "lr-jump" and after:
         state.learning_rate, state.nonfinite_from = JUMPED_RATE, FAULT_AT
         state.grad_norm = SPIKE if at < FAULT_AT + SCRAPE else 1.0  # the run rolls back and carries on
@@ -243,7 +253,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
             lines.append(f'training_process_info{{{train},hostname="{host}",{named["rank"].hook}}} 1{ts}')
             # What rules/recording.yml records: the rank's exporter GPU (a MIG instance's parent).
             mig = f',gpu_instance="1",mig_uuid="{hook_uuid}"' if hook_uuid != uuid else ""
-            lines.append(f'job_run_rank_gpu:training_gpu_info:nvml{{{train},gpu="{rank % 8}",uuid="{uuid}"{mig}}} 1{ts}')
+            joined = f'{train},gpu="{rank % 8}",uuid="{uuid}"{mig}'
+            lines.append(f"job_run_rank_gpu:training_gpu_info:nvml{{{joined}}} 1{ts}")
             lines.append(f"nvml_gpu_lost{{{gpu}}} {int(now.lost)}{ts}")
             if now.lost:  # the exporter drops a lost GPU's series
                 lines.append(f"nvml_exporter_gpu_lost_total{{{gpu}}} 1{ts}")
@@ -299,7 +310,8 @@ def write_run(out: IO[str], scenario: str, run: str, base: float, ranks: int = 2
     while at <= minutes * 60:
         states = [rank_state(scenario, rank, at, ranks) for rank in range(ranks)]
         shares = [0.0 if s.failed_at is not None and at >= s.failed_at else 1 - s.wait_share for s in states]
-        lines.append(f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}} {sum(shares) / ranks} {base + at:.3f}')
+        goodput = f'job_run:training_goodput:ratio_rate5m{{job="{job}",run="{run}"}}'
+        lines.append(f"{goodput} {sum(shares) / ranks} {base + at:.3f}")
         at += scrape
     out.write("\n".join(lines) + "\n")
     return samples + len(lines)
@@ -332,3 +344,15 @@ def infra_cause_rule() -> str:
     (expr,) = [rule["expr"] for group in rules["groups"] for rule in group["rules"]
                if rule.get("record") == "job_run_rank:training_infra_cause:score"]
     return expr
+
+
+@contextmanager
+def serving(work: Path) -> Iterator[str]:
+    """A real Prometheus over the blocks in `work`/prometheus-data (backfill's `data`, if any): its URL."""
+    config = work / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1h}\n")
+    service = processes.prometheus(work, config).start()
+    try:
+        yield service.url
+    finally:
+        service.stop()
