@@ -8,25 +8,59 @@ concatenation and one device-to-host transfer per (device, dtype).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from ._torch import TENSOR_TYPES, torch
 from .contract import Dropped
-from .values import check_tensor
-
 
 #: Exact tensor types log() stacks without further checks (subclasses go through values.scalar()).
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+PLAIN_TENSORS: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+#: Python number types a Layout reads with float(), as values.scalar() does.
+NUMBERS: tuple[type, ...] = (float, int, bool)
 
 
 class Stack(NamedTuple):
     """The values of `keys` (in order) as one 1-D tensor on their device."""
 
-    keys: list[Any]
+    keys: Sequence[Any]
     tensor: Any
 
 
-def capture(keys: list[Any], tensors: list[Any], drop: Callable[[Any, Dropped], None]) -> list[Stack]:
+class Layout(NamedTuple):
+    """How one log() call's values split into Python numbers and plain tensors. The next call with
+    the same keys and the same value types splits the same way, without a look at each key."""
+
+    keys: tuple[Any, ...]
+    types: tuple[type, ...]
+    numbers: tuple[Any, ...]  # keys whose values are Python numbers (float, int, bool)
+    tensors: tuple[Any, ...]  # keys whose values are plain tensors, copied by one capture()
+    floats_only: bool  # every value a float (and no "step" key): the values are the numbers
+
+    @classmethod
+    def of(cls, values: Mapping[Any, Any], numbers: list[Any], tensors: list[Any]) -> Layout:
+        """The layout of `values`, whose kept keys were `numbers` and `tensors` (any other key: "step")."""
+        types = tuple(map(type, values.values()))
+        floats_only = len(numbers) == len(types) and all(kind is float for kind in types)
+        return cls(tuple(values), types, tuple(numbers), tuple(tensors), floats_only)
+
+    def split(self, values: Mapping[Any, Any],
+              drop: Callable[[Any, Dropped], None]) -> tuple[dict[Any, Any], list[Stack]] | None:
+        """(numbers as floats, tensors' stacks) of `values`, or None when their keys or value types
+        are not this layout's (or an int is beyond a float's range)."""
+        if tuple(values) != self.keys or tuple(map(type, values.values())) != self.types:
+            return None
+        if self.floats_only:
+            return dict(values), []
+        try:
+            numbers = {key: float(values[key]) for key in self.numbers}
+        except OverflowError:
+            return None
+        if not self.tensors:
+            return numbers, []
+        return numbers, capture(self.tensors, [values[key] for key in self.tensors], drop)
+
+
+def capture(keys: Sequence[Any], tensors: list[Any], drop: Callable[[Any, Dropped], None]) -> list[Stack]:
     """On-device copies of a step's tensors, one Stack per (device, dtype); `drop(key, reason)` for
     the tensors that are not readable scalars."""
     dtype = tensors[0].dtype
@@ -50,17 +84,13 @@ def capture(keys: list[Any], tensors: list[Any], drop: Callable[[Any, Dropped], 
     return [Stack(group_keys, _stack(group_tensors)) for group_keys, group_tensors in groups.values()]
 
 
-def capture_same(keys: tuple[Any, ...], tensors: list[Any]) -> list[Stack] | None:
-    """capture() for a step whose keys are those of the previous one, all tensors then: one Stack,
-    or None when that no longer holds (a key now has a number, another dtype, ...)."""
-    dtype = getattr(tensors[0], "dtype", None)
-    for tensor in tensors:
-        if type(tensor) not in PLAIN_TENSORS or tensor.dtype is not dtype:
-            return None
-    stacked = None if dtype.is_complex else _stack(tensors)
-    if stacked is None or stacked.numel() != len(tensors) or stacked.is_meta or stacked.is_sparse:
-        return None
-    return [Stack(list(keys), stacked if stacked.dim() == 1 else stacked.reshape(-1))]
+def check_tensor(tensor: Any) -> Dropped | None:
+    """Why a tensor is not a loggable scalar, or None if it is (nothing is read from the device)."""
+    if tensor.numel() != 1:
+        return Dropped("not_scalar")
+    if tensor.is_meta or tensor.is_complex() or tensor.is_sparse:
+        return Dropped("unreadable")
+    return None
 
 
 def _stack(tensors: list[Any]) -> Any:
