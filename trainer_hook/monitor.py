@@ -20,8 +20,8 @@ from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
 from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
-from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
-                       config_labels, merge_maxima, metric_suffix, pause_reason)
+from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity,
+                       Snapshot, config_labels, merge_maxima, metric_suffix, pause_reason)
 from .exposition import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
@@ -89,7 +89,8 @@ class TrainingMonitor:
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
-        self._pending: deque[Entry | dict[str, Any]] = deque()  # steps, and paused()'s record lines
+        # steps (an Entry's fields: the training thread makes no Entry) and paused()'s record lines
+        self._pending: deque[tuple[Any, ...] | dict[str, Any]] = deque()
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
@@ -204,7 +205,7 @@ class TrainingMonitor:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
             tokens = self._optional("tokens", tokens)
-        if isinstance(batch_id, TENSOR_TYPES):  # copied: the loop may reuse its index tensor
+        if type(batch_id) is not int and isinstance(batch_id, TENSOR_TYPES):  # copied: the loop may reuse it
             batch_id = self._optional("batch_id", batch_id)
         waited, self._waited = self._waited, 0.0
         if data_wait is not None:
@@ -215,9 +216,8 @@ class TrainingMonitor:
         events = (self._events(stacks, kept, step, scale, skipped, samples, tokens, batch_id)
                   if self._cuda_possible else ())
         last, self._last_log = self._last_log, now
-        self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept, waited, skipped, scale,
-                                   tuple(stacks), events))
+        self._pending.append((time.time(), None if last is None else now - last, step,  # an Entry's fields
+                              batch_id, samples, tokens, kept, waited, skipped, scale, stacks, events))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
@@ -469,10 +469,10 @@ class TrainingMonitor:
             if lines:
                 self.record.write(lines)
 
-    def _lines(self, items: list[Entry | dict[str, Any]]) -> list[dict[str, Any]]:
+    def _lines(self, items: list[tuple[Any, ...] | dict[str, Any]]) -> list[dict[str, Any]]:
         """Record lines for `items` (step entries, and paused()'s lines as they are), in order; the
         last step's line carries the CUDA allocator's state, if any."""
-        entries = [item for item in items if type(item) is not dict]
+        entries = [Entry._make(item) for item in items if type(item) is not dict]
         steps = self._aggregator.drain(entries) if entries else []
         cuda = self._cuda_stats()
         if cuda is not None and steps:

@@ -51,13 +51,14 @@ class Layout(NamedTuple):
             return None
         if self.floats_only:
             return dict(values), []
+        get = values.__getitem__
         try:
-            numbers = {key: float(values[key]) for key in self.numbers}
+            numbers = dict(zip(self.numbers, map(float, map(get, self.numbers))))
         except OverflowError:
             return None
         if not self.tensors:
             return numbers, []
-        return numbers, capture(self.tensors, [values[key] for key in self.tensors], drop)
+        return numbers, capture(self.tensors, list(map(get, self.tensors)), drop)
 
 
 def capture(keys: Sequence[Any], tensors: list[Any], drop: Callable[[Any, Dropped], None]) -> list[Stack]:
