@@ -5,6 +5,7 @@ import json
 import shutil
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,6 +67,8 @@ def test_the_constructor_takes_each_setting_once_and_names_an_unknown_keyword(tm
     with pytest.raises(TypeError, match="unexpected keyword argument 'pushgatway'") as raised:
         monitor(tmp_path, pushgatway="http://127.0.0.1:9091")
     assert "\n" not in str(raised.value)
+    table = REPO.joinpath("docs", "hook.md").read_text().split("### `TrainingMonitor(...)`")[1].split("\n\n")[1]
+    assert sorted(re.findall(r"^\| `(\w+)` \|", table, re.M)) == sorted(inspect.signature(TrainingMonitor).parameters)
 
 
 def test_pull_mode_port_in_use_raises_value_error(tmp_path):
