@@ -22,7 +22,8 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 if "--worker" in sys.argv:  # the trainer_hook of the tree given, not this one's
@@ -30,10 +31,10 @@ if "--worker" in sys.argv:  # the trainer_hook of the tree given, not this one's
 else:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from stack import processes  # noqa: E402
-from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
+from stack import processes
+from trainer_hook import TrainingMonitor, grad_norm
 
 #: The last release's commit: what `--baseline` compares with unless told otherwise.
 BASELINE = "1d94528"

@@ -12,7 +12,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -301,7 +302,7 @@ class TrainingMonitor:
         return self._pauses.reason
 
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-              collectives: bool | None = None) -> "TrainingMonitor":
+              collectives: bool | None = None) -> TrainingMonitor:
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
@@ -421,7 +422,7 @@ class TrainingMonitor:
             return None
 
     def _wait_seconds(self, value: Any) -> float:
-        seconds = value if type(value) is float else scalar(value)
+        seconds: Any = value if type(value) is float else scalar(value)  # a float, a tensor or a Dropped
         if isinstance(seconds, TENSOR_TYPES):
             seconds = Dropped("not_numeric")  # a duration is measured on the host, not a device
         elif type(seconds) is not Dropped and not 0.0 <= seconds < float("inf"):
@@ -454,7 +455,7 @@ class TrainingMonitor:
                     next_publish = time.monotonic() + interval
                     self._latest = self._publish("running")
                     self._offer(self._latest)
-            except Exception:  # noqa: BLE001 - a monitoring bug must not stop monitoring
+            except Exception:
                 if ("worker", "error") not in self._warned:
                     self._warned.add(("worker", "error"))
                     log.exception("trainer_hook internal error; training continues")
@@ -606,7 +607,7 @@ class TrainingMonitor:
         """The port pull mode serves /metrics on (useful with listen_port=0)."""
         return self._server.port if self._server is not None else None
 
-    def __enter__(self) -> "TrainingMonitor":
+    def __enter__(self) -> TrainingMonitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
