@@ -257,7 +257,7 @@ class TrainingMonitor:
                 numbers.append(key)
                 plain = plain and kind in NUMBERS
         self._layout = Layout.of(values, numbers, tensor_keys) if plain else None
-        return kept, capture(tensor_keys, tensor_values, self._drop) if tensor_values else []
+        return kept, (capture(tensor_keys, tensor_values, self._drop) or []) if tensor_values else []
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from `iterable`, adding the time spent waiting for each item to data-wait."""
