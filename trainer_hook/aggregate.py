@@ -10,8 +10,8 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any, NamedTuple
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from . import tensors
 from .contract import SKIP_REASON, Accumulator, Snapshot, Window, json_number, raise_max, record_id

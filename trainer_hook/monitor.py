@@ -12,8 +12,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -455,7 +455,7 @@ class TrainingMonitor:
                     next_publish = time.monotonic() + interval
                     self._latest = self._publish("running")
                     self._offer(self._latest)
-            except Exception:
+            except Exception:  # a monitoring bug must not stop monitoring (logged below, once)
                 if ("worker", "error") not in self._warned:
                     self._warned.add(("worker", "error"))
                     log.exception("trainer_hook internal error; training continues")

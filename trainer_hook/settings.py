@@ -11,8 +11,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport, resolve as resolve_endpoint
 from .contract import PRECISIONS, label_value

@@ -8,8 +8,8 @@ concatenation and one device-to-host transfer per (device, dtype).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ._torch import TENSOR_TYPES, torch
 from .contract import Dropped
