@@ -1,5 +1,8 @@
 """trainer_hook benchmark: side-by-side figures from one run (`.venv/bin/python bench/bench_hook.py`).
 
+0. log() against a baseline revision (`--baseline REV`, default the last release): the same
+   micro-benchmarks in alternating subprocesses, this tree's trainer_hook and REV's (`git archive`),
+   so that load on a shared machine hits both alike (`--log-only`: this part only).
 1. log() on the calling thread (median / p99), Python numbers and CPU tensors, and its growth with
    the number of keys (3, 30, 300 floats or 0-d tensors, a fresh dict of fresh tensors per call).
 2. End-to-end overhead on a ~10 ms CPU training step: hook vs no hook, interleaved blocks.
@@ -10,17 +13,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
+import os
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
+
+REPO = Path(__file__).resolve().parent.parent
+if "--worker" in sys.argv:  # the trainer_hook of the tree given, not this one's
+    sys.path.insert(0, sys.argv[sys.argv.index("--worker") + 1])
+else:
+    sys.path.insert(0, str(REPO))
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from stack import processes  # noqa: E402
-from trainer_hook import TrainingMonitor, grad_norm  # noqa: E402
+from stack import processes
+from trainer_hook import TrainingMonitor, grad_norm
+
+#: The last release's commit: what `--baseline` compares with unless told otherwise.
+BASELINE = "1d94528"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,6 +95,81 @@ def paired_steps(model: StepModel, monitors: dict[str, TrainingMonitor | None],
                         step=batch_id, samples=64, batch_id=batch_id)
             times[name].append(time.perf_counter() - started)
     return times
+
+
+def log_cases(calls: int) -> dict[str, float]:
+    """Median log() time in microseconds per case, on one monitor whose Pushgateway is dead (a port
+    nobody listens on: every push fails at once, the push thread keeps retrying). The mixed case runs
+    inside a small CPU training loop, as log() does in practice (caches cold after the step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    floats: dict[str, Callable[[int], dict[str, Any]]] = {
+        "3 floats": lambda step: {"loss": 0.5 + step, "grad_norm": 1.5, "learning_rate": 1e-3},
+        "30 floats": lambda step: {f"k{i}": 0.5 + i + step for i in range(30)},
+        "30 0-d tensors": lambda step: {f"k{i}": torch.tensor(0.5 + i + step) for i in range(30)},
+    }
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp, \
+            TrainingMonitor(job="bench", run="log", pushgateway=f"http://127.0.0.1:{processes.free_port()}",
+                            push_interval=0.5, record_path=Path(tmp) / "log.jsonl") as monitor:
+        for name, payload in floats.items():
+            times = []
+            for step in range(calls):
+                values = payload(step)
+                started = time.perf_counter()
+                monitor.log(values, step=step, samples=32, batch_id=step)
+                times.append(time.perf_counter() - started)
+            results[name] = median(times) * 1e6
+        times = []
+        for step in range(calls // 4):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            started = time.perf_counter()
+            monitor.log({"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
+                        step=step, samples=32, batch_id=step)
+            times.append(time.perf_counter() - started)
+        results["2 tensors + 2 numbers, CPU loop"] = median(times) * 1e6
+    return results
+
+
+def baseline_tree(revision: str, into: Path) -> Path:
+    """`revision` of this repository, unpacked under `into` (git archive)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", revision], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"bench_hook: cannot archive {revision!r}: {archive.stderr.decode().strip()}")
+    tree = into / "baseline"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def bench_against(revision: str, rounds: int, calls: int) -> list[tuple[str, str, str]]:
+    """log_cases() for this tree and `revision`, alternating subprocesses `rounds` times each: the
+    median over rounds of each round's median."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"this tree": REPO, revision: baseline_tree(revision, Path(tmp))}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+        for _ in range(rounds):
+            for name, tree in trees.items():
+                command = [sys.executable, __file__, "--worker", str(tree), "--calls", str(calls)]
+                out = subprocess.run(command, capture_output=True, text=True, check=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                runs[name].append(json.loads(out.stdout.splitlines()[-1]))
+    rows = []
+    figures = {name: {case: median([run[case] for run in found]) for case in found[0]}
+               for name, found in runs.items()}
+    for case in figures["this tree"]:
+        now, then = figures["this tree"][case], figures[revision][case]
+        rows.append((f"log() call, {case}", f"median {now:.2f} us", f"{revision}: {then:.2f} us ({now / then:.2f}x)"))
+    for name, found in figures.items():
+        rows.append((f"30 0-d tensors / 30 floats, {name}", f"{found['30 0-d tensors'] / found['30 floats']:.2f}x",
+                     f"median of {rounds} rounds x {calls} calls"))
+    return rows
 
 
 def bench_log_call(record_dir: Path, pgw_url: str, calls: int) -> list[tuple[str, str, str]]:
@@ -193,22 +285,38 @@ def bench_dead_vs_alive(model: StepModel, record_dir: Path, pgw_url: str, steps:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--baseline", default=BASELINE, metavar="REV",
+                        help=f"the revision log() is compared with (default {BASELINE}; 'none': no comparison)")
+    parser.add_argument("--log-only", action="store_true", help="only the comparison of log() with --baseline")
+    parser.add_argument("--worker", metavar="TREE", help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=4000, help=argparse.SUPPRESS)
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
     torch.set_num_threads(1)  # steadier step times on a shared machine
+    if args.worker:
+        print(json.dumps(log_cases(args.calls)))
+        return
+    rows = [] if args.baseline == "none" else bench_against(args.baseline, 3 if args.quick else 7, int(4000 * scale))
+    if args.log_only:
+        print_rows(rows, f"torch {torch.__version__}, 1 CPU thread")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         pgw = processes.pushgateway(workdir).start()
         try:
             model = StepModel()
-            rows = bench_log_call(workdir, pgw.url, int(20000 * scale))
+            rows += bench_log_call(workdir, pgw.url, int(20000 * scale))
             rows += bench_overhead(model, workdir, pgw.url, steps=int(600 * scale))
             rows += bench_grad_norm(int(600 * scale))
             rows += bench_dead_vs_alive(model, workdir, pgw.url, steps=int(400 * scale))
         finally:
             pgw.stop()
+    print_rows(rows, f"torch {torch.__version__}, 1 CPU thread, step model width {model.width}")
+
+
+def print_rows(rows: list[tuple[str, str, str]], heading: str) -> None:
     width = max(len(r[0]) for r in rows)
-    print(f"torch {torch.__version__}, 1 CPU thread, step model width {model.width}")
+    print(heading)
     for name, first, second in rows:
         print(f"{name:<{width}}  {first:<18}  {second}")
 

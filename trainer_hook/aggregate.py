@@ -10,6 +10,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from . import tensors
@@ -34,7 +35,7 @@ class Entry(NamedTuple):
     skipped: Any = 0  # optimizer steps the GradScaler skipped (overflow) since the previous entry:
     # an int, or a tensor (read here) where a fused optimizer skipped inside its step
     loss_scale: Any = None  # the GradScaler's scale after this step (a tensor copy), if watched
-    stacks: tuple[Stack, ...] = ()  # the values' tensors, copied on their device (see tensors.py)
+    stacks: Sequence[Stack] = ()  # the values' tensors, copied on their device (see tensors.py)
     events: tuple[tuple[Any, Any], ...] = ()  # (device, CUDA event) marking those copies ready
 
 

@@ -1,7 +1,8 @@
 """Total gradient norm with fused per-tensor norms and no host sync."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ._torch import torch
 

@@ -12,7 +12,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -20,8 +21,8 @@ from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
 from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
-from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity, Snapshot,
-                       config_labels, merge_maxima, metric_suffix, pause_reason)
+from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity,
+                       Snapshot, config_labels, merge_maxima, metric_suffix, pause_reason)
 from .families import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
@@ -34,7 +35,7 @@ from .replica import ReplicaCheck, ddp_group, replica_every
 from .remote_write import RemoteWriter
 from .serve import MetricsServer
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, launch_id, resolve
-from .tensors import PLAIN_TENSORS, Stack, capture, capture_same, ready_events
+from .tensors import NUMBERS, PLAIN_TENSORS, Layout, Stack, capture, ready_events
 from .values import scalar
 from .watch import ScalerWatch, carried_scale, on_step, sharding, unscaled
 
@@ -77,7 +78,7 @@ class TrainingMonitor:
                  remote_write_client_cert: tuple[str, str] | None = None,
                  allow_insecure_credentials: bool | None = None, listen_basic_auth: tuple[str, str] | None = None,
                  listen_tls: tuple[str, str] | None = None) -> None:
-        arguments = dict(locals())  # every setting by name, for resolve() (the one list is Settings)
+        arguments = dict(locals())  # every setting by name, for resolve(), which checks them against Settings
         del arguments["self"], arguments["config"]
         if config is not None and not isinstance(config, Mapping):
             if not hasattr(config, "__dict__"):
@@ -89,11 +90,12 @@ class TrainingMonitor:
         self._run_labels = config_labels(config)
         self._start_time = time.time()
         self._names: dict[Any, str] = {_STEP_KEY: Dropped("reserved_name")}
-        self._pending: deque[Entry | dict[str, Any]] = deque()  # steps, and paused()'s record lines
+        # steps (an Entry's fields: the training thread makes no Entry) and paused()'s record lines
+        self._pending: deque[tuple[Any, ...] | dict[str, Any]] = deque()
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._warned: set[tuple[str, str]] = set()
         self._stash: dict[str, Any] = {}
-        self._tensor_keys: tuple[Any, ...] | None = None  # keys of the last all-tensor log() call
+        self._layout: Layout | None = None  # how the last log() call's values split (see tensors.Layout)
         self._hooks: list[Any] = []  # removed on close()
         self._scaler: ScalerWatch | None = None
         self._data_wait = 0.0  # total, published (only grows)
@@ -183,44 +185,14 @@ class TrainingMonitor:
         if self._closed:
             self._warn_once("log", "closed", "log() after close() is ignored")
             return
-        kept: dict[Any, Any] = {}
-        stacks: list[Stack] | None = None
         if values is not None and type(values) is not dict and not isinstance(values, Mapping):
             self._drop("values", Dropped("not_numeric"))  # log(0.5) or log([..]): not a mapping
             values = None
-        if values and self._tensor_keys is not None:
-            keys = tuple(values)
-            if keys == self._tensor_keys:  # the usual loop: the same tensor keys as last time
-                stacks = capture_same(keys, list(values.values()))
-        if values and stacks is None:
-            names = self._names
-            tensor_keys: list[Any] = []
-            tensor_values: list[Any] = []
-            for key, value in values.items():
-                name = names.get(key)
-                if name is None:
-                    name = self._learn(key)
-                if type(name) is Dropped:
-                    if key != _STEP_KEY:
-                        self._drop(key, name)
-                    continue
-                kind = type(value)
-                if kind is float:
-                    kept[key] = value
-                elif kind in PLAIN_TENSORS:
-                    tensor_keys.append(key)
-                    tensor_values.append(value)
-                else:
-                    value = scalar(value)
-                    if type(value) is Dropped:
-                        self._drop(key, value)
-                    else:
-                        kept[key] = value
-            stacks = capture(tensor_keys, tensor_values, self._drop) if tensor_values else None
-            # Every key a readable tensor of one stack: next time, the same keys take capture_same().
-            whole = stacks is not None and len(stacks) == 1 and len(stacks[0].keys) == len(values)
-            self._tensor_keys = tuple(values) if whole else None
+        kept: dict[Any, Any] = {}
+        stacks: list[Stack] = []
         if values:
+            split = self._layout.split(values, self._drop) if self._layout is not None else None
+            kept, stacks = split if split is not None else self._split(values)
             if step is None and _STEP_KEY in values:
                 step = values[_STEP_KEY]
         if self._stash:
@@ -234,7 +206,7 @@ class TrainingMonitor:
             samples = self._optional("samples", samples)
         if tokens is not None and type(tokens) is not int:
             tokens = self._optional("tokens", tokens)
-        if isinstance(batch_id, TENSOR_TYPES):  # copied: the loop may reuse its index tensor
+        if type(batch_id) is not int and isinstance(batch_id, TENSOR_TYPES):  # copied: the loop may reuse it
             batch_id = self._optional("batch_id", batch_id)
         waited, self._waited = self._waited, 0.0
         if data_wait is not None:
@@ -242,18 +214,50 @@ class TrainingMonitor:
         skipped, scale = self._scaler.take() if self._scaler is not None else (0, None)
         if scale is not None:
             scale = scalar(scale)  # updated in place by the scaler: copied on its device
-        stacks = stacks or ()
-        events = (self._events(stacks, step, scale, skipped, samples, tokens, batch_id, *kept.values())
+        events = (self._events(stacks, kept, step, scale, skipped, samples, tokens, batch_id)
                   if self._cuda_possible else ())
         last, self._last_log = self._last_log, now
-        self._pending.append(Entry(time.time(), None if last is None else now - last, step,
-                                   batch_id, samples, tokens, kept, waited, skipped, scale,
-                                   tuple(stacks), events))
+        self._pending.append((time.time(), None if last is None else now - last, step,  # an Entry's fields
+                              batch_id, samples, tokens, kept, waited, skipped, scale, stacks, events))
         if len(self._pending) >= SOFT_PENDING:
             if len(self._pending) >= HARD_PENDING:
                 self._drain()
             else:
                 self._wake.set()
+
+    def _split(self, values: Mapping[Any, Any]) -> tuple[dict[Any, Any], list[Stack]]:
+        """log()'s values as (numbers and tensor copies by key, stacks of plain tensors), each key
+        looked at; drops what is not loggable. Learns the layout that the next call like it takes."""
+        names = self._names
+        kept: dict[Any, Any] = {}
+        numbers: list[Any] = []
+        tensor_keys: list[Any] = []
+        tensor_values: list[Any] = []
+        plain = True  # every value a Python number or a plain tensor, every key kept (but "step")
+        for key, value in values.items():
+            name = names.get(key)
+            if name is None:
+                name = self._learn(key)
+            if type(name) is Dropped:
+                if key != _STEP_KEY:
+                    self._drop(key, name)
+                    plain = False
+                continue
+            kind = type(value)
+            if kind in PLAIN_TENSORS:
+                tensor_keys.append(key)
+                tensor_values.append(value)
+                continue
+            value = value if kind is float else scalar(value)
+            if type(value) is Dropped:
+                self._drop(key, value)
+                plain = False
+            else:
+                kept[key] = value
+                numbers.append(key)
+                plain = plain and kind in NUMBERS
+        self._layout = Layout.of(values, numbers, tensor_keys) if plain else None
+        return kept, (capture(tensor_keys, tensor_values, self._drop) or []) if tensor_values else []
 
     def loader(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from `iterable`, adding the time spent waiting for each item to data-wait."""
@@ -298,7 +302,7 @@ class TrainingMonitor:
         return self._pauses.reason
 
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-              collectives: bool | None = None) -> "TrainingMonitor":
+              collectives: bool | None = None) -> TrainingMonitor:
         """Capture the total grad norm (before each optimizer step, unscaled: a fused step's is
         divided by the loss scale it used) and the learning rate; with a GradScaler, count the steps
         it skips (overflow; fused optimizers skip inside their step) and export its loss scale.
@@ -395,10 +399,11 @@ class TrainingMonitor:
             log.warning(message)
 
     @staticmethod
-    def _events(stacks: list[Stack], *copies: Any) -> tuple:
+    def _events(stacks: list[Stack], kept: dict[Any, Any], *copies: Any) -> tuple:
         """CUDA events marking this step's device values ready: the copies made here and the values
         made earlier on the same stream (watch()'s grad norm); none for CPU tensors."""
         made = [stack.tensor for stack in stacks]
+        made += [value for value in kept.values() if type(value) is not float]  # else a tensor copy
         made += [copy for copy in copies if isinstance(copy, TENSOR_TYPES)]
         return ready_events(made) if made else ()
 
@@ -417,7 +422,7 @@ class TrainingMonitor:
             return None
 
     def _wait_seconds(self, value: Any) -> float:
-        seconds = value if type(value) is float else scalar(value)
+        seconds: Any = value if type(value) is float else scalar(value)  # a float, a tensor or a Dropped
         if isinstance(seconds, TENSOR_TYPES):
             seconds = Dropped("not_numeric")  # a duration is measured on the host, not a device
         elif type(seconds) is not Dropped and not 0.0 <= seconds < float("inf"):
@@ -450,7 +455,7 @@ class TrainingMonitor:
                     next_publish = time.monotonic() + interval
                     self._latest = self._publish("running")
                     self._offer(self._latest)
-            except Exception:  # noqa: BLE001 - a monitoring bug must not stop monitoring
+            except Exception:  # a monitoring bug must not stop monitoring (logged below, once)
                 if ("worker", "error") not in self._warned:
                     self._warned.add(("worker", "error"))
                     log.exception("trainer_hook internal error; training continues")
@@ -465,10 +470,10 @@ class TrainingMonitor:
             if lines:
                 self.record.write(lines)
 
-    def _lines(self, items: list[Entry | dict[str, Any]]) -> list[dict[str, Any]]:
+    def _lines(self, items: list[tuple[Any, ...] | dict[str, Any]]) -> list[dict[str, Any]]:
         """Record lines for `items` (step entries, and paused()'s lines as they are), in order; the
         last step's line carries the CUDA allocator's state, if any."""
-        entries = [item for item in items if type(item) is not dict]
+        entries = [Entry._make(item) for item in items if type(item) is not dict]
         steps = self._aggregator.drain(entries) if entries else []
         cuda = self._cuda_stats()
         if cuda is not None and steps:
@@ -602,7 +607,7 @@ class TrainingMonitor:
         """The port pull mode serves /metrics on (useful with listen_port=0)."""
         return self._server.port if self._server is not None else None
 
-    def __enter__(self) -> "TrainingMonitor":
+    def __enter__(self) -> TrainingMonitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -11,7 +11,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport
 from .contract import PRECISIONS, label_value
@@ -84,6 +85,27 @@ class Settings:
     def grouping_key(self) -> dict[str, str]:
         """The Pushgateway group, besides `job`."""
         return {"run": self.run, "rank": str(self.rank), "instance": self.instance}
+
+
+#: TrainingMonitor's arguments that resolve into a Settings field of another name; every other argument
+#: (but `config`, the run's labels) is the field of its own name. resolve() holds the constructor to this.
+RESOLVED_INTO: dict[str, str] = {
+    "gpu_uuid": "gpu_uuids",
+    "remote_write_url": "remote_write", "remote_write_basic_auth": "remote_write",
+    "remote_write_bearer_token": "remote_write", "remote_write_ca_file": "remote_write",
+    "remote_write_client_cert": "remote_write",
+    "allow_insecure_credentials": "refused_sinks",
+}
+
+
+def check_arguments(names: set[str]) -> None:
+    """TypeError (one line) unless the argument `names` map onto Settings' fields exactly (RESOLVED_INTO)."""
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    unknown = sorted(name for name in names if RESOLVED_INTO.get(name, name) not in fields)
+    missing = sorted(fields - {RESOLVED_INTO.get(name, name) for name in names})
+    if unknown or missing:
+        raise TypeError(f"TrainingMonitor's arguments and Settings differ: no field for {unknown}, "
+                        f"no argument for {missing}")
 
 
 def _positive(name: str, value: float) -> float:
@@ -260,8 +282,10 @@ def resolve(arguments: Mapping[str, Any]) -> Settings:
     """Settings from TrainingMonitor's arguments (by name; None falls back to the environment).
 
     Arguments that need no checking go through unchanged: a new constructor argument is a new
-    Settings field (plus its check here, if any). Raises ValueError with one clear message.
+    Settings field (plus its check here, if any), which check_arguments() enforces. Raises ValueError
+    with one clear message.
     """
+    check_arguments(set(arguments))
     a = dict(arguments)
     a["job"] = job = _name("job", a["job"], ENV_JOB)
     a["run"] = run = _run(a["run"])

@@ -8,36 +8,82 @@ concatenation and one device-to-host transfer per (device, dtype).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ._torch import TENSOR_TYPES, torch
 from .contract import Dropped
-from .values import check_tensor
-
 
 #: Exact tensor types log() stacks without further checks (subclasses go through values.scalar()).
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+PLAIN_TENSORS: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+#: Python number types a Layout reads with float(), as values.scalar() does.
+NUMBERS: tuple[type, ...] = (float, int, bool)
 
 
 class Stack(NamedTuple):
     """The values of `keys` (in order) as one 1-D tensor on their device."""
 
-    keys: list[Any]
+    keys: Sequence[Any]
     tensor: Any
 
 
-def capture(keys: list[Any], tensors: list[Any], drop: Callable[[Any, Dropped], None]) -> list[Stack]:
+class Layout(NamedTuple):
+    """How one log() call's values split into Python numbers and plain tensors. The next call with
+    the same keys, numbers of the same types and plain tensors splits the same way, without a look
+    at each key."""
+
+    keys: tuple[Any, ...]
+    numbers: tuple[Any, ...]  # keys whose values are Python numbers (float, int, bool)
+    types: tuple[type, ...]  # their types
+    tensors: tuple[Any, ...]  # keys whose values are plain tensors, copied by one capture()
+    floats_only: bool  # every value a float (no "step" key): the values are the numbers
+    tensors_only: bool  # every value a plain tensor (no "step" key)
+
+    @classmethod
+    def of(cls, values: Mapping[Any, Any], numbers: list[Any], tensors: list[Any]) -> Layout:
+        """The layout of `values`, whose kept keys were `numbers` and `tensors` (any other key: "step")."""
+        types = tuple(type(values[key]) for key in numbers)
+        return cls(tuple(values), tuple(numbers), types, tuple(tensors),
+                   len(numbers) == len(values) and all(kind is float for kind in types), len(tensors) == len(values))
+
+    def split(self, values: Mapping[Any, Any],
+              drop: Callable[[Any, Dropped], None]) -> tuple[dict[Any, Any], list[Stack]] | None:
+        """(numbers as floats, tensors' stacks) of `values`, or None when their keys or value types
+        are not this layout's (or an int is beyond a float's range)."""
+        if tuple(values) != self.keys:
+            return None
+        if self.floats_only:
+            return (dict(values), []) if tuple(map(type, values.values())) == self.types else None
+        numbers: dict[Any, Any] = {}
+        get = values.__getitem__
+        if self.numbers:
+            found = tuple(map(get, self.numbers))
+            if tuple(map(type, found)) != self.types:
+                return None
+            try:
+                numbers = dict(zip(self.numbers, map(float, found)))
+            except OverflowError:
+                return None
+        if not self.tensors:
+            return numbers, []
+        stacks = capture(self.tensors, list(values.values() if self.tensors_only else map(get, self.tensors)), drop)
+        return None if stacks is None else (numbers, stacks)
+
+
+def capture(keys: Sequence[Any], tensors: list[Any], drop: Callable[[Any, Dropped], None]) -> list[Stack] | None:
     """On-device copies of a step's tensors, one Stack per (device, dtype); `drop(key, reason)` for
-    the tensors that are not readable scalars."""
-    dtype = tensors[0].dtype
+    the tensors that are not readable scalars. None (and nothing dropped) if one is not a plain tensor."""
+    dtype: Any = tensors[0].dtype if type(tensors[0]) in PLAIN_TENSORS else None
     for tensor in tensors:  # a plain loop: cheaper than all() over a generator
-        if tensor.dtype is not dtype:
+        if type(tensor) not in PLAIN_TENSORS or tensor.dtype is not dtype:
             break
     else:  # the common case: one dtype (not complex), one device, all 0-d
         stacked = None if dtype.is_complex else _stack(tensors)
         if stacked is not None and stacked.numel() == len(tensors) and not stacked.is_meta \
                 and not stacked.is_sparse:
             return [Stack(keys, stacked if stacked.dim() == 1 else stacked.reshape(-1))]
+    if not all(type(tensor) in PLAIN_TENSORS for tensor in tensors):
+        return None
     groups: dict[tuple[Any, Any], tuple[list[Any], list[Any]]] = {}
     for key, tensor in zip(keys, tensors):
         reason = check_tensor(tensor)
@@ -50,17 +96,13 @@ def capture(keys: list[Any], tensors: list[Any], drop: Callable[[Any, Dropped], 
     return [Stack(group_keys, _stack(group_tensors)) for group_keys, group_tensors in groups.values()]
 
 
-def capture_same(keys: tuple[Any, ...], tensors: list[Any]) -> list[Stack] | None:
-    """capture() for a step whose keys are those of the previous one, all tensors then: one Stack,
-    or None when that no longer holds (a key now has a number, another dtype, ...)."""
-    dtype = getattr(tensors[0], "dtype", None)
-    for tensor in tensors:
-        if type(tensor) not in PLAIN_TENSORS or tensor.dtype is not dtype:
-            return None
-    stacked = None if dtype.is_complex else _stack(tensors)
-    if stacked is None or stacked.numel() != len(tensors) or stacked.is_meta or stacked.is_sparse:
-        return None
-    return [Stack(list(keys), stacked if stacked.dim() == 1 else stacked.reshape(-1))]
+def check_tensor(tensor: Any) -> Dropped | None:
+    """Why a tensor is not a loggable scalar, or None if it is (nothing is read from the device)."""
+    if tensor.numel() != 1:
+        return Dropped("not_scalar")
+    if tensor.is_meta or tensor.is_complex() or tensor.is_sparse:
+        return Dropped("unreadable")
+    return None
 
 
 def _stack(tensors: list[Any]) -> Any:

@@ -6,6 +6,7 @@ from typing import Any
 
 from ._torch import TENSOR_TYPES
 from .contract import Dropped
+from .tensors import check_tensor
 
 
 def scalar(value: Any) -> Any:
@@ -32,11 +33,3 @@ def scalar(value: Any) -> Any:
     except (ValueError, TypeError):
         return Dropped("not_numeric")
 
-
-def check_tensor(tensor: Any) -> Dropped | None:
-    """Why a tensor is not a loggable scalar, or None if it is (nothing is read from the device)."""
-    if tensor.numel() != 1:
-        return Dropped("not_scalar")
-    if tensor.is_meta or tensor.is_complex() or tensor.is_sparse:
-        return Dropped("unreadable")
-    return None

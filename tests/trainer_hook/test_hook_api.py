@@ -5,6 +5,7 @@ import json
 import shutil
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,24 @@ def test_invalid_arguments_raise_value_error_at_construction(tmp_path, kwargs, m
         kwargs = {**kwargs, "ca_file": str(tmp_path / "ca.pem")}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         monitor(tmp_path, **kwargs)
+
+
+def test_the_constructor_takes_each_setting_once_and_names_an_unknown_keyword(tmp_path):
+    """Every constructor argument but `config` is a Settings field (or resolves into one, as listed in
+    settings.RESOLVED_INTO), and every field has an argument: the two cannot drift apart."""
+    import inspect
+    from trainer_hook.settings import check_arguments
+    arguments = set(inspect.signature(TrainingMonitor).parameters) - {"config"}
+    check_arguments(arguments)
+    with pytest.raises(TypeError, match="no argument for .'max_hold'"):
+        check_arguments(arguments - {"max_hold"})
+    with pytest.raises(TypeError, match="no field for .'max_hold_seconds'"):
+        check_arguments(arguments | {"max_hold_seconds"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pushgatway'") as raised:
+        monitor(tmp_path, pushgatway="http://127.0.0.1:9091")
+    assert "\n" not in str(raised.value)
+    table = REPO.joinpath("docs", "hook.md").read_text().split("### `TrainingMonitor(...)`")[1].split("\n\n")[1]
+    assert sorted(re.findall(r"^\| `(\w+)` \|", table, re.M)) == sorted(inspect.signature(TrainingMonitor).parameters)
 
 
 def test_pull_mode_port_in_use_raises_value_error(tmp_path):

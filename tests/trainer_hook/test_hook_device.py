@@ -134,10 +134,15 @@ def test_a_key_that_changes_kind_between_steps_keeps_its_values(tmp_path):
         m.log({"loss": torch.tensor(4.0), "acc": torch.tensor(7, dtype=torch.int64)})
         m.log({"loss": torch.tensor(5.0), "acc": torch.ones(2)})
         m.log({"loss": torch.tensor(6.0), "acc": torch.tensor(0.5)})
+        m.log({"loss": 7.0, "acc": 3})
+        m.log({"loss": 8.0, "acc": 10**400})  # an int as before, but beyond a float's range
+        m.log({"loss": 9.0, "acc": True})
     steps, _ = record_lines(tmp_path / "record.jsonl")
     assert [x["values"] for x in steps] == [
         {"loss": 1.0, "acc": 0.5}, {"loss": 2.0, "acc": 0.25}, {"loss": 3.0, "acc": 0.125},
-        {"loss": 4.0, "acc": 7.0}, {"loss": 5.0}, {"loss": 6.0, "acc": 0.5}]
+        {"loss": 4.0, "acc": 7.0}, {"loss": 5.0}, {"loss": 6.0, "acc": 0.5},
+        {"loss": 7.0, "acc": 3.0}, {"loss": 8.0}, {"loss": 9.0, "acc": 1.0}]
+    assert m._latest.dropped["out_of_range"] == 1
 
 
 def test_a_batch_id_tensor_keeps_the_value_it_had_at_log(tmp_path):
