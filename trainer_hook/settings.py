@@ -349,7 +349,9 @@ def _listen_access(basic_auth: Any, tls: Any) -> tuple[tuple[str, str] | None, t
         tls = (env[f"{ENV_LISTEN}_CERT_FILE"], env.get(f"{ENV_LISTEN}_KEY_FILE", ""))
     if tls is not None and (isinstance(tls, str) or len(tls) != 2 or not all(Path(p).is_file() for p in tls)):
         raise ValueError("listen_tls must be a (certificate file, key file) pair of existing files")
-    return (tuple(basic_auth) if basic_auth else None), (tuple(str(p) for p in tls) if tls else None)
+    credentials = (str(basic_auth[0]), str(basic_auth[1])) if basic_auth else None
+    files = (str(tls[0]), str(tls[1])) if tls else None
+    return credentials, files
 
 
 def _host(address: str) -> str:
@@ -384,14 +386,15 @@ def _delete_after(value: float | None) -> float | None:
     $DUALTRACK_DELETE_AFTER (seconds, or "none") replaces the default, not an explicit other value.
     """
     what = "delete_after"
+    given: object = value
     env = os.environ.get(ENV_DELETE_AFTER, "").strip()
     if value == DEFAULT_DELETE_AFTER and env:
         if env.lower() == "none":
             return None
-        value, what = env, f"${ENV_DELETE_AFTER}"
-    if value is None:
+        given, what = env, f"${ENV_DELETE_AFTER}"
+    if given is None:
         return None
-    seconds = _as_float(value)
+    seconds = _as_float(given)
     if not 0 <= seconds < float("inf"):
-        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
+        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got {given!r}")
     return seconds
