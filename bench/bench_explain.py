@@ -19,8 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from stack import processes  # noqa: E402
-from tests.support import explain as explain_support  # noqa: E402
+from stack import processes
+from tests.support import explain as explain_support
 
 RUNNER = ("import resource, sys; from dualtrack.cli import main; code = main(sys.argv[1:]); "
           "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")

@@ -84,8 +84,8 @@ def test_nan_after_xid_79_on_one_rank_blames_the_gpu(prometheus, capsys):
     assert event["rank"] == "1" and event["gpu_uuid"] == support.uuid_of("xid", 1)
     assert event["time"] == prometheus["base"] + support.FAULT_AT + support.XID_LEAD
     assert kinds(event) == ["xid"] and "XID 79 (GPU has fallen off the bus)" in event["causes"][0]["evidence"]
-    assert "45 s after XID 79 (GPU has fallen off the bus) on that GPU; no other rank affected: hardware, not the model" \
-        in event["sentence"]
+    assert ("45 s after XID 79 (GPU has fallen off the bus) on that GPU; no other rank affected: hardware, "
+            "not the model") in event["sentence"]
     failed = [e for e in events if e["kind"] == "failed"]
     assert [e["rank"] for e in failed] == ["1"] and kinds(failed[0]) == ["xid"]
     assert {e["kind"] for e in events} == {"nonfinite", "failed"}  # the failed rank is no slowdown
@@ -97,9 +97,10 @@ def test_nan_on_a_mig_instance_after_xid_79_on_its_parent_gpu(prometheus, capsys
     assert mig.startswith("MIG-") and found["gpus"]["1"] == mig and found["parent_gpus"] == {"1": parent}
     (event,) = [e for e in found["events"] if e["kind"] == "nonfinite"]
     assert event["rank"] == "1" and event["gpu_uuid"] == mig
-    assert kinds(event) == ["xid"] and f"XID 79 (GPU has fallen off the bus) on {parent}" in event["causes"][0]["evidence"]
-    assert (f"45 s after XID 79 (GPU has fallen off the bus) on its MIG instance's parent GPU ({parent}); no other rank "
-            "affected: hardware, not the model") in event["sentence"]
+    assert kinds(event) == ["xid"]
+    assert f"XID 79 (GPU has fallen off the bus) on {parent}" in event["causes"][0]["evidence"]
+    assert (f"45 s after XID 79 (GPU has fallen off the bus) on its MIG instance's parent GPU ({parent}); "
+            "no other rank affected: hardware, not the model") in event["sentence"]
     code, out, _ = explain(prometheus, "mig", capsys)
     assert code == 0 and f"rank 1 {mig} (on {parent})" in out.splitlines()[0]
 
@@ -110,7 +111,8 @@ def test_an_oom_on_a_mig_instance_reads_the_instance_memory(prometheus, capsys):
     parent = support.uuid_of("mig-oom", 1)
     assert oom["rank"] == "1" and kinds(oom) == ["memory_pressure"] and oom["causes"][0]["score"] == 0.8
     assert oom["causes"][0]["evidence"] == f"{parent} GPU instance 1 memory 99% full"
-    assert f"with 99% of the memory of GPU instance 1 used on its MIG instance's parent GPU ({parent})" in oom["sentence"]
+    assert (f"with 99% of the memory of GPU instance 1 used on its MIG instance's parent GPU ({parent})"
+            in oom["sentence"])
     # The server in the parent's other GPU instance is isolated from rank 1's: no co-tenant.
     assert "co_tenant" not in {kind for event in events for kind in kinds(event)}
 
@@ -121,8 +123,8 @@ def test_a_lost_gpu_is_the_first_cause(prometheus, capsys):
     assert kinds(event) == ["gpu_lost", "xid"] and event["causes"][0]["score"] == 0.99
     assert f"{support.uuid_of('gpu-lost', 1)} lost (stopped answering NVML)" in event["causes"][0]["evidence"]
     assert event["sentence"].endswith(
-        "failed on rank 1 (%s) 30 s after a GPU loss on that GPU (it stopped answering NVML): hardware, not the model"
-        % support.uuid_of("gpu-lost", 1))
+        f"failed on rank 1 ({support.uuid_of('gpu-lost', 1)}) 30 s after a GPU loss on that GPU (it stopped answering "
+        "NVML): hardware, not the model")
 
 
 def test_nan_on_every_rank_with_healthy_gpus_finds_no_cause(prometheus, capsys):
@@ -205,8 +207,9 @@ def test_a_co_tenant_that_slows_every_rank_by_a_fifth_is_a_regression(prometheus
     assert prometheus["base"] + support.FAULT_AT < event["time"] < prometheus["base"] + support.FAULT_AT + 600
     assert re.search(r"step time rose from 0\.5 s to 0\.6\d* s \(x1\.2\d\)", event["sentence"]), event["sentence"]
     assert kinds(event) == ["co_tenant"] and event["causes"][0]["score"] == thresholds.score("co_tenant")
-    assert event["sentence"].endswith(f"with another process (stress-ng, pid 4242, computing 40% of the SMs) on rank 1's "
-                                      f"GPU ({support.uuid_of('co-tenant-sync', 1)}): another process on the GPU, not the model")
+    assert event["sentence"].endswith(
+        f"with another process (stress-ng, pid 4242, computing 40% of the SMs) on rank 1's "
+        f"GPU ({support.uuid_of('co-tenant-sync', 1)}): another process on the GPU, not the model")
 
 
 def test_explain_scores_co_tenants_as_the_rules_do(prometheus, capsys):

@@ -41,8 +41,11 @@ def test_explain_takes_the_latest_launch_lists_the_other_and_says_the_run_has_no
             else:
                 wanted = (f'training_step{{run="{run}"}} >= 0 and on (job, run, rank, instance) '
                           f'training_launch_info{{launch="{ids[1]}"}}')
-            processes.wait_until(lambda: [trainer.train_step(monitor)] and daemons.query(prometheus.url, wanted), 30,
-                                 interval=0.2, what=wanted)
+            def stepped(trainer: Trainer = trainer, monitor: TrainingMonitor = monitor, wanted: str = wanted) -> list:
+                trainer.train_step(monitor)  # one step a poll, until Prometheus holds what this launch pushed
+                return daemons.query(prometheus.url, wanted)
+
+            processes.wait_until(stepped, 30, interval=0.2, what=wanted)
     assert ids[0] != ids[1]
 
     assert main(["explain", run, "--prometheus", prometheus.url, "--since", "10m", "--json"]) == 0

@@ -40,7 +40,8 @@ def infra_cause_drift(expr: str) -> list[str]:
         compared = sorted(float(x) for x in re.findall(r"> ([\d.]+)", term) if float(x) != 0)
         windows = {bracket or offset for bracket, offset in re.findall(r"\[(\w+)\]|offset (\w+)", term)}
         windows -= {minutes(limits.EVIDENCE_WINDOW)}  # gpu_lost's term (ALERTS) has none
-        for what, found, expected in (("scores", scores, wanted), ("thresholds", compared, RULE_THRESHOLDS.get(kind, [])),
+        for what, found, expected in (("scores", scores, wanted),
+                                      ("thresholds", compared, RULE_THRESHOLDS.get(kind, [])),
                                       ("windows other than the table's", windows, set())):
             if found != expected:
                 drift.append(f"{kind} {what}: rule {found}, table {expected}")
@@ -56,7 +57,8 @@ def test_a_score_or_threshold_changed_in_the_rule_is_caught():
     """The check above can fail: each number of the rule, changed alone, is reported."""
     expr = rules("explain")[INFRA_CAUSE]["expr"]
     edits = {"* 0 + 0.6": "* 0 + 0.65", "* 0 + 0.7\n": "* 0 + 0.72\n", "> 0.05) * 0 + 0.75": "> 0.1) * 0 + 0.75",
-             "[10m])) > 0.05) * 0 + 0.55": "[10m])) > 0.04) * 0 + 0.55", "[10m]) > 0) * 0 + 0.9": "[5m]) > 0) * 0 + 0.9"}
+             "[10m])) > 0.05) * 0 + 0.55": "[10m])) > 0.04) * 0 + 0.55",
+             "[10m]) > 0) * 0 + 0.9": "[5m]) > 0) * 0 + 0.9"}
     for old, new in edits.items():
         assert expr.count(old) == 1, old
         assert len(infra_cause_drift(expr.replace(old, new))) == 1, new
@@ -97,7 +99,8 @@ def test_data_loader_rule_is_the_tables():
     shares = re.findall(r"job_run_rank:training_data_wait_seconds:rate5m > ([\d.]+)", loader["expr"])
     assert [float(x) for x in shares] == [limits.STARVATION_SHARE], loader["expr"]
     assert loader["for"] == minutes(limits.STARVATION_FOR)
-    assert f"[{minutes(limits.RATE_WINDOW)}]" in rules("recording")["job_run_rank:training_data_wait_seconds:rate5m"]["expr"]
+    data_wait = rules("recording")["job_run_rank:training_data_wait_seconds:rate5m"]["expr"]
+    assert f"[{minutes(limits.RATE_WINDOW)}]" in data_wait
 
 
 def test_gradient_spike_and_loss_scale_rules_are_the_tables():
@@ -127,7 +130,8 @@ def test_the_docs_cause_table_is_the_tables():
     text = (REPO / "docs" / "explain.md").read_text()
     table = text.split("## Causes")[1].split("\n\n")[2]
     evidence = {"thermal_throttle": limits.THROTTLE_SHARE, "clock_drop": limits.CLOCK_DROP,
-                "memory_pressure": limits.MEMORY_FULL, "co_tenant": limits.CO_TENANT_SM, "data_wait": limits.DATA_WAIT_SHARE}
+                "memory_pressure": limits.MEMORY_FULL, "co_tenant": limits.CO_TENANT_SM,
+                "data_wait": limits.DATA_WAIT_SHARE}
     seen = set()
     for row in table.splitlines()[2:]:
         kinds_cell, evidence_cell, score_cell, _ = [cell.strip() for cell in row.strip("|").split(" | ")]

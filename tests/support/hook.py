@@ -9,7 +9,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import requests
 import torch
@@ -122,13 +122,13 @@ def http_gateway(respond: Callable[[BaseHTTPRequestHandler], int], body: bytes =
         def status(self, code: int) -> None:
             (self.send_response if date else self.send_response_only)(code)
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def do_PUT(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self.status(respond(self))
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self.status(respond(self))
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

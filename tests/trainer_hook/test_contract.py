@@ -54,7 +54,7 @@ MAXIMA = {"training_loss_max", "training_grad_norm_max", "training_learning_rate
 _SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+) (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def feed(monitor: TrainingMonitor, watch_scaler: bool) -> None:
@@ -81,9 +81,9 @@ def feed(monitor: TrainingMonitor, watch_scaler: bool) -> None:
     log({"loss": 1.5, "grad_norm": 2.0, "lr": 1e-3})
 
 
-def live_series(text: str, run: str) -> Series:
+def live_series(text: str, run: str) -> Samples:
     """Every sample the Pushgateway holds for `run`, labels without job/instance/run/rank."""
-    series: Series = {}
+    series: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.labels.get("run") == run:
@@ -91,11 +91,11 @@ def live_series(text: str, run: str) -> Series:
     return series
 
 
-def replayed_series(text: str) -> tuple[Series, Series]:
+def replayed_series(text: str) -> tuple[Samples, Samples]:
     """(the last sample of each replayed series, the largest of each window-maximum series and the
     *_max_step at that sample)."""
-    last: Series = {}
-    largest: Series = {}
+    last: Samples = {}
+    largest: Samples = {}
     raised: set = set()  # maxima whose *_max_step sample (the next line of the step) is the one to keep
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -279,7 +279,7 @@ def test_the_live_exposition_is_the_declaration() -> None:
             assert labels == {"lr"}
         else:
             assert labels == set(series.labels), series.name
-    assert {name for name in exported} == {"training_loss", "training_custom"}
+    assert set(exported) == {"training_loss", "training_custom"}
     assert exported["training_loss"].documentation == KNOWN_KEYS["loss"]
 
 

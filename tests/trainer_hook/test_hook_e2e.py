@@ -144,8 +144,9 @@ def test_rate_of_sum_over_rate_of_count_is_the_exact_mean_of_the_logged_values(s
     first, last = int(float(samples[0][1])), int(float(samples[-1][1]))
     # A real window, away from the series' start (where rate() would clamp its extrapolation at 0).
     assert last - first > 20 and 2 * first > last - first
-    mean = float(daemons.query(prom.url, f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
-                                           f"rate(training_logged_value_count{{{sel}}}[{window}])", at=at)[0]["value"][1])
+    query = (f"rate(training_logged_value_sum{{{sel}}}[{window}]) / "
+             f"rate(training_logged_value_count{{{sel}}}[{window}])")
+    mean = float(daemons.query(prom.url, query, at=at)[0]["value"][1])
     steps, _ = record_lines(tmp_path / "r.jsonl")
     finite = [x["values"]["loss"] for x in steps if isinstance(x["values"]["loss"], float)]
     assert len(finite) < len(steps)  # NaN steps were logged, and are not in the count

@@ -92,7 +92,8 @@ def test_an_automatic_run_id_is_said_once_at_start_and_public_as_monitor_run(tmp
     script = ("from trainer_hook import TrainingMonitor\n"
               f"with TrainingMonitor(job='ident', pushgateway=False, record_path={str(tmp_path)!r}) as m:\n"
               "    print(m.run)\n"
-              f"with TrainingMonitor(job='ident', run='chosen', pushgateway=False, record_path={str(tmp_path)!r}) as m:\n"
+              "with TrainingMonitor(job='ident', run='chosen', pushgateway=False,\n"
+              f"                     record_path={str(tmp_path)!r}) as m:\n"
               "    print(m.run)\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES})
@@ -160,8 +161,8 @@ def test_identity_is_exported_and_the_local_rank_names_the_gpu(tmp_path, bare_en
                          gpu_uuid="GPU-11111111-2222-3333-4444-555555555555") as m:
         m.log({"loss": 1.0})
         url = f"http://127.0.0.1:{m.listen_port}/metrics"
-        text = wait_until(lambda: (t := requests.get(url).text) and "training_steps_total{rank=\"7\",run=\"501\"} 1.0" in t and t,
-                          timeout=10)
+        stepped = 'training_steps_total{rank="7",run="501"} 1.0'
+        text = wait_until(lambda: (t := requests.get(url).text) and stepped in t and t, timeout=10)
     labels = 'rank="7",run="501"'
     assert f"training_world_size{{{labels}}} 8.0" in text
     assert f"training_local_rank{{{labels}}} 3.0" in text
