@@ -61,8 +61,8 @@ def test_dashboard_configmaps_carry_each_dashboard_for_the_sidecar():
         (name, text), = configmap["data"].items()
         dashboard, source = json.loads(text), json.loads((REPO / "dashboards" / name).read_text())
         assert dashboard["uid"] == source["uid"] and len(dashboard["panels"]) == len(source["panels"])
-        # the compose stack's provisioned uid and '"uid": "${datasource}"' in text
-        assert "dualtrack-prometheus" not in text
+        assert "dualtrack-prometheus" not in text  # the compose stack's provisioned uid
+        assert '"uid": "${datasource}"' in text
 
 
 @pytest.mark.parametrize("components", [(), tuple(COMPONENTS)], ids=["base", "all-components"])
