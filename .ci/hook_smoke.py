@@ -22,7 +22,7 @@ from trainer_hook import TrainingMonitor  # noqa: E402
 def training_families(text: str) -> str:
     """The training_* families (with their HELP/TYPE lines) of a Pushgateway exposition."""
     return "".join(line + "\n" for line in text.splitlines()
-                   if line.startswith("training_") or line.startswith(("# HELP training_", "# TYPE training_")))
+                   if line.startswith(("training_", "# HELP training_", "# TYPE training_")))
 
 
 def main() -> None:

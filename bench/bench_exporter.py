@@ -12,9 +12,10 @@ in a virtual environment of its own (it is no dependency of dualtrack):
 Without it (or when that Python cannot import nvitop_exporter) the baseline is a stand-in, labelled
 "naive": nvitop-exporter's 17 NVML calls per GPU, made on every scrape.
 
-Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle (the sampler's cost), CPU per scrape, CPU
-at one scrape per 15 s (idle CPU + CPU per scrape / 15, ours with the CPU of a scrape without reuse), resident memory, NVML calls per GPU per
-sample (counted in the simulated NVML), series per GPU, and the ratios dualtrack / baseline.
+Reports scrape latency p50/p99 (as Prometheus scrapes: keep-alive, gzip), CPU per second while idle
+(the sampler's cost), CPU per scrape, CPU at one scrape per 15 s (idle CPU + CPU per scrape / 15, ours
+with the CPU of a scrape without reuse), resident memory, NVML calls per GPU per sample (counted in the
+simulated NVML), series per GPU, and the ratios dualtrack / baseline.
 CPU is counted in clock ticks (10 ms) over `--window` seconds: 10 s gives about +-0.1 % of a core,
 30 s (the README's figures) +-0.03 %. The daemons run at once, so their samplers' phases relative to
 one another (set by when each started) also move the idle figures by a few hundredths of a percent.
@@ -89,7 +90,8 @@ class NaiveCollector:
         families: dict[str, GaugeMetricFamily] = {}
         for index, handle in enumerate(self.handles):
             for name, value in self._readings(handle).items():
-                families.setdefault(name, GaugeMetricFamily(name, name, labels=["index"])).add_metric([str(index)], value)
+                family = families.setdefault(name, GaugeMetricFamily(name, name, labels=["index"]))
+                family.add_metric([str(index)], value)
         yield from families.values()
 
 
@@ -175,8 +177,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def in_process_sampling(samples: int = 60) -> dict[str, float]:
     """Ours, in this process over `samples` steady-state samples of 8 GPUs (no call cost): NVML calls
-    per GPU per sample counted in the simulated NVML (every call, those without a device argument too), and the sampler's own CPU time per sample
-    (process CPU minus the CPU the simulation itself spent)."""
+    per GPU per sample counted in the simulated NVML (every call, those without a device argument too),
+    and the sampler's own CPU time per sample (process CPU minus the CPU the simulation itself spent)."""
     from tests.support.exporter import Rig
     rig = Rig(gpus=GPUS)
     rig.step()
@@ -351,7 +353,8 @@ def measure(args: argparse.Namespace, installed: str) -> int:
         ("NVML calls per GPU per sample (avg)", f"{sampling[fast]['average']:.1f}",
          f"{sampling[no_reuse]['average']:.1f}", f"{base_calls:.1f}", ratio(sampling[fast]["average"], base_calls),
          "<= 5"),
-        ("NVML calls per GPU per sample (max; first sample)", f"{sampling[fast]['max']:.0f}; {sampling[fast]['first']:.0f}",
+        ("NVML calls per GPU per sample (max; first sample)",
+         f"{sampling[fast]['max']:.0f}; {sampling[fast]['first']:.0f}",
          f"{sampling[no_reuse]['max']:.0f}; {sampling[no_reuse]['first']:.0f}", "-", "", ""),
         ("series per GPU", f"{sampling[fast]['series']}", f"{sampling[no_reuse]['series']}",
          f"{series_per_gpu(base_body)}", "", ""),

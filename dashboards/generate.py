@@ -264,8 +264,9 @@ def base(uid: str, title: str, description: str, tags: list[str]) -> dashboard.D
                   .tooltip("").url(""))
             .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
                            .regex("").hide(dm.VariableHide.DONT_HIDE).multi(False).include_all(False))
-            .annotation(Annotation(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"), name="Annotations & Alerts",
-                                   hide=True, icon_color="rgba(0, 211, 255, 1)", type_val="dashboard", builtIn=1)))
+            .annotation(Annotation(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"),
+                                   name="Annotations & Alerts", hide=True, icon_color="rgba(0, 211, 255, 1)",
+                                   type_val="dashboard", builtIn=1)))
 
 
 def query_variable(name: str, label: str, query: str, *, multi: bool = True, regex: str = ""
@@ -340,7 +341,8 @@ def gpu_fleet() -> dashboard.Dashboard:
         .legend(list_legend(False)).tooltip(tooltip(cm.TooltipDisplayMode.SINGLE, cm.SortOrder.NONE))
         .max_data_points(120),
         graph("Memory used", "Used share of each GPU's memory. A staircase that never comes down is a leak.",
-              "percentunit", [(FLEET_GPU, f"{fleet('nvml_gpu_memory_used_bytes')} / {fleet('nvml_gpu_memory_total_bytes')}")],
+              "percentunit",
+              [(FLEET_GPU, f"{fleet('nvml_gpu_memory_used_bytes')} / {fleet('nvml_gpu_memory_total_bytes')}")],
               min_value=0, max_value=1),
         graph("Power vs limit", "Power draw per GPU and its enforced power limit.", "watt",
               [(legend(FLEET_GPU, "power"), fleet("nvml_gpu_power_usage_watts")),
@@ -567,7 +569,8 @@ def training_run() -> dashboard.Dashboard:
         .filter_values(heatmap.FilterValueRange().le(1e-09))
         .show_tooltip().show_y_histogram().show_legend().exemplars_color("rgba(255,0,255,0.7)"),
         graph("Mean step time", "Mean seconds per step of each rank (histogram sum / count).", "s",
-              [(RANK, f"{rate('training_step_duration_seconds_sum')} / {rate('training_step_duration_seconds_count')}")],
+              [(RANK,
+                f"{rate('training_step_duration_seconds_sum')} / {rate('training_step_duration_seconds_count')}")],
               width=6),
         graph("Tokens/s", "Tokens per second of each rank, for runs that pass tokens= to log().", "short",
               [(RANK, rate("training_tokens_total"))], width=6),
@@ -762,12 +765,12 @@ def side_by_side(busy: str) -> list:
         infra("Throttle reasons", "Share of time each GPU was throttled, per reason (idle clock-down excluded).",
               "percentunit", [whole('rate(nvml_gpu_throttle_seconds_total{reason!="gpu_idle"}[$__rate_interval])',
                                     "{{reason}}")], min_value=0, max_value=1),
-        model("Loss scale", "fp16 loss scale of the GradScaler (log scale): it halves at each overflow (a skipped step, "
-              "counted in the panel above) and grows back; a scale that keeps falling is TrainingLossScaleCollapse. "
-              "Runs that watch a GradScaler only.", "none",
+        model("Loss scale", "fp16 loss scale of the GradScaler (log scale): it halves at each overflow (a skipped "
+              "step, counted in the panel above) and grows back; a scale that keeps falling is "
+              "TrainingLossScaleCollapse. Runs that watch a GradScaler only.", "none",
               [(RANK, f"training_loss_scale{{{RUN}}}")], log_scale=True),
-        infra("SM clock vs max", "SM clock of the run's GPUs and its maximum: a clock well below the maximum under load "
-              "is throttling.", "hertz",
+        infra("SM clock vs max", "SM clock of the run's GPUs and its maximum: a clock well below the maximum "
+              "under load is throttling.", "hertz",
               [whole('nvml_gpu_clock_hertz{clock="sm"}'), whole('nvml_gpu_clock_max_hertz{clock="sm"}', "max")]),
     ]
 

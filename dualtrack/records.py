@@ -229,7 +229,8 @@ class Reader:
 
     Step lines are dicts as written, with "step" an int and "time" a float; "values" holds only
     readable numbers (floats, NaN/Inf included); "nonfinite" lists the keys that make the step
-    non-finite (not an overflow of a skipped step), as the live hook counts them. `problems` and `runs` fill in as it goes.
+    non-finite (not an overflow of a skipped step), as the live hook counts them. `problems` and
+    `runs` fill in as it goes.
     """
 
     def __init__(self, paths: Iterable[str | Path], keep: Callable[[Run], bool] | None = None) -> None:

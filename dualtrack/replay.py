@@ -69,7 +69,8 @@ def _byte_count(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     promtool = args.promtool or shutil.which("promtool")
     if promtool is None or not os.access(promtool, os.X_OK):
-        return fail("replay", PROMTOOL_MISSING if args.promtool is None else f"--promtool {args.promtool}: not an executable")
+        return fail("replay", PROMTOOL_MISSING if args.promtool is None
+                    else f"--promtool {args.promtool}: not an executable")
     try:
         chosen = select_launches(launches(args.records), args.launch)
         reader = Reader(args.records, keep=chosen)

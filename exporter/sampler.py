@@ -281,8 +281,8 @@ class Sampler:
             log.warning("not in the host PID namespace: NVML lists only the GPU processes of this PID namespace, "
                         "no other container's (run with the host PID namespace: docker --pid=host, "
                         "Kubernetes hostPID: true)")
-        options: dict[str, Any] = {"idle_threshold": self.idle_threshold, "interval": self.interval, "xid_counts": self.xid_counts,
-                   "proc_root": self.proc_root}
+        options: dict[str, Any] = {"idle_threshold": self.idle_threshold, "interval": self.interval,
+                                   "xid_counts": self.xid_counts, "proc_root": self.proc_root}
         on_return = self.xid.register if self.xid else (lambda device: None)
         self.gpus = [GpuSampler(device, [IdentityCollector(device, simulated=self.simulated),
                                          *(BY_NAME[name](device, **options) for name in self.collectors)],

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import ContextManager
 from collections.abc import Callable
 
 AUTH_CACHE_SIZE = 64
@@ -65,8 +64,8 @@ class Authenticator:
         # source address -> (start of its current window, failures in it), oldest first
         self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
-    def check(self, header: str | None, client: str = "", waiting: Callable[[], ContextManager[None]] | None = None
-              ) -> bool:
+    def check(self, header: str | None, client: str = "",
+              waiting: Callable[[], contextlib.AbstractContextManager[None]] | None = None) -> bool:
         """True when the Authorization header carries a configured user and its password.
 
         `client` is the source address its failures are charged to; `waiting()`, when given, is entered

@@ -92,7 +92,8 @@ def _mapping(value: Any, where: str, allowed: Set[str], unsupported: Set[str] = 
         raise WebConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
     for key in value:
         if key in unsupported:
-            raise WebConfigError(f"{where}: {key} is not supported by dualtrack-exporter (OpenSSL defaults apply); remove it")
+            raise WebConfigError(f"{where}: {key} is not supported by dualtrack-exporter "
+                                 "(OpenSSL defaults apply); remove it")
         if key not in allowed:
             raise WebConfigError(f"{where}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
     return value
@@ -172,7 +173,8 @@ def _load_chain(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> N
         try:
             context.load_cert_chain(paths["cert_file"], paths["key_file"])
         except (ssl.SSLError, OSError) as exc:
-            raise WebConfigError(f"{where}: cannot load the certificate and key (PEM files? key matching the certificate?): {_reason(exc)}") from None
+            raise WebConfigError(f"{where}: cannot load the certificate and key "
+                                 f"(PEM files? key matching the certificate?): {_reason(exc)}") from None
 
 
 def _client_auth(context: ssl.SSLContext, tls: dict, base: Path, where: str) -> None:

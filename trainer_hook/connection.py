@@ -106,8 +106,8 @@ def check_url(what: str, value: Any) -> str:
 def resolve(what: str, env_prefix: str, url: str | None, basic_auth: Any = None, bearer_token: str | None = None,
             ca_file: str | None = None, client_cert: Any = None, tls_verify: bool = True) -> Endpoint:
     """An Endpoint from arguments; each credential left None falls back to `<env_prefix>_USERNAME`/
-    `_PASSWORD`, `_TOKEN` (else the first line of `_TOKEN_FILE`), `_CA_FILE`. `url` None: no endpoint, the credentials are still checked.
-    Raises ValueError with one line that never holds a secret."""
+    `_PASSWORD`, `_TOKEN` (else the first line of `_TOKEN_FILE`), `_CA_FILE`. `url` None: no endpoint,
+    the credentials are still checked. Raises ValueError with one line that never holds a secret."""
     env = os.environ
     url = None if url is None else check_url(what, url)
     if basic_auth is None and env.get(f"{env_prefix}_USERNAME"):

@@ -2,7 +2,7 @@
 per series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -15,7 +15,7 @@ from .contract import (DROP_REASONS, PHASES, PREFIX, RUN_STATES, SERIES, SKIP_RE
 _KINDS: dict[str, type] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
                            "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}
 #: A series' rows: (its label values, the arguments of add_metric after them); None: not exported.
-Rows = Optional[list[tuple[tuple[str, ...], tuple[Any, ...]]]]
+Rows = list[tuple[tuple[str, ...], tuple[Any, ...]]] | None
 _BOUNDS = [str(b) for b in STEP_BUCKETS] + ["+Inf"]
 
 

@@ -13,6 +13,7 @@ window are the GPU instance's and are read once per run, from its first MIG devi
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 from collections.abc import Iterator
 
@@ -33,7 +34,7 @@ def mig_devices(ctx: SampleContext, device: Device) -> Iterator[tuple[Any, int]]
             if exc.error != "not_found":  # NOT_FOUND: no MIG device in this slot
                 ctx.errors.append(exc.error)
             continue
-        instance = ctx.guarded(lambda: device.call_on(handle, "nvmlDeviceGetGpuInstanceId"))
+        instance = ctx.guarded(partial(device.call_on, handle, "nvmlDeviceGetGpuInstanceId"))
         if instance is not None:
             yield handle, instance
 
@@ -43,7 +44,7 @@ def instance_memory(ctx: SampleContext, device: Device) -> list[tuple[int, Any]]
     found: dict[int, Any] = {}
     for handle, instance in mig_devices(ctx, device):
         if instance not in found:
-            found[instance] = ctx.guarded(lambda: device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
+            found[instance] = ctx.guarded(partial(device.call_on, handle, "nvmlDeviceGetMemoryInfo"))
     return [(instance, memory) for instance, memory in found.items() if memory is not None]
 
 
@@ -63,16 +64,16 @@ class MigCollector(Collector):
         seen = set()
         for handle, instance in mig_devices(ctx, self.device):
             gi = str(instance)
-            mig_uuid = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUUID"))
+            mig_uuid = ctx.guarded(partial(self.device.call_on, handle, "nvmlDeviceGetUUID"))
             ctx.emit("nvml_gpu_mig_info", 1, gi, as_text(mig_uuid or ""))
             if instance in seen:  # another compute instance of a GPU instance already read
                 continue
             seen.add(instance)
-            memory = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetMemoryInfo"))
+            memory = ctx.guarded(partial(self.device.call_on, handle, "nvmlDeviceGetMemoryInfo"))
             if memory is not None:
                 ctx.emit("nvml_gpu_mig_memory_used_bytes", memory.used, gi)
                 ctx.emit("nvml_gpu_mig_memory_total_bytes", memory.total, gi)
-            rates = ctx.guarded(lambda: self.device.call_on(handle, "nvmlDeviceGetUtilizationRates"))
+            rates = ctx.guarded(partial(self.device.call_on, handle, "nvmlDeviceGetUtilizationRates"))
             if rates is not None:
                 ctx.emit("nvml_gpu_mig_utilization_ratio", min(max(rates.gpu / 100, 0.0), 1.0), gi)
             self._gpm(ctx, instance, gi)

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from collections.abc import Iterable, Iterator
 
@@ -281,8 +282,8 @@ class PodResourcesCollector(Collector):
                 if exc.error != "not_found":
                     ctx.errors.append(exc.error)
                 continue
-            mig_uuid = ctx.guarded(lambda: nvml.call("nvmlDeviceGetUUID", handle))
-            instance = ctx.guarded(lambda: nvml.call("nvmlDeviceGetGpuInstanceId", handle))
+            mig_uuid = ctx.guarded(partial(nvml.call, "nvmlDeviceGetUUID", handle))
+            instance = ctx.guarded(partial(nvml.call, "nvmlDeviceGetGpuInstanceId", handle))
             if mig_uuid is not None:
                 text = mig_uuid.decode() if isinstance(mig_uuid, bytes) else str(mig_uuid)
                 found.append((text, "" if instance is None else str(instance), text))

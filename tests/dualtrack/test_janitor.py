@@ -178,7 +178,8 @@ def test_bad_flags_exit_2_with_one_line(args, message):
 
 def test_the_janitor_never_imports_torch():
     code = ("import sys; from dualtrack.cli import main; "
-            "assert main(['janitor', '--once', '--pushgateway=http://127.0.0.1:1']) == 1; print('torch' in sys.modules)")
+            "assert main(['janitor', '--once', '--pushgateway=http://127.0.0.1:1']) == 1; "
+            "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             timeout=60)
     assert result.stdout.strip() == "False", result.stdout + result.stderr

@@ -40,7 +40,7 @@ def test_bad_lines_are_counted_in_one_line_and_the_rest_is_replayed(tmp_path: Pa
     wait = dump(tmp_path / "out", "training_data_wait_seconds_total")
     assert [v for labels, v, _ in wait if labels["run"] == "r1"] == ["0.02", "0.04", "0.06"]
     first = [(labels["run"], v) for labels, v, _ in dump(tmp_path / "out", "training_first_nonfinite_step")]
-    assert ("r2", "0") in first and ("r2", "-1") not in first and set(v for r, v in first if r == "r1") == {"-1"}
+    assert ("r2", "0") in first and ("r2", "-1") not in first and {v for r, v in first if r == "r1"} == {"-1"}
 
 
 def test_a_copy_of_a_record_read_twice_adds_nothing(tmp_path: Path, capsys) -> None:
@@ -53,7 +53,8 @@ def test_a_copy_of_a_record_read_twice_adds_nothing(tmp_path: Path, capsys) -> N
 
 @pytest.mark.parametrize("content, message", [
     ("", "nothing to replay: no step lines in {path} (1 empty file (first at empty.jsonl))"),
-    ('{"event": "start", "job": "j", "run": "r", "rank": 0, "time": 1}\n', "nothing to replay: no step lines in {path}"),
+    ('{"event": "start", "job": "j", "run": "r", "rank": 0, "time": 1}\n',
+     "nothing to replay: no step lines in {path}"),
     ("\x00\x01garbage", "nothing to replay: no step lines in {path} (1 truncated last line (first at empty.jsonl:1))"),
 ])
 def test_nothing_to_replay_is_one_line_and_exit_1(tmp_path: Path, capsys, content: str, message: str) -> None:
@@ -90,7 +91,8 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], capsys) -> None:
 
 def test_a_missing_record_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
     assert main(["replay", str(tmp_path / "gone.jsonl"), "--out", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"dualtrack replay: error: {tmp_path / 'gone.jsonl'}: no such record file or directory\n"
+    assert capsys.readouterr().err == (f"dualtrack replay: error: {tmp_path / 'gone.jsonl'}: "
+                                       "no such record file or directory\n")
 
 
 def test_each_subcommand_has_help() -> None:
@@ -116,7 +118,8 @@ def test_the_stack_loads_only_the_blocks_of_a_replay_directory(tmp_path: Path) -
     assert main(["replay", str(record), "--out", str(tmp_path / "replay")]) == 0
     data = tmp_path / "prometheus-data"
     assert load_replayed_blocks(parse_args(["--replay", str(tmp_path / "replay")]).replay, data) == 1
-    assert [p.name for p in data.iterdir()] == [p.name for p in (tmp_path / "replay").iterdir() if p.name.startswith("01")]
+    replayed = [p.name for p in (tmp_path / "replay").iterdir() if p.name.startswith("01")]
+    assert [p.name for p in data.iterdir()] == replayed
     assert len(dump(data, "training_step")) == 3
 
 

@@ -195,10 +195,10 @@ def test_runs_whose_names_join_alike_do_not_replace_each_other(tmp_path: Path) -
 # -- Hostile lines: a counted skip or kept, never a traceback -------------------------------------
 
 HOSTILE_LINES = {
-    "huge step": '{"time": %s, "step": 1%s, "values": {"loss": 1.0}}' % (NOW - 598, "0" * 4000),
-    "huge value": '{"time": %s, "step": 2, "values": {"loss": 1%s}}' % (NOW - 598, "0" * 4000),
+    "huge step": f'{{"time": {NOW - 598}, "step": 1{"0" * 4000}, "values": {{"loss": 1.0}}}}',
+    "huge value": f'{{"time": {NOW - 598}, "step": 2, "values": {{"loss": 1{"0" * 4000}}}}}',
     "deep nesting": "[" * 200_000,
-    "lone surrogate": '{"time": %s, "step": 2, "values": {"loss\\ud800": "nan"}, "batch_id": "\\udc00"}' % (NOW - 598),
+    "lone surrogate": f'{{"time": {NOW - 598}, "step": 2, "values": {{"loss\\ud800": "nan"}}, "batch_id": "\\udc00"}}',
 }
 
 

@@ -95,7 +95,7 @@ def containers(readable):
         started.append(proc)
         line = proc.stdout.readline()
         assert line, f"{name} exited before it reported"
-        [host_pid] = wait_until(lambda: children(proc.pid), 10, what=f"the process unshare forked for {name}")
+        [host_pid] = wait_until(lambda proc=proc: children(proc.pid), 10, what=f"the process unshare forked for {name}")
         found[name] = (host_pid, json.loads(line))
     yield found
     for proc in started:

@@ -105,7 +105,8 @@ def test_one_short_gap_between_two_samples_does_not_bias_what_follows():
     rig.lib.nvmlDeviceGetSamples = with_a_sample_1ms_after_another
     for _ in range(10):
         rig.step()
-    busy0, truth0 = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid), rig.lib.workload.busy_seconds(0, rig.lib._t())
+    busy0 = rig.value("nvml_gpu_busy_seconds_total", gpu="0", uuid=uuid)
+    truth0 = rig.lib.workload.busy_seconds(0, rig.lib._t())
     for _ in range(30):
         rig.step()
     truth = rig.lib.workload.busy_seconds(0, rig.lib._t()) - truth0

@@ -24,7 +24,7 @@ def scrape(url: str, path: str = "/metrics") -> dict[tuple[str, tuple], float]:
 
 
 def values(metrics: dict, name: str, **labels: str) -> list[float]:
-    return [v for (n, l), v in metrics.items() if n == name and labels.items() <= dict(l).items()]
+    return [v for (metric, pairs), v in metrics.items() if metric == name and labels.items() <= dict(pairs).items()]
 
 
 def run_exporter(*args: str, env: dict[str, str] | None = None, timeout: float = 20) -> subprocess.CompletedProcess:
@@ -86,8 +86,8 @@ def test_simulated_daemon_from_environment_serves_and_stops_cleanly(tmp_path, st
            "DUALTRACK_EXPORTER_SAMPLE_INTERVAL": "0.2"}
     exporter = start_service(processes.exporter(tmp_path, [], env=env))
     metrics = scrape(exporter.url, "/gpu-metrics")
-    assert sorted(dict(l)["gpu"] for (n, l) in metrics if n == "nvml_gpu_info") == ["0", "1", "2"]
-    assert all(dict(l)["simulated"] == "true" for (n, l) in metrics if n == "nvml_gpu_info")
+    assert sorted(dict(pairs)["gpu"] for (name, pairs) in metrics if name == "nvml_gpu_info") == ["0", "1", "2"]
+    assert all(dict(pairs)["simulated"] == "true" for (name, pairs) in metrics if name == "nvml_gpu_info")
     assert values(metrics, "nvml_driver_info", driver_version="simulated") == [1.0]
     assert values(metrics, "nvml_gpu_process_memory_used_bytes") == []
     assert not any(n.endswith("_created") for n, _ in metrics)

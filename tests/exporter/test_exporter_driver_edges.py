@@ -54,7 +54,8 @@ def test_a_gpm_metric_the_driver_answers_nan_for_is_absent():
 
 def test_the_gpm_window_starts_again_after_the_gpu_was_lost():
     # lost from t = 12 s to 14 s: its GPM counters start again from zero, so a window over the loss is garbage
-    rig = Rig(gpus=1, collectors=["gpm", "memory"], faults=[Fault(gpu=0, function="*", error="GpuIsLost", at=12, until=14)])
+    rig = Rig(gpus=1, collectors=["gpm", "memory"],
+              faults=[Fault(gpu=0, function="*", error="GpuIsLost", at=12, until=14)])
     served = gpm_windows(rig, samples=30)
     assert rig.sampler.gpus[0].lost is False and rig.lib.calls["nvmlGpmMetricsGet"] >= 3
     values = [value for ratios in served for value in ratios.values() if value is not None]
@@ -71,7 +72,8 @@ def test_an_event_set_a_gpu_failed_to_register_on_with_unknown_is_freed_and_the_
         wait_until(lambda: rig.step(0.01) or rig.value("nvml_gpu_xid_errors_total", gpu="0", uuid=uuid,
                                                            xid="48", gpu_instance=""),
                    timeout=10, what="GPU 0's XID counted")
-        assert len(rig.lib._event_sets) == 1 and rig.lib.calls["nvmlEventSetFree"] == rig.lib.calls["nvmlEventSetCreate"] - 1
+        assert len(rig.lib._event_sets) == 1
+        assert rig.lib.calls["nvmlEventSetFree"] == rig.lib.calls["nvmlEventSetCreate"] - 1
     finally:
         assert rig.sampler.stop()
     assert rig.lib._event_sets == {}

@@ -26,7 +26,8 @@ TEXT = None  # what Prometheus gets without an Accept header: text 0.0.4
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
               "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2's scrape Accept header
 ACCEPTS = [TEXT, OPENMETRICS, "application/openmetrics-text; version=1.0.0; escaping=allow-utf-8",
-           "text/plain; version=1.0.0; escaping=underscores", "application/openmetrics-text; version=1.0.0; escaping=dots"]
+           "text/plain; version=1.0.0; escaping=underscores",
+           "application/openmetrics-text; version=1.0.0; escaping=dots"]
 
 
 @pytest.fixture
@@ -127,7 +128,8 @@ def test_special_values_and_label_escaping_match_prometheus_client(rig):
     store.publish(0, dataclasses.replace(sample, values=values, lines=sample_lines(device.index, device.uuid, values)))
     body = assert_same_as_prometheus_client(serve(rig), TEXT)
     assert_same_as_prometheus_client(serve(rig), OPENMETRICS)
-    for line in (b"nvml_gpu_utilization_ratio{gpu=\"0\",uuid=\"%s\"} NaN", b"nvml_gpu_power_usage_watts{gpu=\"0\",uuid=\"%s\"} +Inf",
+    for line in (b"nvml_gpu_utilization_ratio{gpu=\"0\",uuid=\"%s\"} NaN",
+                 b"nvml_gpu_power_usage_watts{gpu=\"0\",uuid=\"%s\"} +Inf",
                  b"nvml_gpu_temperature_celsius{gpu=\"0\",uuid=\"%s\"} -Inf",
                  b"nvml_gpu_memory_total_bytes{gpu=\"0\",uuid=\"%s\"} 3.0",
                  b"nvml_gpu_energy_joules_total{gpu=\"0\",uuid=\"%s\"} 1e+22"):

@@ -44,12 +44,12 @@ def test_real_gpus_match_nvidia_smi(tmp_path, start_service):
     assert samples["nvml_up"][0][1] == 1
 
     def value(name: str, uuid: str, **labels: str) -> float | None:
-        found = [v for l, v in samples.get(name, []) if l["uuid"] == uuid and labels.items() <= l.items()]
+        found = [v for have, v in samples.get(name, []) if have["uuid"] == uuid and labels.items() <= have.items()]
         return found[0] if found else None
 
     for gpu in gpus:
         uuid = gpu["uuid"]
-        [info] = [l for l, _ in samples["nvml_gpu_info"] if l["uuid"] == uuid]
+        [info] = [labels for labels, _ in samples["nvml_gpu_info"] if labels["uuid"] == uuid]
         assert (info["gpu"], info["name"], info["simulated"]) == (gpu["index"], gpu["name"], "false")
         assert value("nvml_gpu_memory_total_bytes", uuid) == pytest.approx(float(gpu["memory.total"]) * 2**20,
                                                                         rel=0.01)

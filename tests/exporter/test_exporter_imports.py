@@ -41,7 +41,8 @@ sys.exit(cli.main(sys.argv[3:]))
 
 def modules_after_scrapes(tmp_path: Path, start_service, flags: list[str], scheme: str = "http",
                           **request_options) -> set[str]:
-    """Start the daemon with `flags`, scrape it (text, OpenMetrics gzipped, probes), return the HEAVY modules it loaded."""
+    """Start the daemon with `flags`, scrape it (text, OpenMetrics gzipped, probes), return the HEAVY
+    modules it loaded."""
     port = processes.free_port()
     scraped, report = tmp_path / "scraped", tmp_path / "modules"
     argv = [sys.executable, "-c", DAEMON.format(heavy=HEAVY), str(scraped), str(report), "--simulate=healthy",

@@ -110,7 +110,7 @@ def test_a_kernel_log_that_cannot_be_read_is_one_warning_and_one_error_and_nvml_
         try:
             rig.step()
             assert rig.sampler.ready()  # an unreadable log does not hold readiness back
-            wait_until(lambda: xid_count(rig, 0, 79) == 1, timeout=10, what="NVML's XID")
+            wait_until(lambda rig=rig: xid_count(rig, 0, 79) == 1, timeout=10, what="NVML's XID")
             assert rig.value("nvml_exporter_errors_total", collector="xid", error=error) == 1
         finally:
             assert rig.sampler.stop()

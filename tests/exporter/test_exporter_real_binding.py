@@ -62,14 +62,16 @@ def test_the_daemon_on_the_real_binding_gives_true_pcie_rates_mean_power_and_no_
                                                 env=fake_driver))
 
     def value(metric: str, **labels: str) -> float | None:
-        return next((s.value for s in scraped(exporter.url).get(metric, []) if labels.items() <= s.labels.items()), None)
+        samples = scraped(exporter.url).get(metric, [])
+        return next((s.value for s in samples if labels.items() <= s.labels.items()), None)
 
     processes.wait_until(lambda: value("nvml_gpu_pcie_throughput_bytes_per_second", direction="tx") is not None
                          and value("nvml_gpu_process_sm_utilization_ratio") is not None,
                          timeout=20, what="PCIe rates and process utilization")
     for _ in range(2):  # two more samples (NVML calls made twice since): the power mean has two energy readings
         calls = value("nvml_exporter_nvml_calls_total")
-        processes.wait_until(lambda: value("nvml_exporter_nvml_calls_total") > calls, timeout=10, what="a sample")
+        processes.wait_until(lambda calls=calls: value("nvml_exporter_nvml_calls_total") > calls, timeout=10,
+                             what="a sample")
     # 6 GB/s through a 32-bit counter read every 0.5 s would alias; the exporter does not take that rate
     assert value("nvml_gpu_pcie_throughput_bytes_per_second", direction="tx") == pytest.approx(fake_libnvml.PCIE_TX,
                                                                                              rel=1e-3)

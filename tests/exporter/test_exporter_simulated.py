@@ -49,8 +49,7 @@ def test_structs_and_errors_are_pynvmls_own():
     assert kind == H.NVML_VALUE_TYPE_UNSIGNED_INT and isinstance(samples[0], pynvml.c_nvmlSample_t)
     with pytest.raises(pynvml.NVMLError_NotSupported):
         lib.nvmlDeviceGetNumFans(handle)
-    with pytest.raises(AttributeError):  # a pynvml function the simulation lacks looks missing
-        lib.nvmlDeviceGetBAR1MemoryInfo
+    assert not hasattr(lib, "nvmlDeviceGetBAR1MemoryInfo")  # a pynvml function the simulation lacks looks missing
 
 
 def test_fault_plan_errors_are_one_line(tmp_path):
@@ -124,8 +123,8 @@ def test_an_event_wait_with_no_xid_to_come_blocks_instead_of_polling_and_shutdow
         lib.nvmlEventSetWait(events, 200)
     assert len(waits) == 1, waits
     outcome = []
-    waiter = threading.Thread(target=lambda: outcome.append(pytest.raises(pynvml.NVMLError_Uninitialized, lib.nvmlEventSetWait,
-                                                                          events, 60_000)))
+    waiter = threading.Thread(target=lambda: outcome.append(
+        pytest.raises(pynvml.NVMLError_Uninitialized, lib.nvmlEventSetWait, events, 60_000)))
     waiter.start()
     wait_until(lambda: len(waits) == 2, timeout=10, what="the second wait blocking")
     lib.nvmlShutdown()

@@ -95,8 +95,8 @@ def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
 
 def test_gzip_with_q_0_is_not_accepted():
     """Where prometheus_client still compresses: gzip;q=0 means "not gzip"."""
-    for header in ("gzip;q=0", "GZIP; q=0.0, identity", "gzip;q=0, deflate"):
-        assert prometheus_gzip_accepted(header) and not gzip_accepted(header)
+    for accept in ("gzip;q=0", "GZIP; q=0.0, identity", "gzip;q=0, deflate"):
+        assert prometheus_gzip_accepted(accept) and not gzip_accepted(accept)
 
 
 @pytest.mark.parametrize("kind", [GAUGE, COUNTER])

@@ -157,8 +157,8 @@ def test_a_mig_gpus_parent_memory_needs_privilege_and_the_exporter_sums_its_inst
         return samples if samples.get("nvml_gpu_mig_memory_total_bytes") else None
     samples = wait_until(scrape, 30, what="the GPU instances' memory served")
     for gpu in gpus:
-        instances = [v for l, v in samples["nvml_gpu_mig_memory_total_bytes"] if l["gpu"] == str(gpu)]
-        [total] = [v for l, v in samples["nvml_gpu_memory_total_bytes"] if l["gpu"] == str(gpu)]
+        instances = [v for labels, v in samples["nvml_gpu_mig_memory_total_bytes"] if labels["gpu"] == str(gpu)]
+        [total] = [v for labels, v in samples["nvml_gpu_memory_total_bytes"] if labels["gpu"] == str(gpu)]
         assert total == sum(instances)
     errors = samples.get("nvml_exporter_errors_total", [])
     assert not [labels for labels, _ in errors if labels["collector"] in ("memory", "processes")]

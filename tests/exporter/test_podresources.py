@@ -254,8 +254,8 @@ def test_daemon_serves_pod_info_from_the_kubelet_socket_flag(tmp_path, socket_di
         blind = start_service(processes.exporter(tmp_path, [
             "--simulate=healthy", "--simulate.gpus=2", "--collector.podresources",
             f"--collector.podresources.socket={missing}"]))
-        processes.wait_until(lambda: scrape_with(blind, 'nvml_exporter_collector_success{collector="podresources"} 0.0'),
-                             20, what="podresources failure reported")
+        failed = 'nvml_exporter_collector_success{collector="podresources"} 0.0'
+        processes.wait_until(lambda: scrape_with(blind, failed), 20, what="podresources failure reported")
         assert blind.running()
         log = blind.log_path.read_text()
         warnings = [line for line in log.splitlines() if "WARNING exporter.collectors.podresources" in line]

@@ -9,11 +9,11 @@ prometheus.yml and the Kubernetes monitors) are allowed on every declared series
 Read: rules/ (rules/dcgm too), the dashboard generator and the dashboards, every module under dualtrack/,
 docs/*.md, README.md and the Kubernetes manifests. Every name must be declared (a name ending in `_`
 is a prefix: some declared name must start with it; a counter's or histogram's family name may be
-written, but no PromQL selects it); a selector `name{label=...}` must use the
-labels of `name`'s declaration (so must the docs' `name{label,...}`). The PromQL of the rules, the dashboards' queries and the docs'
-```promql blocks is parsed: its `by`/`without`, `on`/`ignoring`, `group_left`/`group_right` and
-label_replace/label_join/label_values labels must be on the series they act on, and a panel's legend
-may only name labels its query's series carry.
+written, but no PromQL selects it); a selector `name{label=...}` must use the labels of `name`'s
+declaration (so must the docs' `name{label,...}`). The PromQL of the rules, the dashboards' queries
+and the docs' ```promql blocks is parsed: its `by`/`without`, `on`/`ignoring`,
+`group_left`/`group_right` and label_replace/label_join/label_values labels must be on the series
+they act on, and a panel's legend may only name labels its query's series carry.
 """
 from __future__ import annotations
 
@@ -222,7 +222,8 @@ class PromQL:
             name = label.text.strip("\"'`")
             if value.labels is not None and not value.scalar and name and name not in value.labels:
                 have = ", ".join(sorted(value.labels)) or "none"
-                self.problems.append((label.at, f"{how} label {name!r}: not on the series it acts on (they have {have})"))
+                self.problems.append((label.at,
+                                      f"{how} label {name!r}: not on the series it acts on (they have {have})"))
 
     # grammar
     def _expr(self, lowest: int) -> Value:

@@ -48,7 +48,8 @@ def test_nonfinite_loss_reaches_the_webhook_and_resolves_when_the_run_finishes(
     assert " ".join(alert["annotations"]["infra_cause"].split()) == \
         f"none: the run reports no GPU; dualtrack explain {run.run} has the timeline."
     # An absolute link from prometheus.yml's one setting; the setting itself is not an alert label.
-    runbooks = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]["dualtrack_runbooks_url"]
+    external_labels = yaml.safe_load(processes.PROMETHEUS_YML.read_text())["global"]["external_labels"]
+    runbooks = external_labels["dualtrack_runbooks_url"]
     assert alert["annotations"]["runbook_url"] == runbooks + "#traininglossnonfinite"
     # The Training run dashboard filtered to the run, from an hour before the evaluation to 10 min after.
     link = urlsplit(alert["annotations"]["dashboard_url"])

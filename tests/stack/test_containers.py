@@ -193,7 +193,8 @@ def test_image_builds_and_every_service_runs_healthy(stack):
     _figure(image_size_mb=round(size / 1e6))
     for service in HEALTHCHECKED:  # health checks run on their 30 s interval (podman: engine.py)
         try:
-            wait_until(lambda: stack.health(service) == "healthy", 150, interval=1, what=f"{service} healthy")
+            wait_until(lambda service=service: stack.health(service) == "healthy", 150, interval=1,
+                       what=f"{service} healthy")
         except TimeoutError as exc:
             raise AssertionError(f"{exc}; health-check runner errors: {stack.podman.health_errors[-3:]}") from None
     for service in SERVICES:
@@ -299,20 +300,22 @@ def test_a_training_container_owns_its_gpu_process_and_a_host_process_there_is_a
     started = Path(f"/proc/{trainer}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22
     joined = (f'nvml_gpu_process_memory_used_bytes{{uuid="{uuid}"}} * on (namespace_pid, start_time) group_left (run) '
               f'label_join(training_process_info{{run="{PIDNS_RUN}"}}, "namespace_pid", "", "pid")')
-    [process] = wait_until(lambda: stack.query(joined), 150, interval=1, what="the training's GPU process joined to its run")
+    [process] = wait_until(lambda: stack.query(joined), 150, interval=1,
+                           what="the training's GPU process joined to its run")
     assert (process["metric"]["pid"], process["metric"]["namespace_pid"], process["metric"]["start_time"]) == (
         str(trainer), "1", started)
     seen = time.time()
-    wait_until(lambda: evaluated_since(stack.get(9090, "/api/v1/rules"), "dualtrack-explain.rules", seen), 60, interval=1,
-               what="an evaluation of the explain rules with the joined process")
+    wait_until(lambda: evaluated_since(stack.get(9090, "/api/v1/rules"), "dualtrack-explain.rules", seen), 60,
+               interval=1, what="an evaluation of the explain rules with the joined process")
     assert stack.query(f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}"}}') == []
     assert stack.query(co_tenants(f'uuid="{uuid}"', "5m")) == []
 
     neighbour = subprocess.Popen(["sleep", "600"])
     try:
         stack.list_gpu_processes(trainer, neighbour.pid)
-        wait_until(lambda: stack.query(f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}",cause="co_tenant"}}'),
-                   150, interval=1, what="the co_tenant cause of the training container's run")
+        cause = f'job_run_rank:training_infra_cause:score{{run="{PIDNS_RUN}",cause="co_tenant"}}'
+        wait_until(lambda: stack.query(cause), 150, interval=1,
+                   what="the co_tenant cause of the training container's run")
         named = stack.query(co_tenants(f'uuid="{uuid}"', "5m"))
         assert [(s["metric"]["pid"], s["metric"]["process"]) for s in named] == [(str(neighbour.pid), "sleep")]
     finally:

@@ -177,8 +177,8 @@ def test_training_run_shows_the_tracks_side_by_side():
     tracks = {panel["title"].split(" · ")[0] for panel in panels(dashboard) if " · " in panel["title"]}
     assert tracks == {"Model", "Infra"}
     infra = [t["expr"] for p in panels(dashboard) if p["title"].startswith("Infra · ") for t in p["targets"]]
-    follows = [e for e in infra if e.endswith(f"* on (uuid) group_left (run, rank) {RUN_GPUS}")
-               or e.endswith(f"* on (uuid, gpu_instance) group_left (run, rank) {RUN_MIG_GPUS}")]
+    follows = [e for e in infra if e.endswith((f"* on (uuid) group_left (run, rank) {RUN_GPUS}",
+                                               f"* on (uuid, gpu_instance) group_left (run, rank) {RUN_MIG_GPUS}"))]
     assert len(follows) >= len(infra) - 1, "Infra panels follow the run's GPUs while the run is live on them"
     mig = [e for e in infra if e.endswith(RUN_MIG_GPUS)]
     assert {"instance_gpu_mig:nvml_gpu_mig_busy:avg5m", "nvml_gpu_mig_sm_active_ratio",

@@ -102,7 +102,8 @@ class Stack:
                          "--record-path", str(self.workdir / "record.jsonl")],
             0, self.workdir / "training.log", ready_path=None,
             env={**os.environ, "PYTHONPATH": str(REPO)}))
-        [self.trainer] = processes.wait_until(lambda: children(training.proc.pid), 10, what="the training unshare forked")
+        [self.trainer] = processes.wait_until(lambda: children(training.proc.pid), 10,
+                                              what="the training unshare forked")
         gpu_processes.write_text(f"0 {self.trainer}\n")
         return self
 
@@ -176,7 +177,8 @@ def empty_panel_queries(prom_url: str, dashboard: dict, values: dict[str, str]) 
     that wait for merged names or need CUDA."""
     return [f"{where} {target['refId']}: {expr}" for where, expr, target in queries(dashboard)
             if not where.startswith("annotation ")
-            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU | NEEDS_MAX_STEPS | NEEDS_DDP_OR_PAUSE and MIG_ONLY not in expr
+            and f"{where} {target['refId']}" not in NEEDS_REAL_GPU | NEEDS_MAX_STEPS | NEEDS_DDP_OR_PAUSE
+            and MIG_ONLY not in expr
             and not daemons.query(prom_url, substitute(expr, {**BUILTINS, **values}))]
 
 
@@ -194,8 +196,9 @@ def test_every_panel_query_returns_data(stack):
         values = resolve_variables(stack.prom.url, dashboard,
                                    {**TRAINING_CHOICES, "gpu": stack.uuid} if "training" in path.stem else {})
         try:
-            processes.wait_until(lambda: not empty_panel_queries(stack.prom.url, dashboard, values), 30,
-                                 interval=1, what="every panel query to return data")
+            processes.wait_until(lambda dashboard=dashboard, values=values:
+                                 not empty_panel_queries(stack.prom.url, dashboard, values),
+                                 30, interval=1, what="every panel query to return data")
         except TimeoutError:
             pass  # reported below, with the panel titles
         assert empty_panel_queries(stack.prom.url, dashboard, values) == [], path.name

@@ -107,7 +107,8 @@ def test_first_alert_names_the_run_and_ctrl_c_through_a_dead_pipe_stops_everythi
     # Simulated GPU i runs run i's process, as NVML would list it: each joins its run (the rules',
     # explain's and the run dashboard's join), and no alert reads co_tenant as its infra cause.
     joined = wait_for_series(prometheus, 'nvml_gpu_process_memory_used_bytes * on (pid_namespace, namespace_pid) '
-                             'group_left (run) label_join(training_process_info{job="demo"}, "namespace_pid", "", "pid")',
+                             'group_left (run) '
+                             'label_join(training_process_info{job="demo"}, "namespace_pid", "", "pid")',
                              timeout=60, predicate=lambda result: len(result) == 4)
     assert {s["metric"]["run"]: s["metric"]["uuid"] for s in joined} == {
         run.name: simulated_uuid(gpu) for gpu, run in enumerate(sweep(2))}

@@ -61,7 +61,8 @@ def test_dashboard_configmaps_carry_each_dashboard_for_the_sidecar():
         (name, text), = configmap["data"].items()
         dashboard, source = json.loads(text), json.loads((REPO / "dashboards" / name).read_text())
         assert dashboard["uid"] == source["uid"] and len(dashboard["panels"]) == len(source["panels"])
-        assert "dualtrack-prometheus" not in text  # the compose stack's provisioned uid and '"uid": "${datasource}"' in text
+        assert "dualtrack-prometheus" not in text  # the compose stack's provisioned uid
+        assert '"uid": "${datasource}"' in text
 
 
 @pytest.mark.parametrize("components", [(), tuple(COMPONENTS)], ids=["base", "all-components"])
@@ -311,7 +312,8 @@ def test_pushgateway_is_persistent_authenticated_and_the_janitor_uses_the_hooks_
     exporter_pod = find("DaemonSet", "dualtrack-exporter")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] != exporter_pod["securityContext"]["runAsUser"]
     hook_volume = next(v for v in pod["volumes"] if v["name"] == "hook")["secret"]
-    assert hook_volume["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+    assert hook_volume["defaultMode"] == 0o440
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
     service = find("Service", "pushgateway")
     url = next(e["value"] for e in janitor["env"] if e["name"] == "DUALTRACK_PUSHGATEWAY")
     assert url == f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:" \
@@ -363,7 +365,8 @@ def test_the_remote_write_component_points_labelled_training_workloads_at_the_ur
     if kubectl is None:
         pytest.skip("kubectl (kustomize) is not installed")
     (tmp_path / "workloads.yaml").write_text(yaml.safe_dump_all([
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train", "labels": {"dualtrack.io/training": "true"}},
+        {"apiVersion": "batch/v1", "kind": "Job",
+         "metadata": {"name": "train", "labels": {"dualtrack.io/training": "true"}},
          "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "t", "image": "x"}]}}}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "other"},
          "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {

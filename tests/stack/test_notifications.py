@@ -38,7 +38,8 @@ def render(tmp_path: Path, channels: str, **env: str) -> tuple[subprocess.Comple
     result = subprocess.run(["sh", str(processes.ALERTMANAGER_RENDER), str(processes.ALERTMANAGER_YML), str(out)],
                             capture_output=True, text=True, timeout=30,
                             env={"PATH": "/usr/bin:/bin", "DUALTRACK_CHANNELS": channels,
-                                 "DUALTRACK_ALERTMANAGER_SECRETS": str(secrets), "DUALTRACK_EMAIL_TO": "oncall@example.org",
+                                 "DUALTRACK_ALERTMANAGER_SECRETS": str(secrets),
+                                 "DUALTRACK_EMAIL_TO": "oncall@example.org",
                                  "DUALTRACK_EMAIL_FROM": "dualtrack@example.org",
                                  "DUALTRACK_SMTP_SMARTHOST": "127.0.0.1:25", **env})
     return result, out
@@ -129,7 +130,8 @@ class SmtpSink:
 
         def authenticate(server, session, envelope, mechanism, auth_data):
             sink.logins.append((auth_data.login, auth_data.password))
-            return AuthResult(success=(auth_data.login, auth_data.password) == (SMTP_USER.encode(), SMTP_PASSWORD.encode()))
+            expected = (SMTP_USER.encode(), SMTP_PASSWORD.encode())
+            return AuthResult(success=(auth_data.login, auth_data.password) == expected)
 
         self.port = processes.free_port()
         # PLAIN only: aiosmtpd's LOGIN challenge ("User Name") is not the "Username:" Alertmanager expects.

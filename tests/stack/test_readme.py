@@ -120,8 +120,8 @@ def test_the_supported_versions_are_pyprojects_floors() -> None:
     project = (REPO / "pyproject.toml").read_text()
     supported = re.search(r"^Supported versions: (.*?)\.\s", README.read_text(), re.M | re.S).group(1)
     python = re.search(r'^requires-python = ">=([\d.]+)"$', project, re.M).group(1)
-    floors = re.findall(r'^    "([\w-]+)>=([\w.]+)"', re.search(r"^dependencies = \[(.*?)^\]", project, re.M | re.S).group(1),
-                        re.M)
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", project, re.M | re.S).group(1)
+    floors = re.findall(r'^    "([\w-]+)>=([\w.]+)"', dependencies, re.M)
     assert floors and f"Python >= {python}," in supported
     for name, floor in floors:
         assert f"`{name} >= {floor}`" in supported.replace("\n", " "), (name, floor)

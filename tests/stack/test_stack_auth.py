@@ -69,8 +69,8 @@ def stack(secrets_dir, tmp_path_factory):
             workdir, {processes.PUSHGATEWAY_JOB: [pushgateway.address], processes.EXPORTER_JOB: [exporter.address],
                       "prometheus": [f"127.0.0.1:{port}"]},
             scrape_interval="1s", alertmanagers=[alertmanager.address], client=client)
-        prometheus = start(processes.prometheus(workdir, config, port=port, web_config=secrets_dir / "prometheus-web.yml",
-                                                auth=admin))
+        prometheus = start(processes.prometheus(workdir, config, port=port,
+                                                web_config=secrets_dir / "prometheus-web.yml", auth=admin))
         yield {"pushgateway": pushgateway, "alertmanager": alertmanager, "exporter": exporter,
                "prometheus": prometheus}
     finally:

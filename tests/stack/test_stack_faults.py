@@ -32,7 +32,8 @@ def test_prometheus_restart_mid_run_keeps_rules_history_and_alerts(tmp_path, sta
 
         assert pipeline.rule_count() == rules
         pipeline.wait_firing("TrainingLossNonFinite", run=run.run)  # again, after the restart
-        assert daemons.query(pipeline.prometheus.url, step, at=before_restart)  # what was scraped before the restart is still there
+        # what was scraped before the restart is still there
+        assert daemons.query(pipeline.prometheus.url, step, at=before_restart)
         daemons.wait_for_series(pipeline.prometheus.url, f'training_steps_total{{run="{run.run}"}} == 21', 30)
 
 

@@ -99,7 +99,7 @@ def normalise(exposition: str) -> str:
             lines.append(line)
             continue
         series = line.rsplit(" ", 1)[0]
-        series = re.sub(r'\b(pid|process|container_id|pod_uid|slurm_job_id|pid_namespace|namespace_pid|start_time|uuid|python_version|'
-                        r'pynvml_version|version)="[^"]*"', r'\1="*"', series)
+        series = re.sub(r'\b(pid|process|container_id|pod_uid|slurm_job_id|pid_namespace|namespace_pid|start_time|uuid|'
+                        r'python_version|pynvml_version|version)="[^"]*"', r'\1="*"', series)
         lines.append(series)
     return "\n".join(lines) + "\n"

@@ -181,7 +181,8 @@ def test_a_ca_file_with_a_plain_http_url_is_a_one_line_error(tmp_path, pki, dual
                         env={"DUALTRACK_PUSHGATEWAY_CA_FILE": str(pki.ca_cert)})
     assert janitor.returncode == 2 and "needs https://" in janitor.stderr
     one_line_without_secrets(janitor.stderr)
-    report = dualtrack("report", str(synthetic_record(tmp_path / "a.jsonl", "a", 20)), "--out", str(tmp_path / "r.html"),
+    report = dualtrack("report", str(synthetic_record(tmp_path / "a.jsonl", "a", 20)),
+                       "--out", str(tmp_path / "r.html"),
                        "--prometheus=http://127.0.0.1:9090", f"--prometheus-ca-file={pki.ca_cert}")
     assert report.returncode == 2 and "needs https://" in report.stderr
     one_line_without_secrets(report.stderr)

@@ -75,9 +75,11 @@ def test_a_checkpoint_pause_is_not_a_hang_until_its_bound(stack, tmp_path):
         daemons.wait_for_series(prom.url, f'ALERTS{{alertname="TrainingPauseTooLong",run="{run}",alertstate="firing"}}',
                                 timeout=BOUND + 20, predicate=lambda r: len(r) == 3)
         assert time.time() - paused_at > BOUND
-        [reason] = {s["metric"]["reason"] for s in daemons.query(prom.url, f'ALERTS{{alertname="TrainingPauseTooLong",run="{run}"}}')}
+        alerts = daemons.query(prom.url, f'ALERTS{{alertname="TrainingPauseTooLong",run="{run}"}}')
+        [reason] = {s["metric"]["reason"] for s in alerts}
         assert reason == "checkpoint"
-        assert daemons.query(prom.url, f'training_paused_seconds_total{{run="{run}",reason="checkpoint"}} > {BOUND / 2}')
+        assert daemons.query(prom.url,
+                             f'training_paused_seconds_total{{run="{run}",reason="checkpoint"}} > {BOUND / 2}')
     finally:
         (tmp_path / "written").touch()
         (tmp_path / "stop").touch()
@@ -120,8 +122,10 @@ def test_a_rank_that_never_compares_blocks_no_training(tmp_path, start_service):
     run = run_id("subset")
     proc = torchrun("subset", tmp_path, run, pgw.url)
     try:
-        processes.wait_until(lambda: all((pushed_value(pgw.url, "training_steps_total", run, rank=str(rank)) or 0) >= 100
-                                         for rank in range(3)), 120, what="100 steps on every rank")
+        processes.wait_until(
+            lambda: all((pushed_value(pgw.url, "training_steps_total", run, rank=str(rank)) or 0) >= 100
+                        for rank in range(3)),
+            120, what="100 steps on every rank")
     finally:
         (tmp_path / "stop").touch()
     finish(proc, tmp_path, timeout=60)

@@ -220,8 +220,8 @@ def test_two_hundred_finished_runs_leave_only_live_runs_and_all_final_values(tmp
         final = daemons.query(prom.url, f'last_over_time(training_steps_total{{job="{sweep}",run=~"r.*"}}[10m])')
         assert {r["metric"]["run"]: float(r["value"][1]) for r in final} == \
             {f"r{i:03d}": steps(i) for i in range(RUNS)}
-        finished = daemons.query(
-            prom.url, f'count(last_over_time(training_run_state{{job="{sweep}",run=~"r.*",state="finished"}}[10m]) == 1)')
+        finished = daemons.query(prom.url, f'count(last_over_time(training_run_state'
+                                           f'{{job="{sweep}",run=~"r.*",state="finished"}}[10m]) == 1)')
         assert float(finished[0]["value"][1]) == RUNS
     finally:
         for monitor in live:

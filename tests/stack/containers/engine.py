@@ -74,7 +74,8 @@ class Podman:
             f'events_logfile_path = "{self.cache}/run/events.log"\ntmp_dir = "{self.cache}/tmp"\n'
             f'[network]\nnetwork_config_dir = "{self.cache}/networks"\n')
         (self.conf / "storage.conf").write_text(
-            f'[storage]\ndriver = "overlay"\ngraphroot = "{self.cache}/storage"\nrunroot = "{self.cache}/run/storage"\n')
+            f'[storage]\ndriver = "overlay"\ngraphroot = "{self.cache}/storage"\n'
+            f'runroot = "{self.cache}/run/storage"\n')
         (self.conf / "registries.conf").write_text('unqualified-search-registries = ["docker.io"]\n'
                                                     'short-name-mode = "permissive"\n')
 
@@ -96,7 +97,8 @@ class Podman:
         deadline = time.monotonic() + 60
         while not self._ping():
             if self._service.poll() is not None or time.monotonic() > deadline:
-                raise EngineError(f"podman system service did not answer: {(self.cache / 'run' / 'service.log').read_text()[-1000:]}")
+                service_log = (self.cache / "run" / "service.log").read_text()
+                raise EngineError(f"podman system service did not answer: {service_log[-1000:]}")
             time.sleep(0.2)
         self._checker = threading.Thread(target=self._run_health_checks, name="healthchecks", daemon=True)
         self._checker.start()
