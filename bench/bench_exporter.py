@@ -109,6 +109,7 @@ def installed_copy(directory: str) -> str:
 
 def serve_naive(port: int) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
+
     from exporter.simulated import SimulatedNVML
     registry = CollectorRegistry()
     lib = SimulatedNVML("healthy", GPUS, call_cost=CALL_COST)

@@ -21,9 +21,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 if "--worker" in sys.argv:  # the trainer_hook of the tree given, not this one's

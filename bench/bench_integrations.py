@@ -16,8 +16,8 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch

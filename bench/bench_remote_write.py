@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench_exporter import rss_mb
 from bench_pushgateway import GRACE, PUSH_INTERVAL, drive, hook_payload, load, percentile, run_load
+
 from stack import processes
 from tests.support import daemons
 from trainer_hook import remote_write

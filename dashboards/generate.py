@@ -13,11 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from grafana_foundation_sdk.builders import (common, dashboard, heatmap, prometheus, stat, statetimeline,
-                                             statushistory, table, timeseries, xychart)
+from grafana_foundation_sdk.builders import (
+    common,
+    dashboard,
+    heatmap,
+    prometheus,
+    stat,
+    statetimeline,
+    statushistory,
+    table,
+    timeseries,
+    xychart,
+)
 from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm

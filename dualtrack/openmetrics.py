@@ -19,9 +19,24 @@ import math
 from typing import Any, NamedTuple
 
 from prometheus_client.utils import floatToGoString
-from trainer_hook.contract import (DEFAULT_PRECISION, PRECISIONS, PREFIX, RUN_STATES, SERIES_BY_NAME, SKIP_REASON,
-                                   STEP_BUCKETS, WINDOW_MAX_KEYS, Accumulator, Series, label_name, label_value,
-                                   logged_series, pause_reason, window_series)
+
+from trainer_hook.contract import (
+    DEFAULT_PRECISION,
+    PRECISIONS,
+    PREFIX,
+    RUN_STATES,
+    SERIES_BY_NAME,
+    SKIP_REASON,
+    STEP_BUCKETS,
+    WINDOW_MAX_KEYS,
+    Accumulator,
+    Series,
+    label_name,
+    label_value,
+    logged_series,
+    pause_reason,
+    window_series,
+)
 
 from .records import Run, exported_name, number
 

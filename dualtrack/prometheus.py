@@ -26,16 +26,27 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 from urllib.parse import urlencode
 
 import requests
 import urllib3
 
-from trainer_hook.connection import (Endpoint, RequestFailed, allow_insecure, check_transport, mix_up, no_answer,
-                                       read_secret, resolve, send, session, shown)
+from trainer_hook.connection import (
+    Endpoint,
+    RequestFailed,
+    allow_insecure,
+    check_transport,
+    mix_up,
+    no_answer,
+    read_secret,
+    resolve,
+    send,
+    session,
+    shown,
+)
 from trainer_hook.text import one_line
 
 from .console import duration

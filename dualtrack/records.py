@@ -23,13 +23,12 @@ import stat
 import sys
 import time as clock
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
-from collections.abc import Callable, Iterable, Iterator
 
-from trainer_hook.contract import (FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value,
-                                   metric_suffix)
+from trainer_hook.contract import FORMAT_VERSION, Dropped, config_labels, is_overflow, label_value, metric_suffix
 from trainer_hook.text import one_line
 
 #: The newest record format this reader knows: the one the hook of this version writes.

@@ -188,7 +188,7 @@ def reports_no_gpu(client: prometheus.Prometheus, selector: str, start: float, e
 def explain_runs(client: prometheus.Prometheus, summaries: list[Any]) -> list[tuple[str, Any, dict[str, float]]]:
     """Per job/run: its explained timeline (None when Prometheus has no training series of it) and
     its goodput figures, as `dualtrack explain` and rules/goodput.yml give them."""
-    from .explain import ExplainError, WINDOW, timeline
+    from .explain import WINDOW, ExplainError, timeline
     from .goodput import run_goodput
     found = []
     seen: set[tuple[str, str]] = set()

@@ -17,9 +17,9 @@ import socket
 import stat
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 PREFIX = ".dualtrack-replay-"
 OWNER_FILE = "dualtrack-replay-owner.json"

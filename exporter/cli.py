@@ -14,8 +14,8 @@ import re
 import signal
 import sys
 import threading
-from typing import NoReturn
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from exporter import __version__, kernellog, privileges
 from exporter.collectors import ALL, podresources

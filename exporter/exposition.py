@@ -27,14 +27,31 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
-from collections.abc import Callable, Iterator, Sequence
 
 from exporter import __version__
-from exporter.metrics import (BUILD_INFO, COLLECTOR_DURATION, COLLECTOR_SUCCESS, COUNTER, DRIVER_INFO, ERRORS,
-                              GPU_LABELS, GPU_LOST, GPU_LOST_TOTAL, GPU_METRICS, GPU_SAMPLE_AGE, HOST_PID_NAMESPACE,
-                              NVML_CALLS, PROCESS_METRICS, PYTHON_INFO, SNAPSHOT_AGE, UP, MetricSpec)
+from exporter.metrics import (
+    BUILD_INFO,
+    COLLECTOR_DURATION,
+    COLLECTOR_SUCCESS,
+    COUNTER,
+    DRIVER_INFO,
+    ERRORS,
+    GPU_LABELS,
+    GPU_LOST,
+    GPU_LOST_TOTAL,
+    GPU_METRICS,
+    GPU_SAMPLE_AGE,
+    HOST_PID_NAMESPACE,
+    NVML_CALLS,
+    PROCESS_METRICS,
+    PYTHON_INFO,
+    SNAPSHOT_AGE,
+    UP,
+    MetricSpec,
+)
 from exporter.processmetrics import ProcessMetrics
 from exporter.textformat import EOF, compress, gpu_series, header, line, negotiate
 

@@ -37,8 +37,8 @@ import os
 import re
 import stat
 import threading
-from typing import NamedTuple
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "/dev/kmsg"

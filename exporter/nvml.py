@@ -31,10 +31,10 @@ import ctypes
 import logging
 import struct
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NamedTuple
-from collections.abc import Callable, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 

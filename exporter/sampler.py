@@ -11,10 +11,10 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, NamedTuple
-from collections.abc import Callable, Iterable
 
 from exporter.collectors import BY_NAME, Collector, SampleContext, XidCounts, XidWatcher
 from exporter.collectors.base import Values

@@ -17,8 +17,8 @@ import functools
 import gzip
 import math
 import re
-from typing import NamedTuple
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from exporter.metrics import COUNTER, GPU_LABELS, GPU_METRICS, MetricSpec
 

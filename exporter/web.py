@@ -14,8 +14,8 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from http import HTTPStatus
 from collections.abc import Callable, Sequence
+from http import HTTPStatus
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from exporter.exposition import render_registry
@@ -23,8 +23,15 @@ from exporter.textformat import gzip_accepted
 from exporter.webauth import Authenticator, san_allowed
 from exporter.webconfig import WebConfig
 from exporter.webflags import check_telemetry_path, landing_page, parse_listen_address
-from exporter.webtransport import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, BoundedHandler, Request,
-                                   Server, bind)
+from exporter.webtransport import (
+    HEADER_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_CLIENT,
+    BoundedHandler,
+    Request,
+    Server,
+    bind,
+)
 
 RENDER_TIMEOUT = 10.0  # Prometheus' default scrape_timeout; rendering serves a snapshot and takes ms
 

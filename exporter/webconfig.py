@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

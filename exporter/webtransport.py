@@ -47,9 +47,9 @@ import socketserver
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
-from collections.abc import Callable, Iterator, Mapping
 
 import h11
 

@@ -16,14 +16,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from collections.abc import Callable
 
 import requests
 import yaml
-
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus.yml"

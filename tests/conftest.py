@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import yaml

@@ -22,9 +22,9 @@ import sysconfig
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
-from collections.abc import Callable
 
 from ._torch import torch
 

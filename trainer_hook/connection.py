@@ -26,10 +26,10 @@ import ipaddress
 import os
 import ssl
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import requests

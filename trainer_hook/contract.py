@@ -18,9 +18,9 @@ import json
 import math
 import numbers
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-from collections.abc import Callable, Mapping
 
 from .masking import MASK, mask_text
 from .text import one_line

@@ -2,15 +2,32 @@
 per series declared in contract.SERIES, with its declared type, HELP and labels, then the logged keys' gauges."""
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    Metric, SummaryMetricFamily)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import CollectorRegistry
 
-from .contract import (DROP_REASONS, PHASES, PREFIX, RUN_STATES, SERIES, SKIP_REASON, STEP_BUCKETS, WINDOW_MAX_KEYS,
-                       Series, Snapshot, logged_series, per_key)
+from .contract import (
+    DROP_REASONS,
+    PHASES,
+    PREFIX,
+    RUN_STATES,
+    SERIES,
+    SKIP_REASON,
+    STEP_BUCKETS,
+    WINDOW_MAX_KEYS,
+    Series,
+    Snapshot,
+    logged_series,
+    per_key,
+)
 
 _KINDS: dict[str, type] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
                            "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}

@@ -5,9 +5,9 @@ watch()'s parameter count); the background thread multiplies them by each step's
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterable
 
 #: FLOPs per parameter per token of a dense transformer's training step: 2 forward, 4 backward
 #: (Kaplan et al. 2020, "Scaling Laws for Neural Language Models"); attention's own FLOPs are left out.

@@ -10,9 +10,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
-from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -21,8 +21,19 @@ from . import lifecycle
 from ._torch import TENSOR_TYPES, cuda_ready, cuda_uuid, torch
 from .aggregate import Aggregator, Entry
 from .collectives import CollectiveTimer, innermost_frame, install, is_ddp, wanted
-from .contract import (DEFAULT_PRECISION, DROP_REASONS, FORMAT_VERSION, START_PROCESS_KEYS, Dropped, ProcessIdentity,
-                       Snapshot, config_labels, merge_maxima, metric_suffix, pause_reason)
+from .contract import (
+    DEFAULT_PRECISION,
+    DROP_REASONS,
+    FORMAT_VERSION,
+    START_PROCESS_KEYS,
+    Dropped,
+    ProcessIdentity,
+    Snapshot,
+    config_labels,
+    merge_maxima,
+    metric_suffix,
+    pause_reason,
+)
 from .families import registry_for
 from .flops import ModelFlops, estimate_per_token
 from .gradnorm import grad_norm
@@ -31,8 +42,8 @@ from .pause import Pauses
 from .precision import of_autocast, of_parameters
 from .push import Pusher, make_handler
 from .record import DEFAULT_MAX_BYTES, Record
-from .replica import ReplicaCheck, ddp_group, replica_every
 from .remote_write import RemoteWriter
+from .replica import ReplicaCheck, ddp_group, replica_every
 from .serve import MetricsServer
 from .settings import DEFAULT_DELETE_AFTER, DEFAULT_LISTEN_ADDRESS, ENV_RUN, launch_id, resolve
 from .tensors import NUMBERS, PLAIN_TENSORS, Layout, Stack, capture, ready_events

@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import delete_from_gateway, push_to_gateway
 

@@ -19,9 +19,9 @@ import pwd
 import re
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
-from collections.abc import Iterable
 
 from .contract import FORMAT_VERSION
 

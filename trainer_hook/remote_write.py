@@ -31,9 +31,9 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NamedTuple
-from collections.abc import Iterable
 
 from prometheus_client.utils import floatToGoString
 

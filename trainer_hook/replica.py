@@ -13,9 +13,9 @@ import queue
 import struct
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-from collections.abc import Callable
 
 from ._torch import torch
 

@@ -21,8 +21,8 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 log = logging.getLogger("trainer_hook")
 

@@ -9,9 +9,9 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport

@@ -1,8 +1,8 @@
 """What watch() attaches to: optimizer step hooks for any optimizer, GradScaler skips, sharding."""
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from ._torch import torch
 from .gradnorm import grad_norm

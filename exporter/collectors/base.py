@@ -1,8 +1,8 @@
 """What a collector is, and the context it reads NVML through during one GPU sample."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
 from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 from exporter.nvml import Absent, CallFailed, Device, FieldValue
 from exporter.textformat import Values

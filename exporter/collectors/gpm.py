@@ -11,8 +11,8 @@ the GPU's counters did, so a window over the loss would be garbage.
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import Absent, CallFailed, Device

@@ -13,9 +13,9 @@ window are the GPU instance's and are read once per run, from its first MIG devi
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
-from collections.abc import Iterator
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.collectors.gpm import GpmWindow, gpm_supported

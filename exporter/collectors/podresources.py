@@ -31,10 +31,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
-from collections.abc import Iterable, Iterator
 
 from exporter import protowire
 from exporter.collectors.base import Collector, SampleContext

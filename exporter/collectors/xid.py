@@ -22,8 +22,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from exporter.collectors.base import Collector, SampleContext
 from exporter.nvml import LOST_ERROR_NAMES, Absent, CallFailed, Device, GpuLost, Nvml, handle_key

@@ -34,9 +34,20 @@ from exporter.simulated.identity import Identity
 from exporter.simulated.nvml_h import NVML_H, PCIE_32_BIT, H
 from exporter.simulated.processes import Processes
 from exporter.simulated.readings import Readings
-from exporter.simulated.workload import (CO_TENANT_BYTES, CO_TENANT_PID, CO_TENANT_SM, FAULT_AFTER, GIB, MIB,
-                                         PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE, SCENARIOS, DeviceTraits,
-                                         simulated_uuid)
+from exporter.simulated.workload import (
+    CO_TENANT_BYTES,
+    CO_TENANT_PID,
+    CO_TENANT_SM,
+    FAULT_AFTER,
+    GIB,
+    MIB,
+    PCIE_RX_BUSY_RATE,
+    PCIE_RX_RATE,
+    PCIE_TX_RATE,
+    SCENARIOS,
+    DeviceTraits,
+    simulated_uuid,
+)
 
 __all__ = ["CO_TENANT_BYTES", "CO_TENANT_PID", "CO_TENANT_SM", "FAULT_AFTER", "GIB", "H", "MIB", "NVML_H",
            "PCIE_32_BIT", "PCIE_RX_BUSY_RATE", "PCIE_RX_RATE", "PCIE_TX_RATE", "SCENARIOS", "DeviceTraits",

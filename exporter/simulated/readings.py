@@ -11,8 +11,14 @@ import pynvml
 
 from exporter.simulated.driver import JITTER, Driver, nvml_function
 from exporter.simulated.nvml_h import H
-from exporter.simulated.workload import (MIB, MIG_INSTANCES, PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE,
-                                         THROTTLED_SM_MHZ)
+from exporter.simulated.workload import (
+    MIB,
+    MIG_INSTANCES,
+    PCIE_RX_BUSY_RATE,
+    PCIE_RX_RATE,
+    PCIE_TX_RATE,
+    THROTTLED_SM_MHZ,
+)
 
 BUFFER = 120  # utilization samples the driver keeps
 # nvidia-smi -q -d TEMPERATURE of an H100 SXM: shutdown, slowdown, GPU and memory max operating

@@ -14,7 +14,8 @@ import math
 import threading
 import uuid as uuidlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 SCENARIOS = ("healthy", "input-bound", "memory-leak", "demo", "thermal-throttle", "xid", "co-tenant")
 FAULTS = ("thermal-throttle", "xid", "co-tenant")

@@ -14,9 +14,9 @@ import pytest
 
 from dualtrack import goodput, prometheus
 from dualtrack.cli import build_parser, main
-from trainer_hook.connection import resolve
 from tests.support import hostile_http as hostile
 from tests.support.paths import REPO
+from trainer_hook.connection import resolve
 
 #: server behaviour -> what the one error line names.
 FAULTS = {

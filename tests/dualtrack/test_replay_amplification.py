@@ -15,8 +15,8 @@ import pytest
 from dualtrack.cli import main
 from dualtrack.records import Reader
 from dualtrack.replay import write_openmetrics
-from trainer_hook.contract import MAX_CONFIG_LABELS, MAX_KEYS, MAX_LABEL_LENGTH
 from tests.support.records import LABEL, Counter, unescaped
+from trainer_hook.contract import MAX_CONFIG_LABELS, MAX_KEYS, MAX_LABEL_LENGTH
 
 #: Output bytes per record byte that the crafted record below stays under: ~120 now (tiny step lines
 #: 15 s apart, each paying for its share of slow series; 256-character labels). A hook-written record

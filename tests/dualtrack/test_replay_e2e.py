@@ -13,8 +13,8 @@ from dualtrack.cli import main
 from stack import processes
 from tests.support import daemons
 from tests.support.hook import Trainer, record_lines, run_id
-from trainer_hook import TrainingMonitor
 from tests.support.records import check_html
+from trainer_hook import TrainingMonitor
 
 pytestmark = pytest.mark.e2e
 FIRST_NAN = 30

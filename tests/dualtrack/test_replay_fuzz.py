@@ -13,17 +13,17 @@ import signal
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dualtrack import prometheus
 from dualtrack.cli import main
-from trainer_hook.connection import resolve
 from dualtrack.records import CLOCK_SLACK_SECONDS
 from tests.support import hostile_http
+from trainer_hook.connection import resolve
 
 NOW = time.time()
 #: No example may take longer (a hang fails the test instead of stalling the suite).

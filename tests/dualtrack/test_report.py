@@ -16,9 +16,8 @@ from exporter.simulated import simulated_uuid
 from stack import processes
 from tests.support import daemons
 from tests.support.hook import Trainer, run_id
-from tests.support.records import check_html
+from tests.support.records import check_html, synthetic_record
 from trainer_hook import TrainingMonitor
-from tests.support.records import synthetic_record
 
 
 def test_min_max_downsampling_keeps_a_one_step_spike_and_stays_bounded() -> None:

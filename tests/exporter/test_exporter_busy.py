@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.exporter import Rig
 from exporter.collectors.utilization import RATES_PERIOD
-from exporter.simulated import H, DeviceTraits
+from exporter.simulated import DeviceTraits, H
+from tests.support.exporter import Rig
 
 
 def prometheus_rate(points: list[tuple[float, float]], at: float, window: float = 120.0) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.nvml import Absent, CallFailed, Device, GpuLost, Nvml
-from exporter.simulated import H, PCIE_32_BIT, PCIE_TX_RATE, DeviceTraits, simulated_uuid
+from exporter.simulated import PCIE_32_BIT, PCIE_TX_RATE, DeviceTraits, H, simulated_uuid
 from tests.support.exporter import EVERY_COLLECTOR, Rig, gpus_with
 from tests.support.nvml_faults import Fault, FaultyNVML
 

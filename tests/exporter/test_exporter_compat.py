@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from exporter.simulated import H, DeviceTraits
+from exporter.simulated import DeviceTraits, H
 from tests.support.exporter import Rig
 
 # What nvidia-ml-py 12.535.108 (the declared floor) lacks of what the exporter reads.

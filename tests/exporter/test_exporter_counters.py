@@ -7,7 +7,7 @@ import json
 import pytest
 
 from exporter.nvml import REPROBE_AFTER
-from exporter.simulated import H, PCIE_32_BIT, PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE, DeviceTraits
+from exporter.simulated import PCIE_32_BIT, PCIE_RX_BUSY_RATE, PCIE_RX_RATE, PCIE_TX_RATE, DeviceTraits, H
 from tests.support.exporter import Rig
 from tests.support.nvml_faults import Fault, load_fault_plan
 

@@ -7,7 +7,7 @@ import math
 
 import pynvml
 
-from exporter.simulated import H, DeviceTraits
+from exporter.simulated import DeviceTraits, H
 from stack.processes import wait_until
 from tests.support.exporter import Rig
 from tests.support.nvml_faults import Fault

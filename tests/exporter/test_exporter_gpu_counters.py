@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from exporter.collectors.nvlink import ALL_LINKS
 from stack import processes
 from tests.support.exporter import scraped

@@ -15,8 +15,8 @@ import socket
 import statistics
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import prometheus_client
 import pytest
@@ -24,9 +24,9 @@ import requests
 import requests.adapters
 
 from exporter.web import WebServer
+from exporter.webconfig import load_web_config
 from exporter.webtransport import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from stack import processes
-from exporter.webconfig import load_web_config
 from stack.processes import Service, wait_until
 from tests.support.certs import bcrypt_hash
 

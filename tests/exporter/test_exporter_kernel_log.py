@@ -13,9 +13,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter import kernellog
 from exporter.cli import kernel_log_path, parse_args
 from exporter.collectors.xid import MATCH_WINDOW, XidCounts
-from exporter import kernellog
 from exporter.kernellog import bus_key, parse_xid
 from stack import processes
 from stack.processes import wait_until

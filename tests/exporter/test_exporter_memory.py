@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import pytest
 
+from stack.processes import wait_until
 from tests.support.exporter import Rig
 from tests.support.nvml_faults import Fault
-from stack.processes import wait_until
 
 
 class Growth:

@@ -7,9 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
-from collections.abc import Callable
 
 import pytest
 

@@ -6,7 +6,7 @@ import threading
 import pynvml
 import pytest
 
-from exporter.simulated import GIB, H, DeviceTraits, SimulatedNVML
+from exporter.simulated import GIB, DeviceTraits, H, SimulatedNVML
 from stack.processes import wait_until
 from tests.support.exporter import FakeClock
 from tests.support.nvml_faults import FaultPlanError, FaultyNVML, load_fault_plan

@@ -15,8 +15,8 @@ import ssl
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import prometheus_client
 import pytest

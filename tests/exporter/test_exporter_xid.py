@@ -4,9 +4,9 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from tests.support.nvml_faults import Fault
 from stack.processes import wait_until
 from tests.support.exporter import Rig
+from tests.support.nvml_faults import Fault
 
 
 def watched(rig: Rig, gpu: int) -> bool:

@@ -15,8 +15,8 @@ import requests
 
 from dualtrack.explain import co_tenants
 from stack import processes
-from tests.support import daemons
 from stack.processes import Service
+from tests.support import daemons
 from tests.support.hook import run_id
 from tests.support.namespaces import TRAIN, UNSHARE, live_stack, own_namespace
 from tests.support.paths import REPO

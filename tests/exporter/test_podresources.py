@@ -7,9 +7,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from collections.abc import Iterator
 
 import grpc
 import pytest

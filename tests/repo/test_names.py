@@ -31,6 +31,7 @@ import yaml
 
 from tests.support.declarations import PREFIXES, exporter_series, hook_families, hook_series
 from tests.support.paths import REPO as ROOT
+
 #: Labels Prometheus itself gives every scraped series (the target's), before any relabeling.
 SCRAPE_LABELS = frozenset({"job", "instance"})
 

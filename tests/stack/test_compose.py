@@ -10,10 +10,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet

@@ -17,9 +17,21 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.support.dashboards import (DASHBOARDS, EXPORTER_METRICS, HOOK_METRICS, PROMETHEUS_METRICS,
-                                      label_values_args, load, metric_names, panels, queries, query_variables,
-                                      recording_rule_names, substitute, variable_names)
+from tests.support.dashboards import (
+    DASHBOARDS,
+    EXPORTER_METRICS,
+    HOOK_METRICS,
+    PROMETHEUS_METRICS,
+    label_values_args,
+    load,
+    metric_names,
+    panels,
+    queries,
+    query_variables,
+    recording_rule_names,
+    substitute,
+    variable_names,
+)
 from tests.support.deploy import bind_mounts, services
 from tests.support.paths import REPO
 

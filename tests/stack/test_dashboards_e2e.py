@@ -11,10 +11,10 @@ import json
 import os
 import re
 import signal
-import time
 import sys
-from pathlib import Path
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
@@ -23,8 +23,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from dualtrack.prometheus import Prometheus
 from stack import processes
 from tests.support import daemons
-from tests.support.dashboards import (DASHBOARDS, HOOK_METRICS, PROMETHEUS_METRICS, label_values_args, load,
-                                      metric_names, queries, query_variables, recording_rule_names, substitute)
+from tests.support.dashboards import (
+    DASHBOARDS,
+    HOOK_METRICS,
+    PROMETHEUS_METRICS,
+    label_values_args,
+    load,
+    metric_names,
+    queries,
+    query_variables,
+    recording_rule_names,
+    substitute,
+)
 from tests.support.exporter import faulty_exporter
 from tests.support.namespaces import UNSHARE
 from tests.support.paths import REPO

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import requests

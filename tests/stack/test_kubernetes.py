@@ -389,6 +389,7 @@ def test_the_pod_monitor_scrapes_what_a_training_pod_serves_from_its_environment
     """The PodMonitor selects the label and port name its comment asks training pods for, and a hook
     given only DUALTRACK_LISTEN_PORT / _ADDRESS serves the series the rules need."""
     import requests
+
     from trainer_hook import TrainingMonitor
     monitor_spec = find("PodMonitor", "dualtrack-training", with_components("pod-monitor"))["spec"]
     assert monitor_spec["selector"]["matchLabels"] == {"dualtrack.io/training": "true"}

@@ -19,9 +19,8 @@ import yaml
 
 from dualtrack.prometheus import Prometheus
 from stack import processes
-from trainer_hook.connection import Endpoint
-
 from tests.support.paths import REPO
+from trainer_hook.connection import Endpoint
 
 sys.path.insert(0, str(REPO / "deploy" / "compose"))
 import make_secrets

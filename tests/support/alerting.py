@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import requests
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from stack import processes
-
 import yaml
 
+from stack import processes
 from tests.support.paths import REPO
 
 SCRAPE = 15.0

@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import requests
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -6,15 +6,15 @@ import json
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from dataclasses import dataclass, field
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import requests
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from prometheus_client.parser import text_string_to_metric_families
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stack import processes
 from trainer_hook import TrainingMonitor

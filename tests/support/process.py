@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 from tests.support.paths import REPO
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from collections.abc import Callable, Iterator
 
 import cramjam
 

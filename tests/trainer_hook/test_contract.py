@@ -22,12 +22,23 @@ from dualtrack.openmetrics import sample_head
 from stack import processes
 from tests.support.hook import Fp16Run, pull_monitor, pulled, run_id, wait_pulled
 from tests.support.paths import REPO
+from tests.support.records import replayed_text
 from trainer_hook import TrainingMonitor, remote_write
-from trainer_hook.contract import (KNOWN_KEYS, PREFIX, RESERVED, SERIES, SERIES_BY_NAME, Dropped, ProcessIdentity,
-                                   Series, Snapshot, label_value, metric_suffix)
+from trainer_hook.contract import (
+    KNOWN_KEYS,
+    PREFIX,
+    RESERVED,
+    SERIES,
+    SERIES_BY_NAME,
+    Dropped,
+    ProcessIdentity,
+    Series,
+    Snapshot,
+    label_value,
+    metric_suffix,
+)
 from trainer_hook.families import families
 from trainer_hook.text import one_line
-from tests.support.records import replayed_text
 
 #: Declared series a record does not hold, so replay cannot rebuild them, and why.
 NOT_IN_A_RECORD = {

@@ -4,22 +4,23 @@ for the password); a malformed Prometheus answer is one warning, never a traceba
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
 
 from dualtrack.cli import main
-from trainer_hook.connection import resolve
 from stack import processes
-from tests.support.certs import PASSWORD as PGW_PASSWORD, USER, bcrypt_hash
+from tests.support.certs import PASSWORD as PGW_PASSWORD
+from tests.support.certs import USER, bcrypt_hash
 from tests.support.hook import http_gateway, run_id, wait_pushed
 from tests.support.records import synthetic_record
 from tests.support.remote_write import receiver
 from trainer_hook import TrainingMonitor
+from trainer_hook.connection import resolve
 
 PASSWORD = "hunter2-Sekret"
 TOKEN = "tok-Sekret-42"

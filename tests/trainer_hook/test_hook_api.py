@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +58,7 @@ def test_the_constructor_takes_each_setting_once_and_names_an_unknown_keyword(tm
     """Every constructor argument but `config` is a Settings field (or resolves into one, as listed in
     settings.RESOLVED_INTO), and every field has an argument: the two cannot drift apart."""
     import inspect
+
     from trainer_hook.settings import check_arguments
     arguments = set(inspect.signature(TrainingMonitor).parameters) - {"config"}
     check_arguments(arguments)

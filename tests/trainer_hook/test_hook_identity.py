@@ -1,8 +1,8 @@
 """Run identity: one run id per launch, rank / local rank / world size from every launcher."""
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 import re
 import subprocess

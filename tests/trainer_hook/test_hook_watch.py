@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from stack.processes import free_port
-from tests.support.hook import SyncCounter, pull_monitor, pulled, record_lines, wait_pulled
+from tests.support.hook import Fp16Run, SyncCounter, pull_monitor, pulled, record_lines, wait_pulled
 from tests.support.paths import REPO
 from trainer_hook import TrainingMonitor
-from tests.support.hook import Fp16Run
 
 
 def monitor(tmp_path, **kwargs) -> TrainingMonitor:

@@ -9,8 +9,7 @@ import torch
 
 from stack import processes
 from tests.support.hook import record_lines, run_id
-from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,
-                                      gpu_fp16_on_cpu, slow_loader)
+from tests.support.integration import DeepSpeedEngine, SyncCounter, final_pushed, gpu_fp16_on_cpu, slow_loader
 from trainer_hook.integrations.accelerate import DualtrackTracker
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02

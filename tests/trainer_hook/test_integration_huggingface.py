@@ -13,8 +13,7 @@ import torch
 
 from stack import processes
 from tests.support.hook import record_lines, run_id
-from tests.support.integration import (DeepSpeedEngine, SyncCounter, final_pushed,
-                                      gpu_fp16_on_cpu)
+from tests.support.integration import DeepSpeedEngine, SyncCounter, final_pushed, gpu_fp16_on_cpu
 from trainer_hook.integrations.huggingface import DualtrackCallback
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1

@@ -13,8 +13,8 @@ import requests
 import yaml
 
 from stack import processes
-from trainer_hook import TrainingMonitor, serve
 from tests.support.hook import run_id
+from trainer_hook import TrainingMonitor, serve
 
 USER, PASSWORD = "prometheus", "pull-Sekret-9"
 

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.hook import run_id
+from tests.support.paths import REPO
 from trainer_hook import TrainingMonitor
 from trainer_hook.settings import PUSHGATEWAY_MAX_RANKS, pushgateway_interval
-
-from tests.support.paths import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import bench_pushgateway

@@ -16,8 +16,8 @@ from tests.support import daemons
 from tests.support.alerting import PROMETHEUS_TEST_ARGS
 from tests.support.certs import bcrypt_hash
 from tests.support.hook import Trainer, run_id
-from trainer_hook.remote_write import messages
 from trainer_hook import TrainingMonitor
+from trainer_hook.remote_write import messages
 
 pytestmark = pytest.mark.e2e
 

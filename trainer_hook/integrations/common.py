@@ -7,10 +7,9 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType, ModuleType
 from typing import Any
-from collections.abc import Callable
 
 from .._torch import TENSOR_TYPES
 from ..monitor import TrainingMonitor

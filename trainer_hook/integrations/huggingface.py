@@ -9,9 +9,9 @@ Nothing is read to the host on the training thread.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 from ..watch import whole_grad_norm
 from .common import DeferredMonitor, batch_size, calling_instance, engine_grad_norm, require
