@@ -76,8 +76,6 @@ def run(args: argparse.Namespace) -> int:
         reader = Reader(args.records, keep=chosen)
     except InputError as exc:
         return fail("replay", str(exc), 2)
-    for line in chosen.others:
-        print(f"dualtrack replay: {line}", file=sys.stderr)
     out: Path = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -102,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"replayed {len(runs)} run(s) ({steps} steps, {samples} samples) from "
           f"{len(reader.files)} file(s) into {out}: {blocks} block(s)"
           + "".join(f", {note}" for note in notes) + "; series carry replayed=\"true\"")
+    for line in chosen.others:  # after the work: a failure says one line, its error
+        print(f"dualtrack replay: {line}", file=sys.stderr)
     reader.print_skipped("replay")
     return 0
 

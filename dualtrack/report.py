@@ -59,8 +59,6 @@ def run(args: argparse.Namespace) -> int:
         reader = Reader(paths, keep=chosen)
     except InputError as exc:
         return fail("report", str(exc), 2)
-    for line in chosen.others:
-        print(f"dualtrack report: {line}", file=sys.stderr)
     summaries = summarize(reader)
     if not summaries:
         return fail("report", "nothing to report: " + reader.no_steps())
@@ -91,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail("report", f"{exc.filename}: {exc.strerror}")
     print(f"wrote {' and '.join(written)} ({len(page) // 1024} KiB): {len(summaries)} run(s)")
+    for line in chosen.others:  # after the work: a failure says one line, its error
+        print(f"dualtrack report: {line}", file=sys.stderr)
     reader.print_skipped("report")
     return 0
 
