@@ -1,10 +1,10 @@
 """trainer_hook benchmark: side-by-side figures from one run (`.venv/bin/python bench/bench_hook.py`).
 
-0. log() against a baseline revision (`--baseline REV`, default the last release): the same
-   micro-benchmarks in alternating subprocesses, this tree's trainer_hook and REV's (`git archive`),
-   so that load on a shared machine hits both alike (`--log-only`: this part only).
-1. log() on the calling thread (median / p99), Python numbers and CPU tensors, and its growth with
-   the number of keys (3, 30, 300 floats or 0-d tensors, a fresh dict of fresh tensors per call).
+1. log() on the calling thread against a baseline revision (`--baseline REV`, default the last
+   release): Python floats and CPU 0-d tensors, 3, 30 and 300 keys (a fresh dict of fresh tensors per
+   call), and two tensors and two numbers in a training loop; the same micro-benchmarks in
+   alternating subprocesses, this tree's trainer_hook and REV's (`git archive`), so that load on a
+   shared machine hits both alike (`--log-only`: this part only).
 2. End-to-end overhead on a ~10 ms CPU training step: hook vs no hook, interleaved blocks.
 3. grad_norm() vs the per-parameter .item() loop on a 192-tensor model, with sync counts.
 4. Step time with the Pushgateway dead vs alive (a real prometheus-pushgateway), interleaved.
@@ -106,10 +106,11 @@ def log_cases(calls: int) -> dict[str, float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 64), torch.randn(32, 1)
     floats: dict[str, Callable[[int], dict[str, Any]]] = {
-        "3 floats": lambda step: {"loss": 0.5 + step, "grad_norm": 1.5, "learning_rate": 1e-3},
-        "30 floats": lambda step: {f"k{i}": 0.5 + i + step for i in range(30)},
-        "30 0-d tensors": lambda step: {f"k{i}": torch.tensor(0.5 + i + step) for i in range(30)},
-    }
+        "3 floats": lambda step: {"loss": 0.5 + step, "grad_norm": 1.5, "learning_rate": 1e-3}}
+    for count in (30, 300):
+        floats[f"{count} floats"] = lambda step, count=count: {f"k{i}": 0.5 + i + step for i in range(count)}
+        floats[f"{count} 0-d tensors"] = (
+            lambda step, count=count: {f"k{i}": torch.tensor(0.5 + i + step) for i in range(count)})
     results = {}
     with tempfile.TemporaryDirectory() as tmp, \
             TrainingMonitor(job="bench", run="log", pushgateway=f"http://127.0.0.1:{processes.free_port()}",
@@ -169,33 +170,6 @@ def bench_against(revision: str, rounds: int, calls: int) -> list[tuple[str, str
     for name, found in figures.items():
         rows.append((f"30 0-d tensors / 30 floats, {name}", f"{found['30 0-d tensors'] / found['30 floats']:.2f}x",
                      f"median of {rounds} rounds x {calls} calls"))
-    return rows
-
-
-def bench_log_call(record_dir: Path, pgw_url: str, calls: int) -> list[tuple[str, str, str]]:
-    rows = []
-    loss, norm = torch.tensor(0.5), torch.tensor(1.5)
-    payloads: dict[str, Callable[[], dict]] = {
-        "python floats": lambda: {"loss": 0.5, "grad_norm": 1.5, "learning_rate": 1e-3, "epoch": 0},
-        "CPU 0-d tensors": lambda: {"loss": loss, "grad_norm": norm, "learning_rate": 1e-3, "epoch": 0},
-    }
-    targets = {"3 float keys": "target median <= 5 us", "30 0-d tensor keys": "target median <= 15 us"}
-    for count in (3, 30, 300):
-        payloads[f"{count} float keys"] = lambda count=count: {f"k{i}": 0.5 + i for i in range(count)}
-        payloads[f"{count} 0-d tensor keys"] = (
-            lambda count=count: {f"k{i}": torch.tensor(0.5 + i) for i in range(count)})
-    with TrainingMonitor(job="bench", run="log-call", pushgateway=pgw_url, push_interval=1.0,
-                         record_path=record_dir / "log-call.jsonl") as monitor:
-        for name, payload in payloads.items():
-            times = []
-            for step in range(calls):
-                values = payload()
-                started = time.perf_counter()
-                monitor.log(values, step=step, samples=64, batch_id=step)
-                times.append(time.perf_counter() - started)
-            target = targets.get(name, "target median < 20 us" if "key" not in name else "")
-            rows.append((f"log() call, {name}", f"median {median(times) * 1e6:.1f} us",
-                         f"p99 {percentile(times, 0.99) * 1e6:.1f} us" + (f" ({target})" if target else "")))
     return rows
 
 
@@ -305,7 +279,6 @@ def main() -> None:
         pgw = processes.pushgateway(workdir).start()
         try:
             model = StepModel()
-            rows += bench_log_call(workdir, pgw.url, int(20000 * scale))
             rows += bench_overhead(model, workdir, pgw.url, steps=int(600 * scale))
             rows += bench_grad_norm(int(600 * scale))
             rows += bench_dead_vs_alive(model, workdir, pgw.url, steps=int(400 * scale))
