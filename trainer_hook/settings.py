@@ -16,8 +16,7 @@ from typing import Any
 
 from .connection import Endpoint, InsecureCredentials, allow_insecure, check_transport
 from .contract import PRECISIONS, label_value
-from .credentials import pushgateway as connection
-from .credentials import remote_write
+from .credentials import pushgateway, remote_write
 
 log = logging.getLogger("trainer_hook")
 
@@ -249,8 +248,8 @@ def _sinks(a: dict[str, Any]) -> None:
     writer = remote_write(a.pop("remote_write_url"), a.pop("remote_write_basic_auth"),
                           a.pop("remote_write_bearer_token"), a.pop("remote_write_ca_file"),
                           a.pop("remote_write_client_cert"), tls_verify)
-    gateway = connection(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"],
-                         tls_verify)
+    gateway = pushgateway(a["pushgateway"], a["basic_auth"], a["bearer_token"], a["ca_file"], a["client_cert"],
+                          tls_verify)
     given = [name for name in ("basic_auth", "bearer_token", "ca_file", "client_cert") if a[name] is not None]
     if writer and not gateway.url and given:
         raise ValueError(f"{'=, '.join(given)}= are the Pushgateway's and no Pushgateway is configured: remote "

@@ -356,7 +356,7 @@ def test_the_exporter_accepts_the_daemonsets_arguments_and_the_socket_default_ma
 def test_the_remote_write_component_points_labelled_training_workloads_at_the_url(tmp_path):
     """Built by kubectl's kustomize into a training kustomization: the labelled Job gets the URL from the
     generated ConfigMap, an unlabelled Deployment nothing; the URL is one the hook accepts."""
-    from trainer_hook.settings import remote_write
+    from trainer_hook.credentials import remote_write
     component = kustomization(KUBE / "components" / "remote-write")
     literal, = component["configMapGenerator"][0]["literals"]
     name, _, url = literal.partition("=")
