@@ -77,8 +77,8 @@ def exporter_only(expr: str) -> str:
 
 
 def quote(value: str) -> str:
-    """A PromQL string literal (double-quoted, escaped) for a label value."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A PromQL string literal for a label value: double-quoted, `\\`, `"` and newline escaped."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 class QueryError(Exception):

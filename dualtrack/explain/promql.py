@@ -11,12 +11,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..prometheus import quote
 from .model import HOUR, MINUTE
-
-
-def quote(value: str) -> str:
-    """A PromQL string literal for a label value: double-quoted, `\\`, `"` and newline escaped."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 @dataclass(frozen=True)
