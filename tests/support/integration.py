@@ -5,24 +5,9 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.support.hook import pushed_value, wait_pushed
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts device-to-host reads (`aten._local_scalar_dense`: .item(), float(), `if tensor`)
-    made on this thread while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def final_pushed(pushgateway_url: str, run: str, *names: str, **labels: str) -> dict[str, float | None]:

@@ -8,8 +8,8 @@ import accelerate
 import torch
 
 from stack import processes
-from tests.support.hook import record_lines, run_id
-from tests.support.integration import DeepSpeedEngine, SyncCounter, final_pushed, gpu_fp16_on_cpu, slow_loader
+from tests.support.hook import SyncCounter, record_lines, run_id
+from tests.support.integration import DeepSpeedEngine, final_pushed, gpu_fp16_on_cpu, slow_loader
 from trainer_hook.integrations.accelerate import DualtrackTracker
 
 BATCH, STEPS, NAN_STEP, LOAD_DELAY = 8, 6, 5, 0.02
@@ -73,7 +73,7 @@ def test_tracker_adds_no_device_sync(tmp_path):
                                            record_path=tmp_path / "r.jsonl")):
         with SyncCounter() as syncs:
             train(tracker)
-        counts.append(syncs.count)
+        counts.append(syncs.syncs)
     assert counts[1] == counts[0]
     assert len(record_lines(tmp_path / "r.jsonl")[0]) == STEPS
 

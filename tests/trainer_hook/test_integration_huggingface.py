@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 import torch
 
 from stack import processes
-from tests.support.hook import record_lines, run_id
-from tests.support.integration import DeepSpeedEngine, SyncCounter, final_pushed, gpu_fp16_on_cpu
+from tests.support.hook import SyncCounter, record_lines, run_id
+from tests.support.integration import DeepSpeedEngine, final_pushed, gpu_fp16_on_cpu
 from trainer_hook.integrations.huggingface import DualtrackCallback
 
 BATCH, SEQ, STEPS, NAN_STEP, LOAD_DELAY, LOG_DELAY = 4, 16, 6, 4, 0.02, 0.1
@@ -100,7 +100,7 @@ def test_the_callback_adds_no_device_sync_and_serves_a_second_train(tmp_path):
         trainer = make_trainer(tmp_path, callbacks, logging_steps=1000)
         with SyncCounter() as syncs:
             trainer.train()
-        counts.append(syncs.count)
+        counts.append(syncs.syncs)
     assert counts[0] >= STEPS  # the counter sees the Trainer's own reads
     assert counts[1] == counts[0]
     make_trainer(tmp_path, [callback], logging_steps=1000).train()  # the same callback again

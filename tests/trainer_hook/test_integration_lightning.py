@@ -9,8 +9,8 @@ pytest.importorskip("lightning")
 import torch
 
 from stack import processes
-from tests.support.hook import record_lines, run_id
-from tests.support.integration import SyncCounter, final_pushed, slow_loader
+from tests.support.hook import SyncCounter, record_lines, run_id
+from tests.support.integration import final_pushed, slow_loader
 from trainer_hook.integrations.lightning import DualtrackCallback
 
 BATCH, ACCUMULATE, STEPS, NAN_BATCH, LOAD_DELAY = 8, 2, 5, 9, 0.02  # NaN in the last batch
@@ -100,7 +100,7 @@ def test_pytorch_lightning_import_name_without_clipping_and_no_device_sync(tmp_p
                                              record_path=tmp_path / "r.jsonl")]):
         with SyncCounter() as syncs:
             model = fit("pytorch_lightning", callbacks, clip=None)
-        counts.append(syncs.count)
+        counts.append(syncs.syncs)
     assert counts[1] == counts[0]
     steps, events = record_lines(tmp_path / "r.jsonl")
     assert [line["values"]["grad_norm"] for line in steps] == pytest.approx(
